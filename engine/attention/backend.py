@@ -1,0 +1,73 @@
+"""The attention backend seam.
+
+The model calls `backend.forward(...)` once per layer with the step's packed
+queries/keys/values; the backend writes the new K/V into the paged cache by slot
+mapping and attends over the cache by block table. The scheduler and the model
+never know which backend runs.
+
+Paged KV cache layout (one tensor per layer):
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache[0] holds keys, kv_cache[1] values. Token with absolute slot s lives at
+    block s // block_size, offset s % block_size.
+
+Packed batch layout (one step):
+    Requests are laid out back to back: request i owns query rows
+    query_start_loc[i] : query_start_loc[i + 1]. Its query tokens are the LAST
+    query_len_i tokens of its sequence of seq_lens[i] tokens (the first
+    seq_lens[i] - query_len_i are already in the cache: a cached prefix, earlier
+    chunks or earlier decode steps). Query token j of request i sits at position
+    context_len_i + j and attends causally to positions 0 .. context_len_i + j.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_tokens: int  # total query tokens this step
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on device
+    seq_lens: torch.Tensor  # [num_reqs] int32, on device: context + query length
+    slot_mapping: torch.Tensor  # [num_tokens] int64, on device
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on device
+    max_query_len: int
+    max_seq_len: int
+    # Host copies for backends that loop or pad on the CPU side.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """One instance per engine; stateless across steps apart from caches it owns."""
+
+    name: str = "abstract"
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+        """(available, reason if not)."""
+        return True, ""
+
+    def begin_step(self, metadata: AttentionMetadata) -> None:  # noqa: B027
+        """Called once per step before the first layer (precompute per-step state)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write k/v into kv_cache at metadata.slot_mapping, then attend."""

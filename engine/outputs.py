@@ -1,0 +1,148 @@
+"""Value objects that cross the engine's seams.
+
+- `ModelRunnerOutput`: worker -> scheduler (sampled token ids per request).
+- `EngineCoreOutput(s)`: EngineCore -> front end (new token ids, finish state,
+  timestamps, per-step stats). Plain msgspec structs so they can cross a ZMQ socket
+  without pickle.
+- `RequestOutput` / `CompletionOutput`: what `LLM.generate()` and `AsyncLLM` return.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, stop token or stop string
+    LENGTH = 1  # max_tokens or the context length
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort", "error")[self.value]
+
+
+# One position's logprobs: (sampled token id, its logprob, [(top id, top logprob), ...]).
+TokenLogprobs = tuple[int, float, list[tuple[int, float]]]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Result of one `execute_model` call.
+
+    `req_ids[i]` sampled `sampled_token_ids[i]` (empty when that request is still
+    in a partial prefill and sampled nothing this step).
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Per request, one entry per sampled token, only for requests that asked.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Wall-clock seconds of the runner's phases this step.
+    prepare_time: float = 0.0
+    forward_time: float = 0.0
+    sample_time: float = 0.0
+
+
+class StepStats(msgspec.Struct, omit_defaults=False):
+    """Engine state after one step: what the workbench records into steps.csv."""
+
+    step: int
+    time: float  # time.time() at the end of the step
+    schedule_time: float = 0.0
+    prepare_time: float = 0.0
+    forward_time: float = 0.0
+    sample_time: float = 0.0
+    update_time: float = 0.0
+    step_time: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_prefill_reqs: int = 0
+    num_decode_reqs: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0  # tokens queried this step
+    prefix_cache_hits: int = 0  # tokens hit this step
+    num_preemptions: int = 0  # this step
+    num_finished: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: int | None = None  # FinishReason value
+    stop_reason: int | str | None = None
+    new_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    num_cached_tokens: int = 0
+    # Timestamps (time.time()) filled when they happen; 0.0 = not yet.
+    arrival_time: float = 0.0
+    first_scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    finished_time: float = 0.0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    stats: StepStats | None = None
+    timestamp: float = 0.0  # time.time() when the step that produced these ended
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float = 0.0
+    first_scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    finished_time: float = 0.0
+    # time.time() of the step that produced each output token (per token, not per chunk).
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def queued_time(self) -> float:
+        return max(0.0, self.first_scheduled_time - self.arrival_time)
+
+    @property
+    def prefill_time(self) -> float:
+        return max(0.0, self.first_token_time - self.first_scheduled_time)
+
+    @property
+    def decode_time(self) -> float:
+        return max(0.0, self.finished_time - self.first_token_time)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
