@@ -131,6 +131,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # What this output adds to the previous one of the same request (streaming).
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,170 @@
+"""EngineCore: the schedule -> execute -> update loop, one step at a time.
+
+It owns the scheduler and the executor and nothing else: tokenization and
+detokenization live in the front end (`LLM`, `AsyncLLM`). Every timestamp comes
+from `executor.clock()`, so the simulated executor gives a simulated timeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import msgspec
+
+from engine.config import EngineConfig
+from engine.core.sched.output import SchedulerOutput
+from engine.core.sched.scheduler import Scheduler
+from engine.executor.base import Executor
+from engine.hooks import NULL_HOOKS, StepHooks
+from engine.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason, ModelRunnerOutput, StepStats
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    """A tokenized, validated request as it crosses into the core (front end -> core)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    max_tokens: int
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        config.validate()
+        self.config = config
+        if executor is None:
+            from engine.executor.inprocess import InProcessExecutor
+
+            executor = InProcessExecutor(config)
+        self.executor = executor
+        self.num_blocks = executor.initialize()
+        self.max_model_len = executor.max_model_len
+        self.eos_token_id = executor.eos_token_id
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+        self.hooks: StepHooks = NULL_HOOKS
+        self.step_index = 0
+        runner = getattr(executor, "model_runner", None)
+        self._runner = runner
+
+    def set_hooks(self, hooks: StepHooks) -> None:
+        """Install observation hooks (profiler) in the core and the model runner."""
+        self.hooks = hooks
+        if self._runner is not None:
+            self._runner.hooks = hooks
+
+    # ---- requests --------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            eos_token_id=req.eos_token_id,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            max_tokens=req.max_tokens,
+        )
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.abort_requests(list(request_ids))
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests the front end decided are done (stop strings)."""
+        self.scheduler.finish_requests(list(request_ids), status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def clock(self) -> float:
+        return self.executor.clock()
+
+    # ---- the step --------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """One iteration: schedule, execute, update. Returns outputs and this step's stats."""
+        step = self.step_index
+        self.hooks.step_begin(step)
+        t0 = time.perf_counter()
+        with self.hooks.phase("schedule"):
+            so = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if so.total_num_scheduled_tokens > 0 or so.finished_req_ids:
+            runner_out = self.executor.execute_model(so)
+        else:
+            runner_out = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        t2 = time.perf_counter()
+        with self.hooks.phase("update"):
+            outputs = self.scheduler.update_from_output(so, runner_out)
+        t3 = time.perf_counter()
+        delay = self.config.scheduler.step_delay_ms
+        if delay > 0:
+            time.sleep(delay / 1000.0)
+        t4 = time.perf_counter()
+        now = self.clock()
+        stats = self._make_stats(step, now, so, runner_out, outputs, (t0, t1, t2, t3, t4))
+        self.hooks.step_end(step)
+        if so.total_num_scheduled_tokens > 0:
+            self.step_index += 1
+        return EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=now)
+
+    def _make_stats(
+        self,
+        step: int,
+        now: float,
+        so: SchedulerOutput,
+        runner_out: ModelRunnerOutput,
+        outputs: list[EngineCoreOutput],
+        t: tuple[float, float, float, float, float],
+    ) -> StepStats:
+        sched = self.scheduler
+        kv = sched.kv_cache_manager
+        return StepStats(
+            step=step,
+            time=now,
+            schedule_time=t[1] - t[0],
+            prepare_time=runner_out.prepare_time,
+            forward_time=runner_out.forward_time,
+            sample_time=runner_out.sample_time,
+            update_time=t[3] - t[2],
+            step_time=t[4] - t[0],
+            num_prefill_tokens=so.num_prefill_tokens,
+            num_decode_tokens=so.num_decode_tokens,
+            num_prefill_reqs=so.num_prefill_reqs,
+            num_decode_reqs=so.num_decode_reqs,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_total=kv.num_total_blocks,
+            prefix_cache_queries=so.prefix_cache_queries,
+            prefix_cache_hits=so.prefix_cache_hits,
+            num_preemptions=len(so.preempted_req_ids),
+            num_finished=sum(1 for o in outputs if o.finish_reason is not None),
+        )
+
+    def run_until_idle(self, max_steps: int | None = None) -> list[EngineCoreOutputs]:
+        """Step until no request is left (tests, simulations)."""
+        results = []
+        n = 0
+        while self.has_unfinished_requests():
+            results.append(self.step())
+            n += 1
+            if max_steps is not None and n >= max_steps:
+                break
+        return results
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def finish_reason_str(value: int | None) -> str | None:
+    return None if value is None else str(FinishReason(value))

