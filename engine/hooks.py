@@ -1,7 +1,7 @@
 """Observation hooks the engine calls; the workbench plugs a real profiler in.
 
 The engine never imports `profiling/`: it calls these methods on whatever object
-is installed as `EngineCore.hooks` (or `ModelRunner.hooks`). The default does
+is installed with `EngineCore.set_hooks()` (profiling.engine_hooks.StepProfilerHooks). The default does
 nothing, so an unprofiled step costs one attribute lookup per phase.
 """
 
@@ -15,9 +15,11 @@ from typing import Protocol
 class StepHooks(Protocol):
     def step_begin(self, step: int) -> None: ...
 
-    def step_end(self, step: int) -> None: ...
+    def step_end(self) -> None: ...
 
     def phase(self, name: str) -> contextlib.AbstractContextManager[object]: ...
+
+    def close(self) -> None: ...
 
 
 class NullHooks:
@@ -26,7 +28,10 @@ class NullHooks:
     def step_begin(self, step: int) -> None:
         pass
 
-    def step_end(self, step: int) -> None:
+    def step_end(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     @contextlib.contextmanager

@@ -32,6 +32,6 @@ def traces_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from engine.model.loader import default_model_path
+    from engine.model.loader import embedded_gguf_path
 
-    return Path(default_model_path())
+    return Path(embedded_gguf_path())

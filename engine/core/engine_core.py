@@ -13,12 +13,11 @@ from collections.abc import Iterable
 
 import msgspec
 
-from engine.config import EngineConfig
-from engine.core.sched.output import SchedulerOutput
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sched.scheduler import Scheduler
 from engine.executor.base import Executor
 from engine.hooks import NULL_HOOKS, StepHooks
-from engine.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason, ModelRunnerOutput, StepStats
+from engine.outputs import EngineCoreOutputs, FinishReason, ModelRunnerOutput, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -50,7 +49,9 @@ class EngineCore:
         self.num_blocks = executor.initialize()
         self.max_model_len = executor.max_model_len
         self.eos_token_id = executor.eos_token_id
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.num_blocks, self.max_model_len, clock=executor.clock
+        )
         self.hooks: StepHooks = NULL_HOOKS
         self.step_index = 0
         runner = getattr(executor, "model_runner", None)
@@ -111,23 +112,15 @@ class EngineCore:
             time.sleep(delay / 1000.0)
         t4 = time.perf_counter()
         now = self.clock()
-        stats = self._make_stats(step, now, so, runner_out, outputs, (t0, t1, t2, t3, t4))
-        self.hooks.step_end(step)
+        stats = self._make_stats(step, now, runner_out, (t0, t1, t2, t3, t4))
+        self.hooks.step_end()
         if so.total_num_scheduled_tokens > 0:
             self.step_index += 1
         return EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=now)
 
     def _make_stats(
-        self,
-        step: int,
-        now: float,
-        so: SchedulerOutput,
-        runner_out: ModelRunnerOutput,
-        outputs: list[EngineCoreOutput],
-        t: tuple[float, float, float, float, float],
+        self, step: int, now: float, runner_out: ModelRunnerOutput, t: tuple[float, float, float, float, float]
     ) -> StepStats:
-        sched = self.scheduler
-        kv = sched.kv_cache_manager
         return StepStats(
             step=step,
             time=now,
@@ -137,19 +130,31 @@ class EngineCore:
             sample_time=runner_out.sample_time,
             update_time=t[3] - t[2],
             step_time=t[4] - t[0],
-            num_prefill_tokens=so.num_prefill_tokens,
-            num_decode_tokens=so.num_decode_tokens,
-            num_prefill_reqs=so.num_prefill_reqs,
-            num_decode_reqs=so.num_decode_reqs,
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            kv_blocks_used=kv.num_used_blocks,
-            kv_blocks_total=kv.num_total_blocks,
-            prefix_cache_queries=so.prefix_cache_queries,
-            prefix_cache_hits=so.prefix_cache_hits,
-            num_preemptions=len(so.preempted_req_ids),
-            num_finished=sum(1 for o in outputs if o.finish_reason is not None),
+            **self.scheduler.make_stats().as_dict(),
         )
+
+    def reconfigure(
+        self,
+        scheduler_config: SchedulerConfig | None = None,
+        cache_config: CacheConfig | None = None,
+        num_blocks: int | None = None,
+    ) -> None:
+        """Swap in a new scheduler (other budgets, a smaller KV cache) over the loaded model.
+
+        Only while idle. `num_blocks` may be at most the blocks the worker allocated;
+        `max_num_seqs` at most the one the model runner was built for.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("reconfigure() needs an idle engine")
+        sched = scheduler_config or self.config.scheduler
+        cache = cache_config or self.config.cache
+        if num_blocks is not None and num_blocks > self.num_blocks:
+            raise ValueError(f"num_blocks: at most {self.num_blocks} were allocated")
+        if sched.max_num_seqs > self.config.scheduler.max_num_seqs:
+            raise ValueError("max_num_seqs: cannot grow past the model runner's batch")
+        if cache.block_size != self.config.cache.block_size:
+            raise ValueError("block_size: cannot change over an allocated cache")
+        self.scheduler = Scheduler(sched, cache, num_blocks or self.num_blocks, self.max_model_len, clock=self.clock)
 
     def run_until_idle(self, max_steps: int | None = None) -> list[EngineCoreOutputs]:
         """Step until no request is left (tests, simulations)."""
@@ -163,6 +168,7 @@ class EngineCore:
         return results
 
     def shutdown(self) -> None:
+        self.hooks.close()
         self.executor.shutdown()
 
 

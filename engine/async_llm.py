@@ -1,0 +1,284 @@
+"""AsyncLLM: the asyncio front end of the engine (what the HTTP server and the workbench drive).
+
+Input processing (chat template, tokenization, validation) and output processing
+(incremental detokenization, stop strings) run here, on the caller's event loop; the
+EngineCore runs in its own process (or a background thread, `multiprocess=False`)
+behind `EngineCoreClient`.
+
+`generate()` yields cumulative `RequestOutput`s with this step's delta on each
+`CompletionOutput` (`text_delta`, `token_ids_delta`) and per-token times in
+`metrics.token_times`. Leaving the iterator early (break, cancellation of the
+consuming task, a dropped HTTP client) aborts the request in the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from engine.config import EngineConfig
+from engine.core.core_client import EngineCoreClient, EngineDeadError
+from engine.outputs import EngineCoreOutputs, RequestOutput, StepStats
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_BUFFERED_STEPS = 100_000
+T = TypeVar("T")
+
+
+class RequestFailedError(RuntimeError):
+    """The engine finished a request with an error (a failed step); the message says why."""
+
+
+@dataclass
+class _Stream:
+    """Per-request mailbox between the output dispatcher and `generate()`."""
+
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+class AsyncLLM:
+    """Async engine front end. Build with `AsyncLLM.from_config(...)` (blocks while the model loads)."""
+
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        tokenizer: Any,
+        input_processor: Any,
+        output_processor: Any,
+        max_model_len: int,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.input_processor = input_processor
+        self.output_processor = output_processor
+        self.max_model_len = max_model_len
+        self._streams: dict[str, _Stream] = {}
+        # Bounded: a server that never drains must not grow without limit.
+        self._step_stats: deque[StepStats] = deque(maxlen=MAX_BUFFERED_STEPS)
+        self.step_listeners: list[Callable[[StepStats], None]] = []
+        self.finish_listeners: list[Callable[[RequestOutput], None]] = []
+        client.on_outputs = self._on_outputs
+        client.on_dead = self._on_dead
+
+    @classmethod
+    def from_config(
+        cls, engine_config: EngineConfig, multiprocess: bool = True, ready_timeout_s: float = 600.0
+    ) -> AsyncLLM:
+        """Start the EngineCore (process or thread), wait until its model is loaded."""
+        from engine.output_processor import OutputProcessor
+        from engine.processor import InputProcessor
+        from engine.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer(engine_config.model)
+        client = EngineCoreClient.start(engine_config, multiprocess=multiprocess, ready_timeout_s=ready_timeout_s)
+        assert client.ready is not None
+        max_len = client.ready.max_model_len
+        return cls(client, tokenizer, InputProcessor(tokenizer, max_len), OutputProcessor(tokenizer), max_len)
+
+    # ---- requests ---------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int] | None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs of one request; `n > 1` runs n child requests `f"{id}-{i}"`.
+
+        With n > 1 each yielded RequestOutput carries one CompletionOutput whose
+        `index` names the child; `finished` is True only on the last one.
+        Raises ValueError for invalid input (before anything is queued),
+        RequestFailedError if the engine failed the request, EngineDeadError if the
+        engine process is gone.
+        """
+        params = sampling_params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if params.n == 1:
+            one = self._generate_one(request_id, prompt, params, priority, messages, 0)
+            async with contextlib.aclosing(one):  # an early exit aborts at once, not at GC
+                async for out in one:
+                    yield out
+            return
+        children = [
+            (f"{request_id}-{i}", params.clone(n=1, seed=None if params.seed is None else params.seed + i))
+            for i in range(params.n)
+        ]
+        merged = self._merge(request_id, prompt, children, priority, messages)
+        async with contextlib.aclosing(merged):
+            async for out in merged:
+                yield out
+
+    async def _generate_one(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        priority: int,
+        messages: list[dict[str, Any]] | None,
+        index: int,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        self.client.ensure_running()
+        if not self.client.is_healthy():
+            raise EngineDeadError("engine core is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        req = self.input_processor.process(request_id, prompt, params, messages=messages, priority=priority)
+        text = prompt if isinstance(prompt, str) else None
+        self.output_processor.add_request(
+            request_id, text, req.prompt_token_ids, params, arrival_time=req.arrival_time, index=index
+        )
+        stream = self._streams[request_id] = _Stream()
+        try:
+            self.client.add_request(req)
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                stream.finished = item.finished
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.finished:
+                self._abort_ids([request_id])
+
+    async def _merge(
+        self,
+        parent_id: str,
+        prompt: str | list[int] | None,
+        children: list[tuple[str, SamplingParams]],
+        priority: int,
+        messages: list[dict[str, Any]] | None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Run the children concurrently and yield their outputs as they arrive."""
+        iterators = [
+            self._generate_one(cid, prompt, params, priority, messages, i)
+            for i, (cid, params) in enumerate(children)
+        ]
+        remaining = len(children)
+        async for _, out in merge_async_iterators(iterators):
+            out.request_id = parent_id
+            remaining -= out.finished
+            out.finished = remaining == 0
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (or all children of an n > 1 request); its iterator ends."""
+        ids = [rid for rid in self._streams if rid == request_id or rid.startswith(f"{request_id}-")]
+        self._abort_ids(ids)
+        for rid in ids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.queue.put_nowait(asyncio.CancelledError(f"request {rid} aborted"))
+
+    def _abort_ids(self, ids: list[str]) -> None:
+        if not ids:
+            return
+        self.output_processor.abort_requests(ids)
+        self.client.abort_requests(ids)
+
+    # ---- outputs from the core ------------------------------------------------------
+
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        errors = {o.request_id: o.error for o in outputs.outputs if o.error}
+        results, to_finish = self.output_processor.process_outputs(outputs)
+        for out in results:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                for listener in self.finish_listeners:
+                    listener(out)
+            if stream is None:
+                continue
+            error = errors.get(out.request_id)
+            stream.queue.put_nowait(RequestFailedError(error) if error else out)
+        if to_finish:  # stop strings end on the front end; free them in the core
+            self.client.abort_requests(to_finish)
+        if outputs.stats is not None:
+            self._step_stats.append(outputs.stats)
+            for step_listener in self.step_listeners:
+                step_listener(outputs.stats)
+
+    def _on_dead(self, err: EngineDeadError) -> None:
+        for rid, stream in list(self._streams.items()):
+            stream.queue.put_nowait(err)
+            self.output_processor.abort_requests([rid])
+
+    # ---- state ----------------------------------------------------------------------
+
+    def step_stats(self) -> list[StepStats]:
+        """The StepStats received since the last call (oldest first)."""
+        stats = list(self._step_stats)
+        self._step_stats.clear()
+        return stats
+
+    async def get_stats(self) -> Any:
+        """A fresh scheduler snapshot from the core (messages.EngineStats)."""
+        return await self.client.get_stats()
+
+    async def reset_prefix_cache(self) -> Any:
+        return await self.client.call_utility("reset_prefix_cache")
+
+    def is_healthy(self) -> bool:
+        return self.client.is_healthy()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def shutdown(self) -> None:
+        """Stop the core and fail whatever is still in flight."""
+        self._on_dead(EngineDeadError("engine shut down"))
+        self.client.shutdown()
+
+
+async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Yield `(i, item)` from all iterators as items arrive.
+
+    The first exception from any iterator is re-raised here; on any exit (done, error,
+    the consumer closing or being cancelled) every iterator is closed, so each
+    `generate()` underneath aborts its request.
+    """
+    if len(iterators) == 1:
+        async with contextlib.aclosing(iterators[0]) as only:  # type: ignore[type-var]
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T] | BaseException | int] = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async with contextlib.aclosing(it):  # type: ignore[type-var]
+                async for item in it:
+                    queue.put_nowait((i, item))
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(i)  # this iterator is done
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            got = await queue.get()
+            if isinstance(got, int):
+                remaining -= 1
+            elif isinstance(got, BaseException):
+                raise got
+            else:
+                yield got
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,158 @@
+"""KVCacheManager: the scheduler's one door to KV blocks and the prefix cache.
+
+Per request it keeps the ordered list of blocks that hold the request's tokens
+(block j holds token positions j*block_size .. (j+1)*block_size - 1). Blocks are
+registered in the prefix cache as soon as an allocation covers them completely:
+their KV is written by the step being scheduled, before any later step reads it,
+and a request scheduled in the same step reads them after the layer's KV write,
+so two identical prompts admitted together share full blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBlocks:
+    """An immutable group of blocks handed to the scheduler (it never sees the lists)."""
+
+    blocks: tuple[KVCacheBlock, ...] = ()
+
+    def get_block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Leading blocks of each request already offered to the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        # Cumulative prefix-cache counters, in tokens, counted once per admission.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest verified prefix hit: (blocks, number of tokens they hold).
+
+        The hit is capped at `num_tokens - 1` tokens, rounded down to whole blocks:
+        the last token is always recomputed so the step produces its logits.
+        Changes nothing (no ref counts taken until `allocate_slots`).
+        """
+        if not self.enable_caching:
+            return KVCacheBlocks(), 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        hits: list[KVCacheBlock] = []
+        for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None or block.token_ids != tuple(request.all_token_ids[i * bs : (i + 1) * bs]):
+                break
+            hits.append(block)
+        return KVCacheBlocks(tuple(hits)), len(hits) * bs
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` / `num_new_computed_tokens` are a prefix hit from
+        `get_computed_blocks` (only on admission, when the request holds no blocks).
+        Returns the newly allocated blocks (hit blocks not included), or None when
+        there are not enough free blocks; then nothing changed (no ref count taken).
+        The first allocation of a request counts as one prefix-cache query.
+        """
+        computed = new_computed_blocks.blocks if new_computed_blocks else ()
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = -(-total_tokens // self.block_size)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(computed))
+        # Hit blocks that are free now leave the free queue when touched.
+        num_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks > self.num_free_blocks - num_free_hits:
+            return None
+
+        is_admission = request.request_id not in self.req_to_blocks
+        if is_admission and self.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_new_computed_tokens
+        self.block_pool.touch(computed)
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
+        req_blocks.extend(computed)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        self._cache_full_blocks(request, req_blocks, total_tokens)
+        return KVCacheBlocks(tuple(new_blocks))
+
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens // bs, len(request.block_hashes))
+        for i in range(start, end):
+            tokens = request.all_token_ids[i * bs : (i + 1) * bs]
+            self.block_pool.cache_block(req_blocks[i], request.block_hashes[i], tokens)
+        self._num_cached_blocks[request.request_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (so its prefix is evicted last).
+
+        Blocks past `request.num_computed_tokens` that this allocation registered in
+        the prefix cache lose their hash: that happens when a request is preempted
+        in the very step that scheduled them, so their KV will never be written.
+        """
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        for block in blocks[request.num_computed_tokens // self.block_size :]:
+            if block.ref_cnt == 1:
+                self.block_pool.evict_hash(block)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; only possible when no request holds a block."""
+        return self.block_pool.reset_prefix_cache()
+
+    def assert_idle(self) -> None:
+        """AssertionError unless no request holds blocks, every block is free, every ref count 0."""
+        assert not self.req_to_blocks, f"requests still hold blocks: {sorted(self.req_to_blocks)}"
+        pool = self.block_pool
+        busy = [b for b in pool.blocks if b.ref_cnt != 0]
+        assert not busy, f"blocks with ref_cnt != 0: {busy[:8]}"
+        assert pool.get_num_free_blocks() == pool.num_blocks, (
+            f"{pool.get_num_free_blocks()} of {pool.num_blocks} blocks free"
+        )
+        walked = pool.free_block_queue.get_all_free_blocks()
+        assert len(walked) == pool.num_blocks, f"free queue links {len(walked)} blocks"

@@ -1,0 +1,83 @@
+"""SchedulerOutput: the plan of one step, handed from the scheduler to the model runner.
+
+Runner contract:
+- `finished_req_ids` lists every request the runner must forget before this step:
+  finished or aborted since the last step, and requests preempted this step (their
+  KV is gone; they come back later as a `NewRequestData`).
+- A request appears in `scheduled_new_reqs` on its first step after admission
+  (first time, or resumed after preemption) with everything the runner needs;
+  afterwards in `scheduled_cached_reqs` as a delta.
+- `num_computed_tokens` (new and cached) counts the tokens already in the KV cache
+  BEFORE this step. The request's query tokens this step are its tokens
+  `num_computed_tokens .. num_computed_tokens + num_scheduled_tokens[req_id] - 1`.
+  For a running request that sampled a token last step, that token is the input.
+- The runner samples for a request only when this step reaches its last known token
+  (`num_computed_tokens + num_scheduled == len(token ids)`); a partial prefill
+  samples nothing (the scheduler ignores tokens returned for it).
+
+Prefill / decode split (for statistics only; the scheduler has no phases): a
+request's scheduled tokens count as decode when it already has output tokens and
+this step computes exactly one token, its last one; everything else is prefill
+(prompt chunks, and the recompute of a resumed request, outputs included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    # All known tokens: prompt + outputs so far (differs from the prompt after a preemption).
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    # Tokens already in KV (prefix-cache hit).
+    num_computed_tokens: int
+    # Generated so far (for penalties).
+    output_token_ids: list[int]
+
+
+@dataclass
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    # Blocks appended since the last step, per request.
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    # Tokens in KV before this step, per request.
+    num_computed_tokens: list[int] = field(default_factory=list)
+    # The tokens to compute this step, per request (for runners that do not keep them).
+    new_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step (new and cached requests, in batch order).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_prefill_reqs: int = 0
+    num_decode_reqs: int = 0
+    # Prefix-cache lookups of this step's admissions, in tokens.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+    @classmethod
+    def empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:
+        return cls([], CachedRequestData(), {}, 0, finished_req_ids or set())

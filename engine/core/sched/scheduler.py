@@ -1,0 +1,369 @@
+"""The scheduler: spends a token budget and KV blocks, one step at a time.
+
+Design note. There is no prefill phase and no decode phase. Every request has
+`num_computed_tokens` (tokens whose KV is in the cache) catching up to
+`num_tokens` (prompt + outputs). Each step gives each request
+`min(num_tokens - num_computed_tokens, budget left, long-prefill cap)` tokens: a
+prompt chunk, a whole prompt, the recompute of a preempted request and a
+single decode token are the same operation. A request samples when a step
+brings it level with its known tokens; the sampled token makes it one token
+behind again.
+
+One step (`schedule`):
+ 1. running requests first, in order; a request that cannot get a block preempts
+    a victim (`preemption.pick_victim`: possibly itself) and retries;
+ 2. then, only if nobody was preempted, waiting requests in queue order
+    (`request_queue`) while budget, `max_num_seqs` and blocks allow; a prefix-cache
+    hit (`KVCacheManager.get_computed_blocks`) counts as already computed. Without
+    chunked prefill a request must fit whole, and the queue head blocks the rest;
+ 3. the plan (`step_plan.StepPlan`) becomes a `SchedulerOutput`, then every
+    scheduled request's `num_computed_tokens` advances by its scheduled tokens.
+
+`update_from_output` appends sampled tokens, checks stops (`stop_checker`) and
+frees finished requests. The caller alternates `schedule` and
+`update_from_output` (each non-empty output is answered once, in order).
+
+Lengths: the effective limit is `min(max_model_len, num_blocks * block_size)`: a
+request reaching it finishes as length-capped, so a request alone always fits in
+the KV cache and preemption cannot loop forever. A prompt longer than the limit is
+finished with an error at `add_request`. Without chunked prefill, a request longer
+than `max_num_batched_tokens` is chunked anyway (it could never run otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache.hashing import make_block_hasher
+from engine.core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from engine.core.sched.budget import TokenBudget
+from engine.core.sched.output import SchedulerOutput
+from engine.core.sched.preemption import pick_victim
+from engine.core.sched.request_queue import create_request_queue
+from engine.core.sched.stats import SchedulerStats
+from engine.core.sched.step_plan import StepPlan
+from engine.core.sched.stop_checker import check_stop
+from engine.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
+from engine.request import Request, RequestStatus, is_finished
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`clock` stamps first-scheduled / first-token / finished times (the
+        EngineCore passes `executor.clock` so simulated runs get simulated times)."""
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = min(max_model_len, num_blocks * self.block_size)
+        self.clock = clock
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching
+        )
+        self._block_hasher = (
+            make_block_hasher(self.block_size) if self.kv_cache_manager.enable_caching else None
+        )
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Finished or aborted since the last schedule(): the next output lists them.
+        self.finished_req_ids: set[str] = set()
+        self._pending_outputs: list[EngineCoreOutput] = []
+        # Steps scheduled but not yet answered, per request; aborted requests keep their
+        # blocks until none is left.
+        self._inflight: Counter[str] = Counter()
+        self._deferred_free: dict[str, Request] = {}
+        self._step = SchedulerStats()
+        self._prefix_counters_at_step_start = (0, 0)
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. A prompt over the length limit is finished with an
+        error, reported by the next `update_from_output`."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if self._block_hasher is not None and not request.block_hashes:
+            request.set_block_hasher(self._block_hasher)
+        if request.num_tokens > self.max_model_len:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = (
+                f"request has {request.num_tokens} tokens, more than the engine can hold "
+                f"({self.max_model_len}: max_model_len and KV cache capacity)"
+            )
+            request.finished_time = self.clock()
+            self._pending_outputs.append(self._make_output(request, []))
+            return
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Finish waiting or running requests as aborted (unknown ids are ignored)."""
+        return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(
+        self, req_ids: Iterable[str], status: RequestStatus, error: str | None = None
+    ) -> list[EngineCoreOutput]:
+        """Finish requests from outside: an abort, a stop string found by the
+        detokenizer, or a failure of one request (FINISHED_ERROR with `error`).
+
+        Returns their final EngineCoreOutputs (no new tokens); a caller that already
+        knows (the front end's abort) may drop them. The next SchedulerOutput lists
+        them in `finished_req_ids`. Tokens of a step in flight are dropped; its
+        blocks are freed once that step is answered. Unknown ids are ignored.
+        """
+        if not is_finished(status):
+            raise ValueError(f"{status.name} is not a finished status")
+        now = self.clock()
+        outputs: list[EngineCoreOutput] = []
+        for rid in req_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                request.status = status
+                request.error = error
+                self._finish(request, now)
+                outputs.append(self._make_output(request, []))
+        return outputs
+
+    def _finish(self, request: Request, now: float) -> None:
+        request.finished_time = now
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove_requests([request])
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+        if self._inflight[request.request_id] > 0:
+            self._deferred_free[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
+
+    # ---- one step --------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (see the design note). Advances `num_computed_tokens`."""
+        self._begin_step()
+        budget = TokenBudget(self.config.max_num_batched_tokens, self.config.long_prefill_token_threshold)
+        plan = StepPlan()
+        self._schedule_running(budget, plan)
+        if not plan.preempted:
+            self._schedule_waiting(budget, plan)
+        out = plan.to_output(self.kv_cache_manager, self.finished_req_ids)
+        self.finished_req_ids = set()
+        for rid, n in plan.num_scheduled.items():
+            request = self.requests[rid]
+            request.num_computed_tokens += n
+            self._inflight[rid] += 1
+        self._record_step(out)
+        return out
+
+    def _grant(self, budget: TokenBudget, wanted: int) -> int:
+        """Tokens a request that wants `wanted` more may take now (0: not this step)."""
+        chunk = self.config.enable_chunked_prefill or wanted > self.config.max_num_batched_tokens
+        if not chunk:
+            return wanted if wanted <= budget.tokens_left else 0
+        return budget.grant(wanted)
+
+    def _schedule_running(self, budget: TokenBudget, plan: StepPlan) -> None:
+        for request in list(self.running):
+            if budget.exhausted:
+                return
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier this step
+            n = self._grant(budget, request.num_tokens - request.num_computed_tokens)
+            if n == 0:
+                continue
+            new_blocks = self._allocate_or_preempt(request, n, budget, plan)
+            if new_blocks is not None:
+                plan.add_cached(request, n, new_blocks.get_block_ids())
+                budget.spend(n)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_tokens: int, budget: TokenBudget, plan: StepPlan
+    ) -> KVCacheBlocks | None:
+        """Allocate, preempting victims until it fits; None if `request` itself was preempted."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = pick_victim(self.running, self.config.policy)
+            budget.refund(plan.unschedule(victim))
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.prepend(request)
+        self._step.num_preemptions += 1
+
+    def _schedule_waiting(self, budget: TokenBudget, plan: StepPlan) -> None:
+        while self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            n = self._grant(budget, request.num_tokens - num_hit)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, n, hit_blocks, num_hit) if n else None
+            if new_blocks is None:
+                return  # the head waits; nothing behind it overtakes
+            self.waiting.pop()
+            self._admit(request, num_hit)
+            plan.add_new(request, n)
+            budget.spend(n)
+
+    def _admit(self, request: Request, num_hit: int) -> None:
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        if not request.first_scheduled_time:
+            request.first_scheduled_time = self.clock()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    # ---- results -----------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's sampled tokens.
+
+        Returns one EngineCoreOutput per request that got tokens or finished (plus
+        requests rejected at `add_request`). Tokens for a request that is no longer
+        running (aborted meanwhile) or still in a partial prefill are ignored; tokens
+        after a stop in the same step are dropped, and so are their logprobs.
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
+        now = self.clock()
+        for rid, token_ids in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        ):
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING or not token_ids:
+                continue
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # partial prefill: nothing to sample yet
+            kept = self._append_tokens(request, token_ids, now)
+            if request.is_finished:
+                self._finish(request, now)
+                self._step.num_finished += 1
+            logprobs = model_runner_output.logprobs.get(rid)
+            outputs.append(self._make_output(request, kept, logprobs[: len(kept)] if logprobs else None))
+        self._release_inflight(scheduler_output)
+        return outputs
+
+    def _append_tokens(self, request: Request, token_ids: list[int], now: float) -> list[int]:
+        kept: list[int] = []
+        for token_id in token_ids:
+            request.append_output_token_ids(token_id)
+            kept.append(token_id)
+            if check_stop(request, self.max_model_len):
+                break
+        if not request.first_token_time:
+            request.first_token_time = now
+        return kept
+
+    def _release_inflight(self, scheduler_output: SchedulerOutput) -> None:
+        for rid in scheduler_output.num_scheduled_tokens:
+            self._inflight[rid] -= 1
+            if self._inflight[rid] <= 0:
+                del self._inflight[rid]
+                if rid in self._deferred_free:
+                    self.kv_cache_manager.free(self._deferred_free.pop(rid))
+
+    @staticmethod
+    def _make_output(
+        request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None
+    ) -> EngineCoreOutput:
+        reason = request.get_finish_reason()
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=None if reason is None else int(reason),
+            stop_reason=request.stop_reason,
+            new_logprobs=logprobs,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finished_time=request.finished_time,
+            error=request.error,
+        )
+
+    # ---- state queries -----------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is queued or running, or an output awaits delivery
+        (a rejected request's error is delivered by the next step's update)."""
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    def has_pending_outputs(self) -> bool:
+        """Outputs (rejected requests) waiting for the next `update_from_output`."""
+        return bool(self._pending_outputs)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def _begin_step(self) -> None:
+        self._step = SchedulerStats()
+        self._prefix_counters_at_step_start = (
+            self.kv_cache_manager.prefix_cache_queries,
+            self.kv_cache_manager.prefix_cache_hits,
+        )
+
+    def _record_step(self, out: SchedulerOutput) -> None:
+        q0, h0 = self._prefix_counters_at_step_start
+        out.prefix_cache_queries = self.kv_cache_manager.prefix_cache_queries - q0
+        out.prefix_cache_hits = self.kv_cache_manager.prefix_cache_hits - h0
+        s = self._step
+        s.prefix_cache_queries, s.prefix_cache_hits = out.prefix_cache_queries, out.prefix_cache_hits
+        s.num_prefill_tokens, s.num_decode_tokens = out.num_prefill_tokens, out.num_decode_tokens
+        s.num_prefill_reqs, s.num_decode_reqs = out.num_prefill_reqs, out.num_decode_reqs
+
+    def make_stats(self) -> SchedulerStats:
+        """State now plus the counters of the last schedule() and its update."""
+        s = self._step
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_blocks_used=self.kv_cache_manager.num_used_blocks,
+            kv_blocks_total=self.kv_cache_manager.num_blocks,
+            num_prefill_tokens=s.num_prefill_tokens,
+            num_decode_tokens=s.num_decode_tokens,
+            num_prefill_reqs=s.num_prefill_reqs,
+            num_decode_reqs=s.num_decode_reqs,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            num_finished=s.num_finished,
+        )
+
+    def assert_idle(self) -> None:
+        """AssertionError unless no request is left anywhere and every KV block is free."""
+        assert not self.requests, f"unfinished requests: {sorted(self.requests)}"
+        assert not self.running and not self.waiting, (self.running, list(self.waiting))
+        assert not self._deferred_free, f"blocks awaiting a step: {sorted(self._deferred_free)}"
+        assert not self._pending_outputs, "outputs not yet delivered by update_from_output"
+        self.kv_cache_manager.assert_idle()

@@ -1,0 +1,33 @@
+"""A snapshot of the scheduler for one step (EngineCore turns it into a StepStats)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Field names equal those of `engine.outputs.StepStats`, so that
+    `StepStats(step=..., time=..., **stats.as_dict())` works. Per-step counters
+    cover the last `schedule()` and the `update_from_output()` that followed it."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_prefill_reqs: int = 0
+    num_decode_reqs: int = 0
+    prefix_cache_queries: int = 0  # tokens queried by this step's admissions
+    prefix_cache_hits: int = 0  # tokens hit by this step's admissions
+    num_preemptions: int = 0
+    num_finished: int = 0  # stopped or length-capped in update_from_output (not aborts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0

@@ -1,0 +1,90 @@
+"""StepPlan: what one `schedule()` call has decided so far, turned into a SchedulerOutput.
+
+Requests are recorded before their `num_computed_tokens` advances, so a request
+preempted later in the same step can be taken back out (`unschedule`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.kv_cache.kv_cache_manager import KVCacheManager
+from engine.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.request import Request
+
+
+@dataclass
+class StepPlan:
+    # req_id -> tokens scheduled, in batch order.
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    cached_reqs: dict[str, Request] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add_new(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        self.new_reqs.append(request)
+
+    def add_cached(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        self.cached_reqs[request.request_id] = request
+        self.new_block_ids[request.request_id] = new_block_ids
+
+    def unschedule(self, request: Request) -> int:
+        """Forget a running request scheduled earlier this step; returns its tokens."""
+        rid = request.request_id
+        self.cached_reqs.pop(rid, None)
+        self.new_block_ids.pop(rid, None)
+        return self.num_scheduled.pop(rid, 0)
+
+    def to_output(self, kv: KVCacheManager, finished_req_ids: set[str]) -> SchedulerOutput:
+        """Build the runner's view; call before advancing `num_computed_tokens`."""
+        new = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                token_ids=list(r.all_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=kv.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                output_token_ids=list(r.output_token_ids),
+            )
+            for r in self.new_reqs
+        ]
+        cached = CachedRequestData()
+        for rid, r in self.cached_reqs.items():
+            start = r.num_computed_tokens
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append(self.new_block_ids[rid])
+            cached.num_computed_tokens.append(start)
+            cached.new_token_ids.append(r.all_token_ids[start : start + self.num_scheduled[rid]])
+        out = SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict(self.num_scheduled),
+            total_num_scheduled_tokens=sum(self.num_scheduled.values()),
+            finished_req_ids=finished_req_ids | {r.request_id for r in self.preempted},
+            preempted_req_ids={r.request_id for r in self.preempted},
+        )
+        self._count_phases(out)
+        return out
+
+    def _count_phases(self, out: SchedulerOutput) -> None:
+        for r in [*self.new_reqs, *self.cached_reqs.values()]:
+            n = self.num_scheduled[r.request_id]
+            if is_decode(r, n):
+                out.num_decode_tokens += n
+                out.num_decode_reqs += 1
+            else:
+                out.num_prefill_tokens += n
+                out.num_prefill_reqs += 1
+
+
+def is_decode(request: Request, num_scheduled: int) -> bool:
+    """Decode = computing exactly the last token of a request that has outputs (see output.py)."""
+    return (
+        request.num_output_tokens > 0
+        and num_scheduled == 1
+        and request.num_computed_tokens == request.num_tokens - 1
+    )

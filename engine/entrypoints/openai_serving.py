@@ -1,0 +1,280 @@
+"""/v1/completions and /v1/chat/completions on top of AsyncLLM.
+
+One request body becomes one `generate()` per prompt (each with `n` choices); choice
+index = prompt_index * n + child index. Input is validated and tokenized before any
+request reaches the engine, so a bad prompt in a batch queues nothing. Streams are SSE
+(`data: {json}\\n\\n`, ending with `data: [DONE]`); an error after the stream started is
+sent as an error event, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from engine.async_llm import AsyncLLM, RequestFailedError, merge_async_iterators
+from engine.core.core_client import EngineDeadError
+from engine.entrypoints import formatting as fmt
+from engine.entrypoints.errors import ApiError, from_value_error
+from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from engine.outputs import CompletionOutput
+from engine.sampling_params import SamplingParams
+
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Job:
+    """One prompt of the request, tokenized."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    prompt_text: str | None
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What a stream has sent so far for one choice."""
+
+    started: bool = False
+    chars_sent: int = 0
+    logprobs_sent: int = 0
+    num_tokens: int = 0
+
+
+@dataclass
+class _Call:
+    """Everything about one HTTP request that the shared generation path needs."""
+
+    chat: bool
+    body: CompletionRequest | ChatCompletionRequest
+    params: SamplingParams
+    jobs: list[Job]
+    request_id: str
+    logprobs_k: int | None
+
+    @property
+    def object_name(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, model_name: str, max_logprobs: int) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.max_logprobs = max_logprobs
+        self.token_text = fmt.TokenText(llm.tokenizer)
+
+    # ---- preparation ------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def _prepare(self, body: CompletionRequest | ChatCompletionRequest) -> _Call:
+        self.check_model(body.model)
+        name = body.unsupported()
+        if name is not None:
+            raise ApiError(501, f"{name}: not implemented by this server", param=name)
+        chat = isinstance(body, ChatCompletionRequest)
+        if isinstance(body, ChatCompletionRequest):
+            k = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            k = body.logprobs
+        if k is not None and k > self.max_logprobs:
+            field = "top_logprobs" if chat else "logprobs"
+            raise ApiError(400, f"{field}: must be <= {self.max_logprobs}, got {k}", param=field)
+        try:
+            params = body.sampling_params()
+            if isinstance(body, ChatCompletionRequest):
+                jobs = self._chat_jobs(body)
+            else:
+                jobs = self._completion_jobs(body)
+            for job in jobs:
+                self.llm.input_processor.resolve_max_tokens(len(job.prompt_ids), params)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+        rid = fmt.new_id("chatcmpl" if chat else "cmpl")
+        return _Call(chat, body, params, jobs, rid, k)
+
+    def _completion_jobs(self, body: CompletionRequest) -> list[Job]:
+        ip = self.llm.input_processor
+        jobs = []
+        for i, prompt in enumerate(body.prompts()):
+            ids = ip.tokenize_prompt(prompt)
+            text = prompt if isinstance(prompt, str) else None
+            if body.echo and text is None:
+                text = self.llm.tokenizer.decode(ids)
+            jobs.append(Job(i, ids, text))
+        return jobs
+
+    def _chat_jobs(self, body: ChatCompletionRequest) -> list[Job]:
+        ids = self.llm.input_processor.render_chat(body.message_dicts(), body.add_generation_prompt)
+        return [Job(0, ids, None)]
+
+    def _outputs(self, call: _Call) -> Any:
+        """Merged `(prompt_index, RequestOutput)` of every prompt of the call."""
+        iterators = [
+            self.llm.generate(job.prompt_ids, call.params, request_id=f"{call.request_id}-{job.prompt_index}")
+            for job in call.jobs
+        ]
+        return merge_async_iterators(iterators)
+
+    # ---- entry points ---------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: web.Request) -> web.StreamResponse:
+        return await self._serve(self._prepare(body), request)
+
+    async def chat(self, body: ChatCompletionRequest, request: web.Request) -> web.StreamResponse:
+        return await self._serve(self._prepare(body), request)
+
+    async def _serve(self, call: _Call, request: web.Request) -> web.StreamResponse:
+        if call.body.stream:
+            return await self._stream(call, request)
+        return await self._collect(call)
+
+    # ---- non-streaming ----------------------------------------------------------------
+
+    async def _collect(self, call: _Call) -> web.Response:
+        n = call.params.n
+        finals: dict[int, CompletionOutput] = {}
+        cached = [0] * len(call.jobs)
+        merged = self._outputs(call)
+        try:
+            async with contextlib.aclosing(merged):
+                async for pi, out in merged:
+                    cached[pi] = max(cached[pi], out.num_cached_tokens)
+                    for c in out.outputs:
+                        if c.finished:
+                            finals[pi * n + c.index] = c
+        except (RequestFailedError, EngineDeadError) as exc:
+            raise ApiError(500, f"engine error: {exc}", code="engine_error") from None
+        choices = [self._final_choice(call, idx, finals[idx]) for idx in sorted(finals)]
+        completion = sum(len(c.token_ids) for c in finals.values())
+        prompt = sum(len(j.prompt_ids) for j in call.jobs)
+        body = {
+            "id": call.request_id,
+            "object": call.object_name,
+            "created": fmt.now_s(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": fmt.usage(prompt, completion, sum(cached)),
+        }
+        return web.Response(body=_json.encode(body), content_type="application/json")
+
+    def _final_choice(self, call: _Call, index: int, c: CompletionOutput) -> dict[str, Any]:
+        entries = c.logprobs or []
+        if call.chat:
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None if call.logprobs_k is None else fmt.chat_logprobs(entries, call.logprobs_k, self.token_text),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        prefix = self._echo_prefix(call, index)
+        lp = None
+        if call.logprobs_k is not None:
+            lp = fmt.completion_logprobs(entries, call.logprobs_k, self.token_text, len(prefix))
+        return {
+            "index": index,
+            "text": prefix + c.text,
+            "logprobs": lp,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+    def _echo_prefix(self, call: _Call, index: int) -> str:
+        if call.chat or not call.body.echo:  # type: ignore[union-attr]
+            return ""
+        return call.jobs[index // call.params.n].prompt_text or ""
+
+    # ---- streaming --------------------------------------------------------------------
+
+    async def _stream(self, call: _Call, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        opts = call.body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        states: dict[int, ChoiceState] = {}
+        cached = [0] * len(call.jobs)
+        prompt_tokens = sum(len(j.prompt_ids) for j in call.jobs)
+        created = fmt.now_s()
+        merged = self._outputs(call)
+        try:
+            async with contextlib.aclosing(merged):
+                async for pi, out in merged:
+                    cached[pi] = max(cached[pi], out.num_cached_tokens)
+                    for c in out.outputs:
+                        index = pi * call.params.n + c.index
+                        state = states.setdefault(index, ChoiceState())
+                        usage = None
+                        if continuous:
+                            done = sum(s.num_tokens for s in states.values()) - state.num_tokens
+                            usage = fmt.usage(prompt_tokens, done + len(c.token_ids), sum(cached))
+                        for chunk in self._chunks(call, index, c, state, usage, include_usage):
+                            await resp.write(self._event(call, created, chunk))
+        except (RequestFailedError, EngineDeadError) as exc:
+            await resp.write(ApiError(500, f"engine error: {exc}", code="engine_error").sse())
+            await resp.write(DONE)
+            return resp
+        if include_usage:
+            completion = sum(s.num_tokens for s in states.values())
+            final = {"choices": [], "usage": fmt.usage(prompt_tokens, completion, sum(cached))}
+            await resp.write(self._event(call, created, final))
+        await resp.write(DONE)
+        return resp
+
+    def _event(self, call: _Call, created: int, chunk: dict[str, Any]) -> bytes:
+        obj = "chat.completion.chunk" if call.chat else "text_completion"
+        body = {"id": call.request_id, "object": obj, "created": created, "model": self.model_name, **chunk}
+        return b"data: " + _json.encode(body) + b"\n\n"
+
+    def _chunks(
+        self,
+        call: _Call,
+        index: int,
+        c: CompletionOutput,
+        state: ChoiceState,
+        usage: dict[str, Any] | None,
+        include_usage: bool,
+    ) -> list[dict[str, Any]]:
+        """The SSE chunk bodies (without id/object/model) for one choice's new output."""
+        chunks = []
+        extra: dict[str, Any] = {"usage": usage} if usage is not None or include_usage else {}
+        if call.chat and not state.started:
+            role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
+            chunks.append({"choices": [role], **extra})
+        text = c.text_delta
+        if not call.chat and not state.started:
+            text = self._echo_prefix(call, index) + text
+        state.started = True
+        state.num_tokens = len(c.token_ids)
+        new_lps = (c.logprobs or [])[state.logprobs_sent :]
+        state.logprobs_sent += len(new_lps)
+        if not text and not c.finished and not new_lps:
+            return chunks
+        choice = self._chunk_choice(call, index, c, text, new_lps, state.chars_sent)
+        state.chars_sent += len(text)
+        chunks.append({"choices": [choice], **extra})
+        return chunks
+
+    def _chunk_choice(
+        self, call: _Call, index: int, c: CompletionOutput, text: str, new_lps: list[Any], offset: int
+    ) -> dict[str, Any]:
+        k = call.logprobs_k
+        if call.chat:
+            delta = {"content": text} if text or not c.finished else {}
+            lp = None if k is None else fmt.chat_logprobs(new_lps, k, self.token_text)
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+        lp = None if k is None else fmt.completion_logprobs(new_lps, k, self.token_text, offset)
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}

@@ -1,0 +1,121 @@
+"""`servelab-serve`: start the EngineCore and the OpenAI-compatible HTTP server.
+
+    servelab-serve [--host H] [--port P] [--api-key K] [--served-model-name N] [hydra overrides...]
+    servelab-serve model=smollm2 scheduler.max_num_seqs=8 server.port=8001
+
+The config is conf/serve.yaml (model / scheduler / cache / attention / device groups plus
+`server:`); `--flag value` style options are translated to `server.flag=value`
+overrides before Hydra composes. SIGTERM and SIGINT shut down cleanly: stop accepting,
+end in-flight streams, stop the engine process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import fields
+from typing import Any
+
+from aiohttp import web
+
+from engine.config import (
+    AttentionConfig,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from engine.entrypoints.api_server import ServerSettings, build_app
+
+logger = logging.getLogger("servelab.serve")
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "attention": AttentionConfig,
+    "device": DeviceConfig,
+}
+_FLAG_KEYS = {f.name for f in fields(ServerSettings)}
+
+
+def flags_to_overrides(argv: list[str]) -> list[str]:
+    """`--api-key k`, `--port=8001`, `--multiprocess` -> `server.api_key=k`, ... ; others pass through."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--"):
+            out.append(arg)
+            continue
+        name, eq, value = arg[2:].partition("=")
+        key = name.replace("-", "_")
+        if key not in _FLAG_KEYS:
+            raise SystemExit(f"servelab-serve: unknown option --{name} (known: {sorted(_FLAG_KEYS)})")
+        if not eq:
+            if i < len(argv) and not argv[i].startswith("--"):
+                value = argv[i]
+                i += 1
+            else:
+                value = "true"
+        out.append(f"server.{key}={value}")
+    return out
+
+
+def load_config(overrides: list[str]) -> tuple[EngineConfig, ServerSettings]:
+    """Compose conf/serve.yaml with Hydra and split it into the engine and server configs."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    with initialize_config_module(config_module="conf", version_base=None):
+        cfg = compose(config_name="serve", overrides=overrides)
+    data: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    engine = EngineConfig(**{name: _build(cls, data.get(name) or {}) for name, cls in _SECTIONS.items()})
+    engine.validate()
+    return engine, _build(ServerSettings, data.get("server") or {})
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    """Dataclass from the keys it knows (group files may carry extra keys, e.g. model.arch)."""
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in known})
+
+
+async def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
+    """Run until SIGTERM/SIGINT, or until the engine dies and the server is told to stop."""
+    from engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_config(engine_config, multiprocess=settings.multiprocess,
+                               ready_timeout_s=settings.ready_timeout_s)
+    model_name = settings.served_model_name or engine_config.model.model
+    app = build_app(llm, settings, model_name)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=logger if settings.log_requests else None)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        logger.info("serving %s on http://%s:%d", model_name, settings.host, settings.port)
+        await stop.wait()
+        logger.info("shutting down")
+    finally:
+        llm.shutdown()  # in-flight streams end with an error event first
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = flags_to_overrides(list(sys.argv[1:] if argv is None else argv))
+    engine_config, settings = load_config(overrides)
+    asyncio.run(serve(engine_config, settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Prometheus metrics under the names vLLM exports, so its dashboards work unchanged.
+
+State gauges come from StepStats (each step) and from a fresh scheduler snapshot
+taken when /metrics is scraped (so an idle engine reads idle at once). Request
+histograms are observed when a request finishes, from its RequestMetrics.
+Each server owns its CollectorRegistry (no global state; tests can start several).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from engine.core.messages import EngineStats
+from engine.outputs import RequestOutput, StepStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+disable_created_metrics()  # vLLM exports no *_created series
+# Buckets as vLLM uses them (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class PrometheusMetrics:
+    """The vLLM metric set for one served model."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels + list(extra), registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100 percent).")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced.")
+        self.success = counter("vllm:request_success", "Finished requests.", ("finished_reason",))
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Time waiting to be scheduled.", LATENCY_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds", "Prefill time.", LATENCY_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds", "Decode time.", LATENCY_BUCKETS)
+        self.model_name = model_name
+
+    def _l(self, metric):  # type: ignore[no-untyped-def]
+        return metric.labels(model_name=self.model_name)
+
+    def on_step(self, stats: StepStats) -> None:
+        """Record one engine step (state gauges and counters)."""
+        self._l(self.running).set(stats.num_running)
+        self._l(self.waiting).set(stats.num_waiting)
+        self._l(self.kv_usage).set(stats.kv_usage)
+        self._l(self.prefix_queries).inc(stats.prefix_cache_queries)
+        self._l(self.prefix_hits).inc(stats.prefix_cache_hits)
+        self._l(self.preemptions).inc(stats.num_preemptions)
+
+    def on_snapshot(self, stats: EngineStats) -> None:
+        self._l(self.running).set(stats.num_running)
+        self._l(self.waiting).set(stats.num_waiting)
+        self._l(self.kv_usage).set(stats.kv_usage)
+
+    def on_finished(self, out: RequestOutput) -> None:
+        """Record one finished request (a child of an n > 1 request counts on its own)."""
+        m = out.metrics
+        num_out = sum(len(c.token_ids) for c in out.outputs)
+        self._l(self.prompt_tokens).inc(len(out.prompt_token_ids))
+        self._l(self.generation_tokens).inc(num_out)
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        self.success.labels(model_name=self.model_name, finished_reason=str(reason)).inc()
+        if m.arrival_time <= 0:
+            return
+        if m.first_token_time > 0:
+            self._l(self.ttft).observe(max(0.0, m.first_token_time - m.arrival_time))
+            self._l(self.queue).observe(m.queued_time)
+            self._l(self.prefill).observe(m.prefill_time)
+        if m.finished_time > 0:
+            self._l(self.e2e).observe(max(0.0, m.finished_time - m.arrival_time))
+            self._l(self.decode).observe(m.decode_time)
+        times = m.token_times
+        for a, b in zip(times, times[1:], strict=False):
+            self._l(self.itl).observe(b - a)
+        if num_out > 1 and m.finished_time > 0 and m.first_token_time > 0:
+            self._l(self.tpot).observe((m.finished_time - m.first_token_time) / (num_out - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

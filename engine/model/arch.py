@@ -1,0 +1,168 @@
+"""The hyper-parameters of a Llama-family model (dense or Mixtral-style MoE).
+
+`ModelArch` is what the model, the worker (KV cache sizing) and the cost models read.
+It is built from a Hugging Face `config.json` dict (also the `arch:` section of
+`conf/model/<name>.yaml`) or from a GGUF file's metadata (llama.cpp key names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+# GGUF metadata readers are duck-typed: anything with `.fields` of gguf ReaderFields.
+GGUFReaderLike = Any
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # per expert for MoE models
+    vocab_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    num_experts: int = 0  # 0: dense MLP
+    num_experts_per_tok: int = 0
+    name: str = "llama"
+
+    # ---- construction ------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any], name: str | None = None) -> ModelArch:
+        """From a HF `config.json` dict (Llama / Mistral / Mixtral field names).
+
+        Raises ValueError naming the first missing required field.
+        """
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+            if cfg.get(key) is None:
+                raise ValueError(f"model: config lacks {key!r}")
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        rope = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        return cls(
+            hidden_size=hidden,
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-5),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=_first_id(cfg.get("bos_token_id")),
+            eos_token_id=_first_id(cfg.get("eos_token_id")),
+            num_experts=num_experts if num_experts > 1 else 0,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if num_experts > 1 else 0,
+            name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "llama"),
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, reader: GGUFReaderLike) -> ModelArch:
+        """From a `gguf.GGUFReader`'s metadata (keys `<arch>.block_count`, ...).
+
+        Tied embeddings are inferred from the absence of an `output.weight` tensor.
+        """
+        meta = GGUFMetadata(reader)
+        arch = meta.get("general.architecture", "llama")
+        hidden = int(meta.require(f"{arch}.embedding_length"))
+        heads = int(meta.require(f"{arch}.attention.head_count"))
+        tensors = {t.name: t for t in getattr(reader, "tensors", [])}
+        embd = tensors.get("token_embd.weight")
+        vocab = (meta.get(f"{arch}.vocab_size") or meta.array_len("tokenizer.ggml.tokens")
+                 or (int(embd.shape[-1]) if embd is not None else None))  # GGUF dims are fastest-first
+        if vocab is None:
+            raise ValueError("model: GGUF has neither a vocabulary size nor a token_embd tensor")
+        head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+        num_experts = int(meta.get(f"{arch}.expert_count") or 0)
+        return cls(
+            hidden_size=hidden,
+            num_layers=int(meta.require(f"{arch}.block_count")),
+            num_heads=heads,
+            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
+            head_dim=int(head_dim or hidden // heads),
+            intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
+            vocab_size=int(vocab),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base") or 10000.0),
+            rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5),
+            max_position_embeddings=int(meta.get(f"{arch}.context_length") or 4096),
+            tie_word_embeddings="output.weight" not in tensors,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            num_experts=num_experts if num_experts > 1 else 0,
+            num_experts_per_tok=int(meta.get(f"{arch}.expert_used_count") or 0) if num_experts > 1 else 0,
+            name=str(meta.get("general.name") or arch),
+        )
+
+    def with_num_layers(self, num_layers: int | None) -> ModelArch:
+        """A copy with at most `num_layers` layers (None: unchanged)."""
+        if num_layers is None:
+            return self
+        if num_layers < 1:
+            raise ValueError(f"num_layers_override: must be >= 1, got {num_layers}")
+        return replace(self, num_layers=min(num_layers, self.num_layers))
+
+    # ---- derived numbers ---------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Stored parameters of `LlamaForCausalLM(self)`: every weight, norms included."""
+        h = self.hidden_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        mlp = 3 * h * self.intermediate_size
+        if self.is_moe:
+            mlp = self.num_experts * mlp + h * self.num_experts  # experts + router
+        layer = attn + mlp + 2 * h  # + input and post-attention RMSNorm
+        embed = self.vocab_size * h
+        lm_head = 0 if self.tie_word_embeddings else embed
+        return self.num_layers * layer + embed + lm_head + h  # + final norm
+
+
+def _first_id(value: Any) -> int | None:
+    """HF configs give a token id as an int, a list of ints, or null."""
+    if isinstance(value, list | tuple):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+class GGUFMetadata:
+    """Typed access to a GGUFReader's key/value fields (scalars, strings, arrays)."""
+
+    def __init__(self, reader: GGUFReaderLike) -> None:
+        self.fields = reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"model: GGUF metadata lacks {key!r}")
+        return value
+
+    def array_len(self, key: str) -> int | None:
+        field = self.fields.get(key)
+        return None if field is None else len(field.data)

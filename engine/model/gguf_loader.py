@@ -1,0 +1,168 @@
+"""Loading a llama.cpp GGUF file: hyper-parameters, dequantized weights, HF names.
+
+Every tensor (Q4_0, Q4_1, Q5_*, Q8_0, K-quants, F16, BF16, F32, ...) is dequantized
+with `gguf.quants.dequantize`, which already returns arrays in torch's row-major
+[out_features, in_features] order. llama.cpp's converter permutes the rows of the
+Q and K projections for its interleaved rotary layout; we undo that permutation so
+the rotate-half RoPE of `engine/model/llama.py` applies (the same reverse permutation
+HF transformers performs in its own GGUF loader).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.model.arch import ModelArch
+
+logger = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "block_sparse_moe.gate",
+}
+# Mixtral experts: llama.cpp stacks them ([E, out, in]) or, in older files, numbers them.
+_EXPERT_NAMES = {"ffn_gate": "w1", "ffn_down": "w2", "ffn_up": "w3"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+?)(?:_exps|\.(\d+))?\.weight$")
+_IGNORED = {"rope_freqs.weight"}
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def open_gguf(path: str | Path):
+    """A `gguf.GGUFReader` over `path` (memory-mapped); ValueError if it is not a GGUF file.
+
+    Parsing the metadata takes seconds (the vocabulary is ~100k small arrays), so
+    readers are cached per (file, modification time): the loader, the architecture
+    and the tokenizer share one parse.
+    """
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise ValueError(f"model: no such file {str(path)!r}")
+    if not is_gguf_file(path):
+        raise ValueError(f"model: {str(path)!r} is not a GGUF file (bad magic)")
+    return _cached_reader(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int):
+    import gguf
+
+    return gguf.GGUFReader(path, "r")
+
+
+def read_gguf_arch(path: str | Path) -> ModelArch:
+    return ModelArch.from_gguf_metadata(open_gguf(path))
+
+
+def unpermute_rotary_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation.
+
+    Within each head llama.cpp orders the rows as interleaved pairs
+    (r0, r_half, r1, r_half+1, ...); rotate-half RoPE wants the two halves in blocks.
+    w: [n_head * head_dim, ...] -> same shape.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_rotary_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter permutation (the inverse of `unpermute_rotary_rows`)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_names(gguf_name: str, num_experts: int) -> list[tuple[str, int | None]]:
+    """HF parameter names for one GGUF tensor, with the expert index each takes.
+
+    A stacked-expert tensor maps to one name per expert (index = slice of dim 0);
+    others map to one name with index None. Unknown names give [].
+    """
+    if gguf_name in _GLOBAL_NAMES:
+        return [(_GLOBAL_NAMES[gguf_name], None)]
+    m = _LAYER_RE.match(gguf_name)
+    if m is None:
+        return []
+    layer, kind, expert = m.group(1), m.group(2), m.group(3)
+    prefix = f"model.layers.{layer}."
+    stacked = gguf_name.endswith("_exps.weight")
+    if stacked or expert is not None:
+        if kind not in _EXPERT_NAMES:
+            return []
+        w = _EXPERT_NAMES[kind]
+        experts = range(num_experts) if stacked else [int(expert)]
+        return [(f"{prefix}block_sparse_moe.experts.{e}.{w}.weight", e if stacked else None) for e in experts]
+    if kind not in _LAYER_NAMES:
+        return []
+    return [(f"{prefix}{_LAYER_NAMES[kind]}.weight", None)]
+
+
+def dequantize_tensor(tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One GGUF ReaderTensor -> a torch tensor of `dtype` in row-major (torch) shape."""
+    from gguf.quants import dequantize
+
+    array = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+    array = np.asarray(array, dtype=np.float32).reshape(shape)
+    if not array.flags.writeable or not array.flags.c_contiguous:  # F32 tensors view the read-only map
+        array = array.copy()
+    return torch.from_numpy(array).to(dtype)
+
+
+def load_gguf_state_dict(
+    path: str | Path, arch: ModelArch | None = None, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """All weights of a GGUF file under HF Llama/Mixtral names, dequantized to `dtype`.
+
+    Layers at or beyond `arch.num_layers` are skipped (so a truncated arch loads fast).
+    Q/K projections are un-permuted. Tied models simply have no `lm_head.weight`.
+    """
+    reader = open_gguf(path)
+    arch = arch or ModelArch.from_gguf_metadata(reader)
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        targets = hf_names(tensor.name, arch.num_experts)
+        if not targets:
+            if tensor.name not in _IGNORED:
+                logger.warning("GGUF tensor %s has no HF counterpart; skipped", tensor.name)
+            continue
+        if _layer_index(targets[0][0]) >= arch.num_layers:
+            continue
+        weight = dequantize_tensor(tensor, torch.float32)
+        if ".attn_q." in tensor.name:
+            weight = unpermute_rotary_rows(weight, arch.num_heads)
+        elif ".attn_k." in tensor.name:
+            weight = unpermute_rotary_rows(weight, arch.num_kv_heads)
+        for name, expert in targets:
+            state[name] = (weight if expert is None else weight[expert]).to(dtype).contiguous()
+    return state
+
+
+def _layer_index(hf_name: str) -> int:
+    """Layer number of an HF name, -1 for non-layer weights."""
+    if hf_name.startswith("model.layers."):
+        return int(hf_name.split(".")[2])
+    return -1

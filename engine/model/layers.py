@@ -1,0 +1,102 @@
+"""Building blocks of the Llama family: RMSNorm, rotary embedding, SwiGLU MLP.
+
+Performance notes (CPU decode is bound by per-op overhead as much as by bandwidth):
+RMSNorm fuses the residual add; the rotary cos/sin table is built once and gathered
+once per forward (not per layer); rotate-half RoPE is 4 ops with a signed sin table;
+the MLP's gate and up projections are one fused GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, with an optional fused residual add.
+
+    `forward(x)` -> normed; `forward(x, residual)` -> (normed(x + residual), x + residual).
+    Low-precision inputs are normalised in float32 (as HF Llama does).
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.shape = (hidden_size,)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        if x.dtype == torch.float32:
+            out = F.rms_norm(x, self.shape, self.weight, self.eps)
+        else:
+            out = F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype) * self.weight
+        return out if residual is None else (out, residual)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (HF Llama convention) with a cos/sin table built once.
+
+    `cos_sin(positions)` gathers the table for one forward; `rotate(x, cos, sin)` rotates
+    x: [T, heads, head_dim] with cos, sin: [T, 1, head_dim].
+    """
+
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.register_buffer("cos_table", torch.empty(0), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0), persistent=False)
+        self.rebuild()
+
+    def rebuild(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        """(Re)compute the tables in float32, then cast (call after `to_empty`)."""
+        device = device or self.cos_table.device
+        dtype = dtype or (self.cos_table.dtype if self.cos_table.is_floating_point() else torch.float32)
+        half = self.head_dim // 2
+        exponents = torch.arange(0, half, dtype=torch.float32, device=device) * 2 / self.head_dim
+        inv_freq = 1.0 / (self.theta**exponents)  # [D/2]
+        pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        angles = torch.outer(pos, inv_freq)  # [P, D/2]
+        cos, sin = angles.cos(), angles.sin()
+        self.cos_table = torch.cat((cos, cos), dim=-1).to(dtype)  # [P, D]
+        # Signed so that rotate_half(x) * sin == swap_halves(x) * sin_table.
+        self.sin_table = torch.cat((-sin, sin), dim=-1).to(dtype)  # [P, D]
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64 -> cos, sin: [T, 1, D]."""
+        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D] (any strides) -> rotated, contiguous [T, H, D]."""
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [x2, x1]
+        return x * cos + swapped * sin
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused in one Linear.
+
+    Weight `gate_up_proj.weight`: [2 * intermediate, hidden], gate rows first.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)  # [T, H]

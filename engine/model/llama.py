@@ -1,0 +1,209 @@
+"""The Llama model (and Mixtral when `arch.num_experts > 0`) over a paged KV cache.
+
+Contract with the model runner:
+    hidden = model(input_ids [T] int64, positions [T] int64, kv_caches (one per layer),
+                   attn_metadata)                      -> [T, hidden_size]
+    logits = model.compute_logits(hidden[rows])        -> [N, vocab_size] float32
+The model never calls `attn_backend.begin_step`: the runner does, once per step.
+Weights come in under HF names through `load_weights`; Q/K/V and gate/up are stored
+fused (one GEMM each), so the loader copies each HF tensor into its slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.model.arch import ModelArch
+from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from engine.model.moe import MoEBlock
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.scale = arch.head_dim**-0.5
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.attn_backend = attn_backend
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = RotaryEmbedding.rotate(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
+        k = RotaryEmbedding.rotate(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.contiguous().view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        o = self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, attn_backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.is_moe = arch.is_moe
+        if arch.is_moe:
+            self.block_sparse_moe = MoEBlock(
+                arch.hidden_size, arch.intermediate_size, arch.num_experts, arch.num_experts_per_tok
+            )
+        else:
+            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual stream before it); residual None on layer 0."""
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return (self.block_sparse_moe(x) if self.is_moe else self.mlp(x)), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, attn_backend) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.rotary_emb.cos_sin(positions)  # [T, 1, D] each
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, metadata)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# HF projection name -> (fused parameter name, shard index).
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_EXPERT_SHARD = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mixtral causal LM. See the module docstring for the runner contract."""
+
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, attn_backend, max_positions or arch.max_position_embeddings)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> logits [N, vocab] float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights -----------------------------------------------------------------
+    def hf_weight_names(self) -> list[str]:
+        """Every HF-named tensor `load_weights` needs for this architecture."""
+        a = self.arch
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not a.tie_word_embeddings:
+            names.append("lm_head.weight")
+        per_layer = ["input_layernorm", "post_attention_layernorm", "self_attn.o_proj"]
+        per_layer += [k for k in _FUSED if not (a.is_moe and k.startswith("mlp."))]
+        if a.is_moe:
+            per_layer.append("block_sparse_moe.gate")
+            per_layer += [f"block_sparse_moe.experts.{e}.{w}" for e in range(a.num_experts) for w in _EXPERT_SHARD]
+        else:
+            per_layer.append("mlp.down_proj")
+        names += [f"model.layers.{i}.{p}.weight" for i in range(a.num_layers) for p in per_layer]
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors into the (fused) parameters.
+
+        Ignores `lm_head.weight` when embeddings are tied and rotary `inv_freq` buffers.
+        ValueError on an unknown name, a shape mismatch, or a missing weight.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in state_dict.items():
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            dest = self._destination(name, params)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(name)
+        missing = [n for n in self.hf_weight_names() if n not in loaded]
+        if missing:
+            raise ValueError(f"model: {len(missing)} weights missing, e.g. {missing[:3]}")
+
+    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor:
+        """The parameter (or slice of a fused one) that HF weight `name` fills."""
+        if name in params:
+            return params[name].data
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+            raise ValueError(f"model: unexpected weight {name}")
+        prefix, rest = ".".join(parts[:3]), ".".join(parts[3:-1])
+        if rest in _FUSED:
+            fused, shard = _FUSED[rest]
+            param = params.get(f"{prefix}.{fused}.weight")
+            if param is not None:
+                return param.data.narrow(0, *self._shard_range(fused, shard))
+        if rest.startswith("block_sparse_moe.experts.") and parts[-2] in _EXPERT_SHARD:
+            stacked, half = _EXPERT_SHARD[parts[-2]]
+            param = params.get(f"{prefix}.block_sparse_moe.{stacked}")
+            if param is not None:
+                expert = param.data[int(parts[5])]
+                size = self.arch.intermediate_size
+                return expert if half is None else expert.narrow(0, half * size, size)
+        raise ValueError(f"model: unexpected weight {name}")
+
+    def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
+        """(start row, row count) of one shard in a fused weight."""
+        a = self.arch
+        if fused == "mlp.gate_up_proj":
+            return shard * a.intermediate_size, a.intermediate_size
+        starts = (0, a.q_size, a.q_size + a.kv_size)
+        return starts[shard], a.q_size if shard == 0 else a.kv_size

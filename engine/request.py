@@ -1,0 +1,143 @@
+"""The request state machine.
+
+    WAITING ──schedule──▶ RUNNING ──stop/length──▶ FINISHED_*
+       ▲                     │
+       └──── PREEMPTED ◀─────┘  (KV freed, recomputed from token 0 on resume)
+
+Any unfinished state may also go to FINISHED_ABORTED / FINISHED_ERROR.
+
+`num_computed_tokens` is the only progress counter: the number of this request's
+tokens whose KV is (or, once the scheduled step runs, will be) in the cache.
+"Prefill" and "decode" are derived from it, never stored: a request is catching
+up while `num_computed_tokens < num_tokens - 1`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable
+
+from engine.outputs import FinishReason
+from engine.sampling_params import SamplingParams
+
+# A block hash as produced by engine.core.kv_cache.hashing (a sha256 digest).
+BlockHash = bytes
+# Computes the hashes of the request's full blocks that `request.block_hashes` lacks.
+BlockHasher = Callable[["Request"], list[BlockHash]]
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+def is_finished(status: RequestStatus) -> bool:
+    return status > RequestStatus.PREEMPTED
+
+
+def finish_reason(status: RequestStatus) -> FinishReason:
+    """The FinishReason of a finished status; ValueError for an unfinished one."""
+    try:
+        return _FINISH_REASONS[status]
+    except KeyError:
+        raise ValueError(f"{status.name} is not a finished status") from None
+
+
+class Request:
+    """One sequence being served (n > 1 is expanded into n requests by the front end).
+
+    `max_tokens` is the resolved output limit (None: only max_model_len limits it).
+    `block_hasher`, when set (the scheduler sets it when prefix caching is on), keeps
+    `block_hashes` equal to the hashes of every full block of `all_token_ids`.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        max_tokens: int | None = None,
+        block_hasher: BlockHasher | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.max_tokens = sampling_params.max_tokens if max_tokens is None else max_tokens
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 before
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+
+        self.first_scheduled_time = 0.0
+        self.first_token_time = 0.0
+        self.finished_time = 0.0
+
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher: BlockHasher | None = None
+        if block_hasher is not None:
+            self.set_block_hasher(block_hasher)
+
+    def set_block_hasher(self, block_hasher: BlockHasher) -> None:
+        """Attach the hasher and hash every full block known so far."""
+        self._block_hasher = block_hasher
+        self.block_hashes.extend(block_hasher(self))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return is_finished(self.status)
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append sampled tokens; block hashes follow when a block becomes full."""
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        self.output_token_ids.extend(ids)
+        self.all_token_ids.extend(ids)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def get_finish_reason(self) -> FinishReason | None:
+        return finish_reason(self.status) if self.is_finished else None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, out={self.num_output_tokens})"
+        )

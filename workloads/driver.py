@@ -1,0 +1,261 @@
+"""The asyncio load driver: open loop (sends at planned times) or closed loop (N users).
+
+Open loop: a dispatcher sleeps until each request's planned time and starts a task for it;
+it never waits for responses, so a slow response cannot delay the next send. With
+`concurrency` set, a started request first waits for a slot (vLLM's `--max-concurrency`); that
+wait is client queue time, not driver lateness.
+
+Closed loop: `concurrency` users; each takes the next spec when its previous request ended.
+
+Times are `time.perf_counter()` seconds since the run start `t0`. Per request the driver
+records its planned time, the actual send, every content chunk (via `on_token`, so a cancelled
+request keeps what it received) and its lateness: actual send minus the moment it could have
+been sent (planned time, or slot acquisition if later).
+
+Dependent requests: when a finished request's spec has `follow_up`, its result (the next turn)
+is sent at its planned `arrival_s` (open loop) or next by the same user (closed loop).
+
+Bounded: `max_duration_s` stops sending and cancels what is in flight; cancelling `run()`
+(Ctrl-C under `asyncio.run`) does the same. Either way `run()` returns what was measured,
+with `stop_reason` set, and in-flight requests recorded with an "interrupted" error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from engine.outputs import StepStats
+from workloads.record import RequestRecord, TargetResult, record_from_result
+from workloads.spec import RequestSpec
+from workloads.targets.base import Target
+
+ProgressFn = Callable[[int, float], None]  # (requests done, current rate in req/s)
+_TIMER_SLACK_S = 0.0011  # wake this early from a timer, then yield until due
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    t0_wall: float  # time.time() at the run start (to place engine step times)
+    wall_s: float  # run start to end, including any drain
+    stop_reason: str = ""  # "" | "max_duration" | "cancelled"
+    steps: list[StepStats] | None = None
+    scraped: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def interrupted(self) -> bool:
+        return bool(self.stop_reason)
+
+
+class _Partial:
+    """Chunks seen so far for one request (kept if the request is cancelled)."""
+
+    __slots__ = ("times", "tokens")
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+
+    def add(self, t: float, k: int) -> None:
+        self.times.append(t)
+        self.tokens.append(k)
+
+
+class Driver:
+    """Runs one workload against one target. Use a new Driver per run."""
+
+    def __init__(
+        self, target: Target, *, closed_loop: bool = False, concurrency: int | None = None,
+        max_duration_s: float | None = None, progress: bool = False, on_progress: ProgressFn | None = None,
+        scrape_interval_s: float | None = None,
+    ) -> None:
+        if closed_loop and not concurrency:
+            raise ValueError("closed loop needs concurrency >= 1")
+        self.target = target
+        self.closed_loop = closed_loop
+        self.concurrency = concurrency
+        self.max_duration_s = max_duration_s
+        self.progress, self.on_progress = progress, on_progress
+        self.scrape_interval_s = scrape_interval_s
+        self.records: list[RequestRecord] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._sem: asyncio.Semaphore | None = None
+        self._stopping = False
+        self._t0 = 0.0
+        self._bar: tqdm | None = None
+        self._scraped: list[dict[str, float]] = []
+
+    def now(self) -> float:
+        """Seconds since the run start."""
+        return time.perf_counter() - self._t0
+
+    async def run(self, specs: list[RequestSpec]) -> RunResult:
+        """Send `specs` (sorted by arrival_s) and return every request's record.
+
+        Objects alive before the run are frozen out of the garbage collector for its
+        duration: a full collection over them stalls the event loop for tens of ms.
+        """
+        gc.freeze()
+        try:
+            return await self._run(specs)
+        finally:
+            gc.unfreeze()
+
+    async def _run(self, specs: list[RequestSpec]) -> RunResult:
+        self._t0, t0_wall = time.perf_counter(), time.time()
+        self._bar = tqdm(total=len(specs), unit="req", disable=not self.progress, smoothing=0.1)
+        main = asyncio.ensure_future(self._closed(specs) if self.closed_loop else self._open(specs))
+        scraper = asyncio.ensure_future(self._scrape()) if self.scrape_interval_s else None
+        stop_reason = ""
+        try:
+            done, _ = await asyncio.wait({main}, timeout=self.max_duration_s)
+            if not done:
+                stop_reason = "max_duration"
+            else:
+                main.result()
+        except asyncio.CancelledError:
+            stop_reason = "cancelled"
+        finally:
+            await self._shutdown(main, scraper)
+        return RunResult(
+            records=sorted(self.records, key=lambda r: (r.scheduled_s, r.request_id)),
+            t0_wall=t0_wall, wall_s=self.now(), stop_reason=stop_reason,
+            steps=self.target.step_stats(), scraped=self._scraped,
+        )
+
+    async def _shutdown(self, main: asyncio.Future, scraper: asyncio.Future | None) -> None:
+        self._stopping = True
+        pending = [main, *self._tasks] + ([scraper] if scraper is not None else [])
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if self._bar is not None:
+            self._bar.close()
+
+    async def _open(self, specs: list[RequestSpec]) -> None:
+        if self.concurrency:
+            self._sem = asyncio.Semaphore(self.concurrency)
+        for spec in specs:
+            await self._sleep_until(spec.arrival_s)
+            self._spawn(self._send(spec, spec.arrival_s))
+        while self._tasks:  # follow-ups may add tasks while we wait
+            await asyncio.wait(set(self._tasks))
+
+    async def _closed(self, specs: list[RequestSpec]) -> None:
+        queue = deque(specs)
+        await asyncio.gather(*(self._user(queue) for _ in range(self.concurrency or 1)))
+
+    async def _user(self, queue: deque[RequestSpec]) -> None:
+        follow: RequestSpec | None = None
+        while not self._stopping:
+            if follow is not None:
+                spec, scheduled = follow, follow.arrival_s
+                await self._sleep_until(scheduled)
+            elif queue:
+                spec, scheduled = queue.popleft(), self.now()
+            else:
+                return
+            record = await self._send(spec, scheduled)
+            follow = self._next_turn(spec, record)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, spec: RequestSpec, scheduled: float) -> RequestRecord:
+        """Send one request (after a concurrency slot, if any) and store its record."""
+        ready = scheduled
+        if self._sem is not None:
+            await self._sem.acquire()
+            ready = max(scheduled, self.now())
+        partial = _Partial()
+        start = self.now()
+        try:
+            result = await self.target.send(spec, partial.add)
+        except asyncio.CancelledError:
+            cut = TargetResult(chunk_times=partial.times, chunk_tokens=partial.tokens,
+                               error="interrupted before completion", finish_reason="abort")
+            self._store(spec, cut, scheduled, start, start - ready)
+            raise
+        except Exception as exc:  # a target bug must not end the run: record it
+            result = TargetResult(error=f"{type(exc).__name__}: {exc}", finish_reason="error")
+        finally:
+            if self._sem is not None:
+                self._sem.release()
+        record = self._store(spec, result, scheduled, start, start - ready)
+        if not self.closed_loop:
+            nxt = self._next_turn(spec, record)
+            if nxt is not None:
+                self._spawn(self._delayed(nxt))
+        return record
+
+    async def _delayed(self, spec: RequestSpec) -> None:
+        await self._sleep_until(spec.arrival_s)
+        await self._send(spec, spec.arrival_s)
+
+    def _next_turn(self, spec: RequestSpec, record: RequestRecord) -> RequestSpec | None:
+        if spec.follow_up is None or self._stopping:
+            return None
+        nxt = spec.follow_up(spec, record)
+        if nxt is not None and self._bar is not None:
+            self._bar.total += 1
+        return nxt
+
+    def _store(
+        self, spec: RequestSpec, result: TargetResult, scheduled: float, start: float, lateness: float
+    ) -> RequestRecord:
+        rec = record_from_result(spec.request_id, result, t0=self._t0, scheduled_s=scheduled,
+                                 start_s=start, lateness_s=max(0.0, lateness))
+        if not result.done_time:
+            rec.done_s = self.now()
+        rec.is_warmup, rec.group = spec.is_warmup, spec.group
+        rec.session_id, rec.turn = spec.session_id, spec.turn
+        if not rec.prompt_tokens:
+            rec.prompt_tokens = spec.prompt_len
+        self.records.append(rec)
+        self._report_progress()
+        return rec
+
+    def _report_progress(self) -> None:
+        done = len(self.records)
+        if self._bar is not None:
+            self._bar.update(1)
+        if self.on_progress is not None:
+            elapsed = self.now()
+            self.on_progress(done, done / elapsed if elapsed > 0 else 0.0)
+
+    async def _sleep_until(self, t_rel: float) -> None:
+        """Wake at `t_rel`: sleep to just before it, then yield to the loop until it is due.
+
+        The event loop's timers wake up to ~1 ms late (epoll has ms resolution); the final
+        yields (which let other requests' tasks run) make sends sub-ms punctual.
+        """
+        delay = t_rel - self.now()
+        if delay > _TIMER_SLACK_S:
+            await asyncio.sleep(delay - _TIMER_SLACK_S)
+        while self.now() < t_rel:
+            await asyncio.sleep(0)
+
+    async def _scrape(self) -> None:
+        while True:
+            row = await self.target.scrape_metrics()
+            if row is not None:
+                self._scraped.append({"time": self.now(), **row})
+            await asyncio.sleep(self.scrape_interval_s or 1.0)
+
+
+async def run_workload(specs: list[RequestSpec], target: Target, **driver_kwargs) -> RunResult:
+    """Start the target, run the workload through a new `Driver`, stop the target."""
+    await target.start()
+    try:
+        return await Driver(target, **driver_kwargs).run(specs)
+    finally:
+        await target.stop()

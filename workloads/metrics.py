@@ -1,0 +1,167 @@
+"""Run metrics from per-request records, with vLLM's names and METRICS.md's definitions.
+
+`summarize(records, ...)` returns the summary.json dict. Rules:
+- warm-up requests are left out of everything;
+- a request failed when it has an error or no content token: it is counted in `failed`,
+  its message listed in `errors`, and it is excluded from latency statistics and throughput;
+- percentiles are `numpy.percentile` (linear); std is the population std (numpy default);
+- TPOT is per request, only when output_tokens > 1, unweighted across requests;
+- ITL is per token (chunk gaps spread over the chunk's tokens), pooled over all requests;
+- a statistic with no sample is None (JSON null).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from workloads.record import RequestRecord
+
+PERCENTILES = (50, 90, 95, 99)
+DRIVER_LATE_P99_MS = 10.0
+MAX_ERRORS = 5
+
+DEFINITIONS = {
+    "ttft": "time to first token: first chunk with generated content - request start (client clock)",
+    "tpot": "time per output token: (E2EL - TTFT) / (output tokens - 1), requests with > 1 token, unweighted",
+    "itl": "inter-token latency: gap between successive tokens; a chunk of k tokens spreads its gap over k",
+    "e2el": "end-to-end latency: last content chunk - request start",
+    "client_queue": "request start - planned arrival (concurrency slot wait or driver lateness)",
+    "lateness": "driver lateness: actual send - when the request could have been sent",
+    "duration": "first send to last completion of the measured (non-warm-up) requests",
+    "request_throughput": "completed requests / duration",
+    "output_throughput": "sum of server-counted output tokens of completed requests / duration",
+    "total_token_throughput": "(prompt tokens + output tokens of completed requests) / duration",
+    "request_goodput": "completed requests meeting every given SLO (ttft, tpot, e2el) / duration; null without SLOs",
+    "max_output_tokens_per_s": "most output tokens received in one 1-second bin from the first send",
+    "max_concurrent_requests": "most requests in flight at once (start to completion)",
+    "driver_bottleneck": f"p99 lateness above {DRIVER_LATE_P99_MS} ms: the client, not the server, limited the run",
+    "server_queued/prefill/decode": "engine timestamps: arrival->scheduled, scheduled->first token, first->last",
+    "prefix_cache_hit_rate": "prefix-cache hit tokens / queried tokens over all engine steps",
+    "mean_tokens_per_step": "(prefill + decode tokens scheduled) / engine steps",
+    "failed": "requests without a content chunk or with an error; excluded from latency statistics",
+}
+
+
+def stats_ms(values_s: Sequence[float], name: str) -> dict[str, float | None]:
+    """mean/median/std/pXX of `values_s` (seconds) in ms, keyed like vLLM (mean_ttft_ms ...)."""
+    arr = np.asarray(values_s, dtype=np.float64) * 1000.0
+    keys = ["mean", "median", "std", *(f"p{p}" for p in PERCENTILES)]
+    if arr.size == 0:
+        return {f"{k}_{name}_ms": None for k in keys}
+    vals = [arr.mean(), np.median(arr), arr.std(), *np.percentile(arr, PERCENTILES)]
+    return {f"{k}_{name}_ms": float(v) for k, v in zip(keys, vals, strict=True)}
+
+
+def meets_slo(rec: RequestRecord, slo: dict[str, float | None]) -> bool:
+    """True when a completed request meets every given SLO (ms); TPOT is n/a for 1 token."""
+    checks = (("ttft_ms", rec.ttft_s), ("tpot_ms", rec.tpot_s), ("e2el_ms", rec.e2el_s))
+    for key, value in checks:
+        limit = slo.get(key)
+        if limit is not None and value is not None and value * 1000.0 > limit:
+            return False
+    return rec.ok
+
+
+def peak_tokens_per_s(records: Sequence[RequestRecord], t_start: float) -> int:
+    """Most output tokens received within one 1-second bin counted from `t_start`."""
+    times = [t for r in records for t in r.token_times]
+    if not times:
+        return 0
+    bins = np.floor(np.asarray(times) - t_start).astype(np.int64)
+    return int(np.bincount(bins - bins.min()).max())
+
+
+def peak_concurrency(records: Sequence[RequestRecord]) -> int:
+    """Most requests whose [start_s, done_s) intervals overlap."""
+    events = sorted([(r.start_s, 1) for r in records] + [(r.done_s, -1) for r in records])
+    cur = best = 0
+    for _, delta in events:  # at equal times the end (-1) sorts first
+        cur += delta
+        best = max(best, cur)
+    return best
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    *,
+    slo: dict[str, float | None] | None = None,
+    steps: pd.DataFrame | None = None,
+) -> dict[str, Any]:
+    """The summary.json dict (see the module doc and DEFINITIONS)."""
+    measured = [r for r in records if not r.is_warmup]
+    done = [r for r in measured if r.ok]
+    failed = [r for r in measured if not r.ok]
+    duration = (max(r.done_s for r in measured) - min(r.start_s for r in measured)) if measured else 0.0
+    n_in = sum(r.prompt_tokens for r in done)
+    n_out = sum(r.output_tokens for r in done)
+    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
+    out: dict[str, Any] = {
+        "completed": len(done),
+        "failed": len(failed),
+        "duration": duration,
+        "total_input_tokens": n_in,
+        "total_output_tokens": n_out,
+        "request_throughput": per_s(len(done)),
+        "output_throughput": per_s(n_out),
+        "total_token_throughput": per_s(n_in + n_out),
+        "request_goodput": _goodput(done, slo, per_s),
+        "max_output_tokens_per_s": peak_tokens_per_s(done, min((r.start_s for r in measured), default=0.0)),
+        "max_concurrent_requests": peak_concurrency(measured),
+    }
+    out |= stats_ms([r.ttft_s for r in done], "ttft")
+    out |= stats_ms([r.tpot_s for r in done if r.tpot_s is not None], "tpot")
+    out |= stats_ms([g for r in done for g in r.itls_s], "itl")
+    out |= stats_ms([r.e2el_s for r in done], "e2el")
+    out |= _client_side(measured)
+    out |= _server_side(done)
+    out |= step_summary(steps)
+    out["errors"] = list(dict.fromkeys(r.error for r in failed))[:MAX_ERRORS]
+    out["definitions"] = dict(DEFINITIONS)
+    return out
+
+
+def _goodput(done: list[RequestRecord], slo: dict[str, float | None] | None, per_s) -> float | None:
+    if not slo or all(v is None for v in slo.values()):
+        return None
+    return per_s(sum(meets_slo(r, slo) for r in done))
+
+
+def _client_side(measured: list[RequestRecord]) -> dict[str, Any]:
+    late = np.asarray([r.lateness_s for r in measured], dtype=np.float64) * 1000.0
+    queue = [r.client_queue_s * 1000.0 for r in measured]
+    p99 = float(np.percentile(late, 99)) if late.size else 0.0
+    return {
+        "mean_client_queue_ms": float(np.mean(queue)) if queue else 0.0,
+        "mean_lateness_ms": float(late.mean()) if late.size else 0.0,
+        "p99_lateness_ms": p99,
+        "max_lateness_ms": float(late.max()) if late.size else 0.0,
+        "driver_bottleneck": p99 > DRIVER_LATE_P99_MS,
+    }
+
+
+def _server_side(done: list[RequestRecord]) -> dict[str, float]:
+    out = {}
+    for name in ("queued", "prefill", "decode"):
+        vals = [getattr(r, f"server_{name}_s") for r in done]
+        vals = [v for v in vals if v is not None]
+        if vals:
+            out[f"mean_server_{name}_ms"] = float(np.mean(vals)) * 1000.0
+    return out
+
+
+def step_summary(steps: pd.DataFrame | None) -> dict[str, Any]:
+    """num_steps, num_preemptions, prefix_cache_hit_rate, mean_tokens_per_step (engine steps)."""
+    if steps is None or steps.empty or "num_prefill_tokens" not in steps:
+        return {"num_steps": 0, "num_preemptions": None, "prefix_cache_hit_rate": None,
+                "mean_tokens_per_step": None}
+    queries = float(steps["prefix_cache_queries"].sum())
+    return {
+        "num_steps": len(steps),
+        "num_preemptions": int(steps["num_preemptions"].sum()),
+        "prefix_cache_hit_rate": float(steps["prefix_cache_hits"].sum()) / queries if queries else None,
+        "mean_tokens_per_step": float((steps["num_prefill_tokens"] + steps["num_decode_tokens"]).mean()),
+    }

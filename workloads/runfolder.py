@@ -1,0 +1,141 @@
+"""Run folder files written by the workbench: requests.csv, steps.csv, summary.json.
+
+The schema is the contract with `reports/` (which reads only these files). requests.csv
+has one row per request with the columns of `REQUEST_COLUMNS` (times in s since the run
+start, latencies in ms, empty cells where a value does not apply); `token_times` and
+`itls_ms` are JSON list strings. `done_s` (response fully read) is one column beyond the
+shared schema: it lets a summary be recomputed from the file alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from engine.outputs import StepStats
+from workloads.record import RequestRecord
+
+REQUEST_COLUMNS = [
+    "request_id", "is_warmup", "scheduled_s", "start_s", "first_token_s", "end_s", "done_s",
+    "client_queue_ms", "lateness_ms", "ttft_ms", "tpot_ms", "e2el_ms", "prompt_tokens",
+    "output_tokens", "finish_reason", "error", "server_queued_ms", "server_prefill_ms",
+    "server_decode_ms", "token_times", "itls_ms", "group",
+]
+STEP_COLUMNS = [*StepStats.__struct_fields__, "kv_usage"]
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1000.0
+
+
+def request_row(r: RequestRecord) -> dict[str, Any]:
+    """One requests.csv row; a failed request has empty latency fields."""
+    return {
+        "request_id": r.request_id, "is_warmup": r.is_warmup, "scheduled_s": r.scheduled_s,
+        "start_s": r.start_s, "first_token_s": r.first_token_s, "end_s": r.end_s, "done_s": r.done_s,
+        "client_queue_ms": r.client_queue_s * 1000.0, "lateness_ms": r.lateness_s * 1000.0,
+        "ttft_ms": _ms(r.ttft_s), "tpot_ms": _ms(r.tpot_s), "e2el_ms": _ms(r.e2el_s),
+        "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+        "finish_reason": r.finish_reason, "error": r.error,
+        "server_queued_ms": _ms(r.server_queued_s), "server_prefill_ms": _ms(r.server_prefill_s),
+        "server_decode_ms": _ms(r.server_decode_s),
+        "token_times": json.dumps(r.token_times if r.ok else []),
+        "itls_ms": json.dumps([g * 1000.0 for g in r.itls_s]),
+        "group": r.group,
+    }
+
+
+def requests_frame(records: Sequence[RequestRecord]) -> pd.DataFrame:
+    return pd.DataFrame([request_row(r) for r in records], columns=REQUEST_COLUMNS)
+
+
+def write_requests(run_dir: str | Path, records: Sequence[RequestRecord]) -> Path:
+    path = Path(run_dir) / "requests.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    requests_frame(records).to_csv(path, index=False)
+    return path
+
+
+def read_requests(run_dir: str | Path) -> pd.DataFrame:
+    """requests.csv as a DataFrame (strings for text columns, '' for empty ones)."""
+    df = pd.read_csv(Path(run_dir) / "requests.csv", dtype={"request_id": str, "group": str,
+                                                            "error": str, "finish_reason": str})
+    for col in ("group", "error", "finish_reason"):
+        df[col] = df[col].fillna("")
+    return df
+
+
+def _opt(v: Any) -> float | None:
+    return None if v is None or (isinstance(v, float) and np.isnan(v)) else float(v) / 1000.0
+
+
+def records_from_frame(df: pd.DataFrame) -> list[RequestRecord]:
+    """Rebuild records from requests.csv rows (enough to recompute the summary)."""
+    out = []
+    for row in df.to_dict("records"):
+        out.append(RequestRecord(
+            request_id=row["request_id"], scheduled_s=float(row["scheduled_s"]), start_s=float(row["start_s"]),
+            token_times=json.loads(row["token_times"]), done_s=float(row["done_s"]),
+            prompt_tokens=int(row["prompt_tokens"]), output_tokens=int(row["output_tokens"]),
+            finish_reason=row["finish_reason"], error=row["error"], lateness_s=float(row["lateness_ms"]) / 1000.0,
+            is_warmup=bool(row["is_warmup"]), group=row["group"],
+            server_queued_s=_opt(row["server_queued_ms"]), server_prefill_s=_opt(row["server_prefill_ms"]),
+            server_decode_s=_opt(row["server_decode_ms"]),
+        ))
+    return out
+
+
+def steps_frame(steps: Sequence[StepStats], t0_wall: float) -> pd.DataFrame:
+    """Engine steps with `time` rebased to seconds since the run start, plus kv_usage."""
+    rows = []
+    for s in steps:
+        row = {f: getattr(s, f) for f in StepStats.__struct_fields__}
+        row["time"] = s.time - t0_wall
+        row["kv_usage"] = s.kv_usage
+        rows.append(row)
+    return pd.DataFrame(rows, columns=STEP_COLUMNS)
+
+
+def scraped_frame(rows: Sequence[dict[str, float]]) -> pd.DataFrame:
+    """Scraped /metrics rows (time, num_running, num_waiting, kv_usage, ...), source='metrics'."""
+    df = pd.DataFrame(list(rows))
+    if df.empty:
+        df = pd.DataFrame(columns=["time", "num_running", "num_waiting", "kv_usage"])
+    df["source"] = "metrics"
+    return df
+
+
+def write_steps(run_dir: str | Path, frame: pd.DataFrame) -> Path:
+    path = Path(run_dir) / "steps.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(path, index=False)
+    return path
+
+
+def read_steps(run_dir: str | Path) -> pd.DataFrame | None:
+    path = Path(run_dir) / "steps.csv"
+    return pd.read_csv(path) if path.exists() else None
+
+
+def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:
+    path = Path(run_dir) / "summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    return path
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    return json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8"))
+
+
+def write_error(run_dir: str | Path, message: str) -> Path:
+    """error.txt: why the run failed or stopped early (the other files stay valid)."""
+    path = Path(run_dir) / "error.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(message.rstrip() + "\n", encoding="utf-8")
+    return path

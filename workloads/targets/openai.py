@@ -1,0 +1,228 @@
+"""OpenAI-compatible HTTP target: streamed /v1/completions or /v1/chat/completions.
+
+Measurement choices (METRICS.md):
+- `stream_options: {include_usage, continuous_usage_stats}`: the final usage gives the server's
+  prompt / completion token counts; per-chunk cumulative usage (vLLM, servelab) gives each
+  chunk's token count. Without it, the server's total is spread evenly over the content chunks.
+- A content chunk is one with non-empty text; tokens reported on chunks without text (a
+  partial UTF-8 character) are carried to the next content chunk.
+- aiohttp with large read buffers and a connector without a connection limit, so the client
+  never queues requests or stalls on long SSE lines.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import aiohttp
+
+from engine.outputs import StepStats
+from workloads.record import TargetResult
+from workloads.spec import RequestSpec
+from workloads.targets.base import OnToken
+
+_READ_BUFSIZE = 10 * 2**20
+_GAUGES = {
+    "vllm:num_requests_running": "num_running",
+    "vllm:num_requests_waiting": "num_waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+    "servelab:num_requests_running": "num_running",
+    "servelab:num_requests_waiting": "num_waiting",
+    "servelab:kv_cache_usage_perc": "kv_usage",
+}
+
+
+class _Stream:
+    """Accumulates one SSE response; `feed` takes one decoded event."""
+
+    def __init__(self, chat: bool, on_token: OnToken | None) -> None:
+        self.chat, self.on_token = chat, on_token
+        self.res = TargetResult()
+        self.counts: list[int | None] = []
+        self.pending = 0  # tokens reported on chunks without text
+        self.prev_cum = 0
+        self.text: list[str] = []
+
+    def feed(self, obj: dict[str, Any], t: float) -> None:
+        if obj.get("error"):
+            err = obj["error"]
+            self.res.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+            return
+        k = self._usage_delta(obj.get("usage"))
+        text = ""
+        for choice in obj.get("choices") or []:
+            text += self._choice_text(choice)
+            if choice.get("finish_reason"):
+                self.res.finish_reason = choice["finish_reason"]
+        if not text:
+            self.pending += k or 0
+            return
+        count = None if k is None else k + self.pending
+        self.pending = 0
+        self.res.chunk_times.append(t)
+        self.counts.append(count)
+        self.text.append(text)
+        if self.on_token is not None:
+            self.on_token(t, count if count is not None else 1)
+
+    def _choice_text(self, choice: dict[str, Any]) -> str:
+        if self.chat:
+            return (choice.get("delta") or {}).get("content") or ""
+        return choice.get("text") or ""
+
+    def _usage_delta(self, usage: dict[str, Any] | None) -> int | None:
+        if not usage:
+            return None
+        self.res.prompt_tokens = usage.get("prompt_tokens", self.res.prompt_tokens)
+        cum = usage.get("completion_tokens")
+        if cum is None:
+            return None
+        self.res.output_tokens = cum
+        delta, self.prev_cum = cum - self.prev_cum, cum
+        return delta
+
+    def finish(self) -> TargetResult:
+        res = self.res
+        res.chunk_tokens = reconcile_counts(self.counts, res.output_tokens, self.pending)
+        res.output_text = "".join(self.text)
+        if res.output_tokens is None:
+            res.output_tokens = sum(res.chunk_tokens)
+        res.done_time = time.perf_counter()
+        return res
+
+
+def reconcile_counts(counts: list[int | None], total: int | None, leftover: int = 0) -> list[int]:
+    """Tokens per content chunk, summing to the server's total when it is known.
+
+    Known per-chunk counts are kept (leftover tokens go to the last chunk); when no chunk
+    had a count, the total is spread evenly (earlier chunks take the remainder); without a
+    total, every unknown chunk counts 1.
+    """
+    if not counts:
+        return []
+    if all(c is None for c in counts) and total is not None and total >= len(counts):
+        base, extra = divmod(total, len(counts))
+        return [base + (i < extra) for i in range(len(counts))]
+    out = [c if c is not None else 1 for c in counts]
+    out[-1] += leftover
+    if total is not None and sum(out) != total:
+        out[-1] = max(0, out[-1] + total - sum(out))
+    return out
+
+
+class OpenAITarget:
+    """Streams requests to an OpenAI-compatible server.
+
+    `endpoint` is "completions" (text or token-id prompts) or "chat" (text prompts only, sent
+    as one user message). `extra_body` is merged into every request (temperature, seed, ...).
+    """
+
+    name = "openai"
+
+    def __init__(
+        self, base_url: str, model: str, api_key: str | None = None, endpoint: str = "completions",
+        extra_body: dict[str, Any] | None = None, timeout_s: float | None = None,
+    ) -> None:
+        if endpoint not in ("completions", "chat"):
+            raise ValueError("endpoint must be completions or chat")
+        self.base_url = base_url.rstrip("/")
+        self.model, self.api_key, self.endpoint = model, api_key, endpoint
+        self.extra_body = dict(extra_body or {})
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def url(self) -> str:
+        path = "chat/completions" if self.endpoint == "chat" else "completions"
+        return f"{self.base_url}/v1/{path}"
+
+    async def start(self) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            read_bufsize=_READ_BUFSIZE,
+            headers=headers,
+        )
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def step_stats(self) -> list[StepStats] | None:
+        return None
+
+    def payload(self, spec: RequestSpec) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": spec.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        if self.endpoint == "chat":
+            if spec.prompt is None:
+                raise ValueError(f"{spec.request_id}: the chat endpoint needs a text prompt")
+            body["messages"] = [{"role": "user", "content": spec.prompt}]
+        else:
+            body["prompt"] = spec.prompt_token_ids if spec.prompt_token_ids is not None else spec.prompt
+        if spec.ignore_eos:
+            body["ignore_eos"] = True
+        if spec.priority:
+            body["priority"] = spec.priority
+        body.update(self.extra_body)
+        return body
+
+    async def send(self, spec: RequestSpec, on_token: OnToken | None = None) -> TargetResult:
+        if self._session is None:
+            raise RuntimeError("OpenAITarget.send before start()")
+        stream = _Stream(self.endpoint == "chat", on_token)
+        try:
+            async with self._session.post(self.url, json=self.payload(spec)) as resp:
+                if resp.status != 200:
+                    stream.res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                else:
+                    await _read_sse(resp, stream)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            stream.res.error = f"{type(exc).__name__}: {exc}"
+        return stream.finish()
+
+    async def scrape_metrics(self) -> dict[str, float] | None:
+        """One row of server gauges from GET /metrics (Prometheus text); None if unavailable."""
+        if self._session is None:
+            return None
+        try:
+            async with self._session.get(f"{self.base_url}/metrics") as resp:
+                if resp.status != 200:
+                    return None
+                return parse_gauges(await resp.text())
+        except aiohttp.ClientError:
+            return None
+
+
+async def _read_sse(resp: aiohttp.ClientResponse, stream: _Stream) -> None:
+    async for raw in resp.content:
+        t = time.perf_counter()
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        stream.feed(json.loads(data), t)
+
+
+def parse_gauges(text: str) -> dict[str, float]:
+    """Known queue / KV gauges from Prometheus text (summed over label sets)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = _GAUGES.get(name)
+        if key is not None:
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[-1])
+    return out
