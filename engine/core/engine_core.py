@@ -84,6 +84,10 @@ class EngineCore:
         """Finish requests the front end decided are done (stop strings)."""
         self.scheduler.finish_requests(list(request_ids), status)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block hash (False while blocks are still in use)."""
+        return self.scheduler.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
