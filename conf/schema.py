@@ -127,16 +127,24 @@ class ProfilingSection:
 
 
 @dataclass
-class ReportSection:
-    html: bool = True
-    percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 95.0, 99.0])
-
-
-@dataclass
 class SLOSection:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2el_ms: float | None = None
+
+
+@dataclass
+class SweepReportSection:
+    throughput_metric: str = "output_throughput"
+    latency_metrics: list[str] = field(default_factory=lambda: ["p99_ttft_ms", "p99_tpot_ms"])
+    best_by: str = "request_goodput"
+
+
+@dataclass
+class ReportSection:
+    html: bool = True
+    fallback_slo: SLOSection = field(default_factory=SLOSection)
+    sweep: SweepReportSection = field(default_factory=SweepReportSection)
 
 
 @dataclass

@@ -95,6 +95,20 @@ class EngineConfig:
         cfg.validate()
         return cfg
 
+    @classmethod
+    def from_sections(cls, data: dict[str, Any]) -> EngineConfig:
+        """Build from nested dicts (a resolved Hydra config); keys a section does not know
+        (e.g. `model.arch`, kept for dummy shapes) are ignored, missing ones keep defaults."""
+        cfg = cls()
+        for f in fields(cls):
+            section = getattr(cfg, f.name)
+            known = {sf.name for sf in fields(section)}
+            for key, value in (data.get(f.name) or {}).items():
+                if key in known:
+                    setattr(section, key, value)
+        cfg.validate()
+        return cfg
+
     def validate(self) -> None:
         s, c = self.scheduler, self.cache
         if s.max_num_batched_tokens < 1:

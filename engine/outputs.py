@@ -70,6 +70,7 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     prefix_cache_hits: int = 0  # tokens hit this step
     num_preemptions: int = 0  # this step
     num_finished: int = 0
+    num_kv_tokens_read: int = 0  # sum of num_computed_tokens of the scheduled requests before the step
 
     @property
     def kv_usage(self) -> float:

@@ -101,12 +101,16 @@ class Request:
 
         self.block_hashes: list[BlockHash] = []
         self._block_hasher: BlockHasher | None = None
+        self._hash_block_size = 1
         if block_hasher is not None:
             self.set_block_hasher(block_hasher)
 
     def set_block_hasher(self, block_hasher: BlockHasher) -> None:
         """Attach the hasher and hash every full block known so far."""
         self._block_hasher = block_hasher
+        # Tokens per hashed block, when the hasher says (`make_block_hasher` does): a new
+        # token then calls the hasher only when it completes a block.
+        self._hash_block_size: int = getattr(block_hasher, "block_size", 1)
         self.block_hashes.extend(block_hasher(self))
 
     @property
@@ -127,11 +131,17 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append sampled tokens; block hashes follow when a block becomes full."""
-        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-        self.output_token_ids.extend(ids)
-        self.all_token_ids.extend(ids)
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        if isinstance(token_ids, int):
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            ids = list(token_ids)
+            self.output_token_ids.extend(ids)
+            self.all_token_ids.extend(ids)
+        hasher = self._block_hasher
+        next_full = (len(self.block_hashes) + 1) * self._hash_block_size
+        if hasher is not None and len(self.all_token_ids) >= next_full:
+            self.block_hashes.extend(hasher(self))
 
     def get_finish_reason(self) -> FinishReason | None:
         return finish_reason(self.status) if self.is_finished else None

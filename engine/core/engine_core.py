@@ -99,6 +99,7 @@ class EngineCore:
         """One iteration: schedule, execute, update. Returns outputs and this step's stats."""
         step = self.step_index
         self.hooks.step_begin(step)
+        c0 = self.clock()
         t0 = time.perf_counter()
         with self.hooks.phase("schedule"):
             so = self.scheduler.schedule()
@@ -117,6 +118,7 @@ class EngineCore:
         t4 = time.perf_counter()
         now = self.clock()
         stats = self._make_stats(step, now, runner_out, (t0, t1, t2, t3, t4))
+        stats.step_time = now - c0  # on the executor's clock: simulated runs report simulated steps
         self.hooks.step_end()
         if so.total_num_scheduled_tokens > 0:
             self.step_index += 1

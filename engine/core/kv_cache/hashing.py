@@ -80,4 +80,5 @@ def make_block_hasher(block_size: int) -> BlockHasher:
             new.append(parent)
         return new
 
+    hasher.block_size = block_size  # type: ignore[attr-defined]  # see Request.set_block_hasher
     return hasher

@@ -23,10 +23,13 @@ class KVCacheBlocks:
     blocks: tuple[KVCacheBlock, ...] = ()
 
     def get_block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
+        return [b.block_id for b in self.blocks] if self.blocks else []
 
     def __len__(self) -> int:
         return len(self.blocks)
+
+
+_NO_BLOCKS = KVCacheBlocks()
 
 
 class KVCacheManager:
@@ -91,38 +94,69 @@ class KVCacheManager:
         there are not enough free blocks; then nothing changed (no ref count taken).
         The first allocation of a request counts as one prefix-cache query.
         """
-        computed = new_computed_blocks.blocks if new_computed_blocks else ()
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        bs = self.block_size
+        rid = request.request_id
+        req_blocks = self.req_to_blocks.get(rid)
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_required = -(-total_tokens // self.block_size)
-        num_new_blocks = max(0, num_required - len(req_blocks) - len(computed))
+        num_required = -(-total_tokens // bs)
+        if req_blocks is not None and not new_computed_blocks and num_required <= len(req_blocks):
+            # Fast path (most decode steps): the request's blocks already hold the tokens.
+            if self.enable_caching and total_tokens // bs > self._num_cached_blocks[rid]:
+                self._cache_full_blocks(request, req_blocks, total_tokens)
+            return _NO_BLOCKS
+        return self._allocate(request, req_blocks, total_tokens, num_required, new_computed_blocks,
+                              num_new_computed_tokens)  # fmt: skip
+
+    def _allocate(
+        self,
+        request: Request,
+        req_blocks: list[KVCacheBlock] | None,
+        total_tokens: int,
+        num_required: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_new_computed_tokens: int,
+    ) -> KVCacheBlocks | None:
+        """`allocate_slots` when new blocks are needed or a prefix hit is taken."""
+        computed = new_computed_blocks.blocks if new_computed_blocks else ()
+        is_admission = req_blocks is None
+        num_new_blocks = max(0, num_required - (0 if is_admission else len(req_blocks)) - len(computed))
         # Hit blocks that are free now leave the free queue when touched.
-        num_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new_blocks > self.num_free_blocks - num_free_hits:
+        num_free_hits = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
+        if num_new_blocks > self.block_pool.free_block_queue.num_free_blocks - num_free_hits:
             return None
 
-        is_admission = request.request_id not in self.req_to_blocks
-        if is_admission and self.enable_caching:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_new_computed_tokens
-        self.block_pool.touch(computed)
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
-        req_blocks.extend(computed)
+        if is_admission:
+            req_blocks = self.req_to_blocks[request.request_id] = []
+            self._num_cached_blocks[request.request_id] = 0
+            if self.enable_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_new_computed_tokens
+        assert req_blocks is not None
+        if computed:
+            self.block_pool.touch(computed)
+            req_blocks.extend(computed)
+        if num_new_blocks == 0:
+            self._cache_full_blocks(request, req_blocks, total_tokens)
+            return _NO_BLOCKS
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         self._cache_full_blocks(request, req_blocks, total_tokens)
         return KVCacheBlocks(tuple(new_blocks))
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Offer the request's blocks that `num_tokens` fills (and that have a hash) to the prefix cache."""
         if not self.enable_caching:
             return
         bs = self.block_size
-        start = self._num_cached_blocks.get(request.request_id, 0)
+        rid = request.request_id
+        start = self._num_cached_blocks.get(rid, 0)
         end = min(num_tokens // bs, len(request.block_hashes))
+        if end <= start:
+            return
+        hashes, tokens, pool = request.block_hashes, request.all_token_ids, self.block_pool
         for i in range(start, end):
-            tokens = request.all_token_ids[i * bs : (i + 1) * bs]
-            self.block_pool.cache_block(req_blocks[i], request.block_hashes[i], tokens)
-        self._num_cached_blocks[request.request_id] = max(start, end)
+            pool.cache_block(req_blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs])
+        self._num_cached_blocks[rid] = end
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so its prefix is evicted last).

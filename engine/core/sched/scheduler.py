@@ -158,11 +158,15 @@ class Scheduler:
             self._schedule_waiting(budget, plan)
         out = plan.to_output(self.kv_cache_manager, self.finished_req_ids)
         self.finished_req_ids = set()
+        kv_read = 0
+        requests, inflight = self.requests, self._inflight
         for rid, n in plan.num_scheduled.items():
-            request = self.requests[rid]
+            request = requests[rid]
+            kv_read += request.num_computed_tokens
             request.num_computed_tokens += n
-            self._inflight[rid] += 1
+            inflight[rid] += 1
         self._record_step(out)
+        self._step.num_kv_tokens_read = kv_read
         return out
 
     def _grant(self, budget: TokenBudget, wanted: int) -> int:
@@ -358,6 +362,7 @@ class Scheduler:
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
             num_finished=s.num_finished,
+            num_kv_tokens_read=s.num_kv_tokens_read,
         )
 
     def assert_idle(self) -> None:

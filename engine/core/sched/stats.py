@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -24,10 +24,14 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # tokens hit by this step's admissions
     num_preemptions: int = 0
     num_finished: int = 0  # stopped or length-capped in update_from_output (not aborts)
+    num_kv_tokens_read: int = 0  # sum of num_computed_tokens of the scheduled requests before the step
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in _FIELDS}
 
     @property
     def kv_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+_FIELDS = tuple(f.name for f in fields(SchedulerStats))

@@ -1,0 +1,239 @@
+"""One experiment: build the workload, start the target, drive it, write the run folder.
+
+Whatever happens (a failing target, Ctrl-C, a bad request), the run folder ends up
+valid: config.yaml first, then requests.csv / steps.csv / summary.json with what was
+measured, error.txt with the reason when the run did not complete, and report.html.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from engine.config import EngineConfig
+from engine.tokenizer import get_tokenizer
+from workloads import runfolder
+from workloads.driver import Driver, RunResult
+from workloads.factory import build_workload
+from workloads.metrics import summarize
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Outcome:
+    run_dir: Path
+    summary: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    report: Path | None = None
+
+
+def engine_config_of(cfg: DictConfig) -> EngineConfig:
+    data = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(data, dict)
+    return EngineConfig.from_sections(data)  # type: ignore[arg-type]
+
+
+def measure_time_reference(repeats: int = 5) -> float:
+    """Seconds of a fixed matmul workload on this machine, now (gates normalise time metrics by it)."""
+    a = torch.randn(384, 384)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(20):
+            a = torch.tanh(a @ a)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def slo_of(cfg: DictConfig) -> dict[str, float | None]:
+    return {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms, "e2el_ms": cfg.slo.e2el_ms}
+
+
+def run_experiment(cfg: DictConfig, run_dir: str | Path) -> Outcome:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    outcome = Outcome(run_dir)
+    try:
+        outcome.summary = _run(cfg, run_dir)
+    except KeyboardInterrupt:
+        outcome.error = "interrupted (Ctrl-C)"
+    except Exception as exc:  # noqa: BLE001 - recorded in error.txt, shown as one line
+        outcome.error = f"{type(exc).__name__}: {exc}"
+        (run_dir / "traceback.txt").write_text(traceback.format_exc())
+    if outcome.error:
+        runfolder.write_error(run_dir, outcome.error)
+    if cfg.report.html:
+        outcome.report = _report(run_dir)
+    return outcome
+
+
+def _report(run_dir: Path) -> Path | None:
+    from reports.run_report import build_report
+
+    try:
+        return build_report(run_dir)
+    except Exception as exc:  # noqa: BLE001 - the measurements are already on disk
+        runfolder.write_error(run_dir, f"report failed: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    engine_config = engine_config_of(cfg)
+    kind = cfg.target.kind
+    if kind == "simulated":
+        return _run_simulated(cfg, engine_config, run_dir)
+    target, tokenizer, max_len = _make_target(cfg, engine_config, run_dir)
+    try:
+        specs, extra = build_workload(cfg.workload, tokenizer, max_len)
+        if extra:
+            (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
+        reference = measure_time_reference() if cfg.run.time_reference else None
+        result = _drive(cfg, target, specs, run_dir)
+    finally:
+        _shutdown(target)
+    return _write_results(cfg, run_dir, result, reference)
+
+
+def _make_target(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path):
+    from workloads.targets.engine import EngineTarget, ServerTarget
+    from workloads.targets.openai import OpenAITarget
+
+    kind = cfg.target.kind
+    if kind == "inprocess":
+        target = EngineTarget(engine_config, hooks_factory=_hooks_factory(cfg, run_dir))
+        llm = target.load()
+        return target, llm.tokenizer, llm.max_model_len
+    tokenizer = get_tokenizer(engine_config.model)
+    if kind == "server":
+        target = ServerTarget(_serve_overrides(cfg), cfg.target.startup_timeout_s, str(run_dir / "server.log"))
+        return target, tokenizer, _max_model_len(engine_config)
+    if kind == "openai":
+        if not cfg.target.url:
+            raise ValueError("target.url is required for target=openai")
+        target = OpenAITarget(cfg.target.url, cfg.target.model_name or "", cfg.target.api_key,
+                              cfg.target.endpoint, extra_body={"temperature": 0.0},
+                              timeout_s=cfg.target.request_timeout_s)
+        return target, tokenizer, _max_model_len(engine_config)
+    raise ValueError(f"target.kind: unknown {kind!r} (inprocess|server|openai|simulated)")
+
+
+def _max_model_len(engine_config: EngineConfig) -> int:
+    from engine.model.loader import resolve_model
+
+    arch, _, _ = resolve_model(engine_config.model)
+    return min(engine_config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+
+
+def _serve_overrides(cfg: DictConfig) -> list[str]:
+    """The engine sections of this run as servelab-serve overrides (same config groups)."""
+    out = []
+    for section in ("scheduler", "cache", "attention", "device"):
+        for key, value in cfg[section].items():
+            out.append(f"{section}.{key}={'null' if value is None else value}")
+    for key in ("model", "load_format", "dtype", "max_model_len", "seed", "num_layers_override"):
+        value = cfg.model[key]
+        out.append(f"model.{key}={'null' if value is None else value}")
+    return out
+
+
+def _hooks_factory(cfg: DictConfig, run_dir: Path):
+    if not cfg.profiling.enabled:
+        return None
+    p = cfg.profiling
+
+    def factory():
+        from profiling.engine_hooks import StepProfilerHooks
+        from profiling.torch_profiler import StepProfiler
+
+        return StepProfilerHooks(StepProfiler(run_dir, wait=p.wait, warmup=p.warmup, active=p.active,
+                                              repeat=p.repeat, record_shapes=p.record_shapes))
+
+    return factory
+
+
+def _drive(cfg: DictConfig, target: Any, specs: list, run_dir: Path) -> RunResult:
+    from profiling.telemetry import TelemetrySampler
+
+    arr = cfg.workload.arrival
+    closed = cfg.workload.kind == "synthetic" and arr.process == "closed"
+    scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai") else None
+    driver = Driver(target, closed_loop=closed, concurrency=int(arr.concurrency) if closed else None,
+                    max_duration_s=cfg.run.max_duration_s, progress=True, scrape_interval_s=scrape)
+    sampler = TelemetrySampler(run_dir, cfg.profiling.telemetry_interval_s) if cfg.profiling.telemetry else None
+
+    async def go() -> RunResult:
+        await target.start()
+        try:
+            if sampler is not None:
+                sampler.start()
+            return await driver.run(specs)
+        finally:
+            if sampler is not None:
+                sampler.stop()
+            await target.stop()
+
+    return asyncio.run(go())
+
+
+def _shutdown(target: Any) -> None:
+    stop = getattr(target, "shutdown", None)
+    if stop is not None:
+        stop()
+
+
+def _write_results(cfg: DictConfig, run_dir: Path, result: RunResult, reference: float | None) -> dict[str, Any]:
+    runfolder.write_requests(run_dir, result.records)
+    steps_df = None
+    if result.steps:
+        steps_df = runfolder.steps_frame(result.steps, result.t0_wall)
+    elif result.scraped:
+        steps_df = runfolder.scraped_frame(result.scraped)
+    if steps_df is not None:
+        runfolder.write_steps(run_dir, steps_df)
+    summary = summarize(result.records, slo=slo_of(cfg), steps=steps_df)
+    if reference is not None:
+        summary["time_reference_s"] = reference
+    summary["target"] = cfg.target.kind
+    if result.interrupted:
+        summary["stop_reason"] = result.stop_reason
+        runfolder.write_error(run_dir, f"run stopped early: {result.stop_reason}")
+    runfolder.write_summary(run_dir, summary)
+    return summary
+
+
+def _run_simulated(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path) -> dict[str, Any]:
+    from engine.sim.executor import SimulatedExecutor
+    from workloads.simulate import simulate
+
+    s = cfg.sim
+    executor = SimulatedExecutor.from_names(engine_config, engine_config.model.model, s.hardware, tp=int(s.tp),
+                                            step_model=s.step_model)
+    tokenizer = get_tokenizer(engine_config.model)
+    specs, extra = build_workload(cfg.workload, tokenizer, executor_max_len(executor, engine_config))
+    if extra:
+        (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
+    res = simulate(specs, engine_config, executor, progress=True)
+    result = RunResult(records=res.records, t0_wall=0.0, wall_s=res.sim_s, steps=res.steps)
+    summary = _write_results(cfg, run_dir, result, None)
+    summary["simulation_wall_s"] = res.wall_s
+    runfolder.write_summary(run_dir, summary)
+    return summary
+
+
+def executor_max_len(executor: Any, engine_config: EngineConfig) -> int:
+    executor_len = getattr(executor, "max_model_len", None)
+    if executor_len is None:
+        executor.initialize()
+        executor_len = executor.max_model_len
+    return int(executor_len)

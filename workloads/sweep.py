@@ -1,0 +1,74 @@
+"""Sweeps: each Hydra job records its overrides; a callback gathers the jobs into sweep.csv."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+SCALAR = (int, float, str, bool, type(None))
+
+
+def write_job_overrides(run_dir: str | Path, overrides: list[str]) -> None:
+    path = Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "overrides.json").write_text(json.dumps(overrides))
+
+
+def _override_values(overrides: list[str]) -> dict[str, str]:
+    out = {}
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        if key.startswith("hydra") or key == "sweep":
+            continue
+        out[key] = value
+    return out
+
+
+def collect_sweep(sweep_dir: str | Path) -> pd.DataFrame:
+    """One row per job folder holding a summary.json: the swept values + every scalar summary key."""
+    rows = []
+    for job in sorted(Path(sweep_dir).iterdir(), key=lambda p: p.name):
+        summary_path = job / "summary.json"
+        if not job.is_dir():
+            continue
+        row: dict[str, Any] = {"job": job.name, "run_dir": str(job)}
+        overrides_path = job / "overrides.json"
+        if overrides_path.exists():
+            row |= _override_values(json.loads(overrides_path.read_text()))
+        if summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+            row |= {k: v for k, v in summary.items() if isinstance(v, SCALAR)}
+        else:
+            err = job / "error.txt"
+            row["error"] = err.read_text().strip() if err.exists() else "no summary.json"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def write_sweep(sweep_dir: str | Path) -> Path:
+    df = collect_sweep(sweep_dir)
+    path = Path(sweep_dir) / "sweep.csv"
+    df.to_csv(path, index=False)
+    return path
+
+
+class SweepCollector(Callback):
+    """Hydra callback: after a multirun, write sweep.csv and the sweep report."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.exists():
+            return
+        path = write_sweep(sweep_dir)
+        print(f"sweep table: {path}")
+        try:
+            from reports.sweep import build_sweep_report
+
+            print(f"sweep report: {build_sweep_report(sweep_dir)}")
+        except Exception as exc:  # noqa: BLE001 - the table is written; say why the page is not
+            print(f"sweep report failed: {type(exc).__name__}: {exc}")

@@ -1,0 +1,207 @@
+"""Targets backed by servelab's own engine.
+
+- `EngineTarget`: the in-process engine (AsyncLLM with its EngineCore in a thread of
+  this process). Token times come from the engine (the end of the step that made each
+  token), not from chunk arrival, and each request carries the engine's queued /
+  prefill / decode split. Every engine step's `StepStats` is kept.
+- `ServerTarget`: a `servelab-serve` process the harness starts on a free local port
+  and stops itself; requests go over HTTP through `OpenAITarget`, engine state comes
+  from scraping `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import aiohttp
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
+from engine.outputs import StepStats
+from engine.sampling_params import SamplingParams
+from workloads.record import TargetResult
+from workloads.spec import RequestSpec
+from workloads.targets.base import OnToken
+from workloads.targets.openai import OpenAITarget
+
+
+def sampling_params_for(spec: RequestSpec) -> SamplingParams:
+    return SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=spec.ignore_eos)
+
+
+class EngineTarget:
+    name = "inprocess"
+
+    def __init__(self, engine_config: EngineConfig, hooks_factory: Any = None) -> None:
+        self.engine_config = engine_config
+        self.hooks_factory = hooks_factory
+        self.llm: AsyncLLM | None = None
+        self._steps: list[StepStats] = []
+        # engine clock (time.time) -> driver clock (perf_counter)
+        self._offset = time.perf_counter() - time.time()
+
+    def load(self) -> AsyncLLM:
+        """Start the engine (blocks while the model loads); idempotent."""
+        if self.llm is None:
+            self.llm = AsyncLLM.from_config(self.engine_config, multiprocess=False)
+            if self.hooks_factory is not None:
+                self._install_hooks()
+        return self.llm
+
+    def _install_hooks(self) -> None:
+        core = self.llm.client._thread_core  # type: ignore[union-attr]
+        if core is not None:
+            core.engine.set_hooks(_LazyHooks(self.hooks_factory))
+
+    async def start(self) -> None:
+        self.load()
+        self._offset = time.perf_counter() - time.time()
+        self.llm.step_stats()  # type: ignore[union-attr]  # drop steps from before the run
+
+    async def stop(self) -> None:
+        self._steps.extend(self.llm.step_stats() if self.llm else [])
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            core = self.llm.client._thread_core
+            self.llm.shutdown()
+            if core is not None:
+                core.engine.hooks.close()
+            self.llm = None
+
+    async def send(self, spec: RequestSpec, on_token: OnToken | None = None) -> TargetResult:
+        assert self.llm is not None, "start() first"
+        res = TargetResult()
+        prompt = spec.prompt_token_ids if spec.prompt_token_ids is not None else spec.prompt
+        seen = 0
+        try:
+            async for out in self.llm.generate(prompt, sampling_params_for(spec), request_id=spec.request_id,
+                                               priority=spec.priority):
+                comp = out.outputs[0]
+                times = out.metrics.token_times
+                for t in times[seen:]:
+                    t_perf = t + self._offset
+                    res.chunk_times.append(t_perf)
+                    res.chunk_tokens.append(1)
+                    if on_token is not None:
+                        on_token(t_perf, 1)
+                seen = len(times)
+                if out.finished:
+                    self._finish(res, out, comp)
+        except ValueError as exc:
+            res.error = f"invalid request: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a failed request is data, not a crash
+            res.error = f"{type(exc).__name__}: {exc}"
+        res.done_time = time.perf_counter()
+        return res
+
+    @staticmethod
+    def _finish(res: TargetResult, out: Any, comp: Any) -> None:
+        m = out.metrics
+        res.prompt_tokens = len(out.prompt_token_ids)
+        res.output_tokens = len(comp.token_ids)
+        res.finish_reason = comp.finish_reason or ""
+        res.output_token_ids = list(comp.token_ids)
+        res.output_text = comp.text
+        if m.first_scheduled_time:
+            res.server_queued_s = m.queued_time
+            res.server_prefill_s = m.prefill_time
+            res.server_decode_s = m.decode_time
+        if comp.finish_reason == "error":
+            res.error = "engine error"
+
+    def step_stats(self) -> list[StepStats] | None:
+        if self.llm is not None:
+            self._steps.extend(self.llm.step_stats())
+        return list(self._steps)
+
+    async def scrape_metrics(self) -> dict[str, float] | None:
+        return None
+
+
+class _LazyHooks:
+    """Builds the real hooks on first use, in the engine thread (torch.profiler is per thread)."""
+
+    def __init__(self, factory: Any) -> None:
+        self.factory = factory
+        self.hooks: Any = None
+
+    def _get(self) -> Any:
+        if self.hooks is None:
+            self.hooks = self.factory()
+        return self.hooks
+
+    def step_begin(self, step: int) -> None:
+        self._get().step_begin(step)
+
+    def step_end(self) -> None:
+        self._get().step_end()
+
+    def phase(self, name: str) -> Any:
+        return self._get().phase(name)
+
+    def close(self) -> None:
+        if self.hooks is not None:
+            self.hooks.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerTarget(OpenAITarget):
+    """A `servelab-serve` process started and stopped by the harness."""
+
+    name = "server"
+
+    def __init__(self, overrides: list[str], startup_timeout_s: float = 180.0, log_path: str | None = None) -> None:
+        self.port = free_port()
+        super().__init__(f"http://127.0.0.1:{self.port}", model="servelab", extra_body={"temperature": 0.0})
+        self.overrides = overrides
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self) -> None:
+        if self.proc is None:
+            await self._launch()
+        await super().start()
+
+    async def _launch(self) -> None:
+        cmd = [sys.executable, "-m", "engine.entrypoints.serve", "--port", str(self.port), *self.overrides]
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        deadline = time.monotonic() + self.startup_timeout_s
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"servelab-serve exited with code {self.proc.returncode} during start-up"
+                                       + (f" (log: {self.log_path})" if self.log_path else ""))
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with session.get(f"{self.base_url}/v1/models") as resp:
+                        if resp.status == 200:
+                            data = await resp.json()
+                            self.model = data["data"][0]["id"]
+                            return
+                await asyncio.sleep(0.5)
+        raise RuntimeError(f"servelab-serve not ready after {self.startup_timeout_s:.0f} s")
+
+    def shutdown(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
