@@ -86,7 +86,7 @@ class EngineConfig:
         cfg.model.model = model
         if "attention_backend" in kwargs:
             cfg.attention.backend = kwargs.pop("attention_backend")
-        sections = [cfg.model, cfg.cache, cfg.scheduler, cfg.attention, cfg.device]
+        sections: list[Any] = [cfg.model, cfg.cache, cfg.scheduler, cfg.attention, cfg.device]
         for key, value in kwargs.items():
             owners = [s for s in sections if key in {f.name for f in fields(s)}]
             if not owners:

@@ -110,7 +110,7 @@ class Request:
         self._block_hasher = block_hasher
         # Tokens per hashed block, when the hasher says (`make_block_hasher` does): a new
         # token then calls the hasher only when it completes a block.
-        self._hash_block_size: int = getattr(block_hasher, "block_size", 1)
+        self._hash_block_size = int(getattr(block_hasher, "block_size", 1))
         self.block_hashes.extend(block_hasher(self))
 
     @property

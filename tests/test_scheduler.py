@@ -466,7 +466,7 @@ def test_outputs_timestamps_and_stats_snapshot() -> None:
     assert stats.as_dict() == {
         "num_running": 1, "num_waiting": 0, "kv_blocks_used": 2, "kv_blocks_total": 8,
         "num_prefill_tokens": 20, "num_decode_tokens": 0, "num_prefill_reqs": 1, "num_decode_reqs": 0,
-        "prefix_cache_queries": 20, "prefix_cache_hits": 0, "num_preemptions": 0, "num_finished": 0,
+        "prefix_cache_queries": 20, "prefix_cache_hits": 0, "num_preemptions": 0, "num_finished": 0, "num_kv_tokens_read": 0,
     }  # fmt: skip
     (o,) = outs
     assert o.arrival_time == 50.0 and 100 <= o.first_scheduled_time < o.first_token_time
@@ -474,4 +474,5 @@ def test_outputs_timestamps_and_stats_snapshot() -> None:
     _, (last,) = step(sched)
     assert last.finished and last.finished_time >= last.first_token_time
     assert sched.make_stats().num_finished == 1 and sched.make_stats().num_decode_tokens == 1
+    assert sched.make_stats().num_kv_tokens_read == 20  # the decode step reads the 20 prompt tokens
     sched.assert_idle()

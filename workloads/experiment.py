@@ -93,6 +93,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     kind = cfg.target.kind
     if kind == "simulated":
         return _run_simulated(cfg, engine_config, run_dir)
+    if kind == "offline":
+        return _run_offline(cfg, engine_config, run_dir)
     target, tokenizer, max_len = _make_target(cfg, engine_config, run_dir)
     try:
         specs, extra = build_workload(cfg.workload, tokenizer, max_len)
@@ -125,7 +127,7 @@ def _make_target(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path):
                               cfg.target.endpoint, extra_body={"temperature": 0.0},
                               timeout_s=cfg.target.request_timeout_s)
         return target, tokenizer, _max_model_len(engine_config)
-    raise ValueError(f"target.kind: unknown {kind!r} (inprocess|server|openai|simulated)")
+    raise ValueError(f"target.kind: unknown {kind!r} (inprocess|offline|server|openai|simulated)")
 
 
 def _max_model_len(engine_config: EngineConfig) -> int:
@@ -237,3 +239,41 @@ def executor_max_len(executor: Any, engine_config: EngineConfig) -> int:
         executor.initialize()
         executor_len = executor.max_model_len
     return int(executor_len)
+
+
+def _run_offline(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path) -> dict[str, Any]:
+    """Every request handed to `LLM.generate` at once (vLLM's offline benchmark shape).
+
+    Arrival times are ignored; scheduling is then deterministic, which is what the CI
+    gate compares (steps, tokens per step, prefix hits, preemptions).
+    """
+    from engine.llm import LLM
+    from workloads.record import RequestRecord
+    from workloads.targets.engine import sampling_params_for
+
+    llm = LLM(config=engine_config)
+    factory = _hooks_factory(cfg, run_dir)
+    if factory is not None:
+        llm.engine_core.set_hooks(factory())
+    try:
+        specs, _ = build_workload(cfg.workload, llm.tokenizer, llm.engine_core.max_model_len)
+        reference = measure_time_reference() if cfg.run.time_reference else None
+        prompts = [s.prompt_token_ids if s.prompt_token_ids is not None else s.prompt for s in specs]
+        t0_wall, t0 = time.time(), time.perf_counter()
+        outs = llm.generate(prompts, [sampling_params_for(s) for s in specs], use_tqdm=True)
+        done = time.perf_counter() - t0
+    finally:
+        llm.engine_core.shutdown()
+    records = []
+    for spec, out in zip(specs, outs, strict=True):
+        comp = out.outputs[0]
+        m = out.metrics
+        records.append(RequestRecord(
+            request_id=spec.request_id, scheduled_s=0.0, start_s=0.0,
+            token_times=[t - t0_wall for t in m.token_times], done_s=done,
+            prompt_tokens=len(out.prompt_token_ids), output_tokens=len(comp.token_ids),
+            finish_reason=comp.finish_reason or "", is_warmup=spec.is_warmup, group=spec.group,
+            server_queued_s=m.queued_time, server_prefill_s=m.prefill_time, server_decode_s=m.decode_time,
+        ))
+    result = RunResult(records=records, t0_wall=t0_wall, wall_s=done, steps=llm.step_stats)
+    return _write_results(cfg, run_dir, result, reference)

@@ -119,7 +119,7 @@ class KVCacheManager:
         """`allocate_slots` when new blocks are needed or a prefix hit is taken."""
         computed = new_computed_blocks.blocks if new_computed_blocks else ()
         is_admission = req_blocks is None
-        num_new_blocks = max(0, num_required - (0 if is_admission else len(req_blocks)) - len(computed))
+        num_new_blocks = max(0, num_required - (len(req_blocks) if req_blocks is not None else 0) - len(computed))
         # Hit blocks that are free now leave the free queue when touched.
         num_free_hits = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
         if num_new_blocks > self.block_pool.free_block_queue.num_free_blocks - num_free_hits:

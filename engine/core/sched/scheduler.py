@@ -47,7 +47,10 @@ from engine.core.sched.stats import SchedulerStats
 from engine.core.sched.step_plan import StepPlan
 from engine.core.sched.stop_checker import check_stop
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
-from engine.request import Request, RequestStatus, is_finished
+from engine.request import Request, RequestStatus, finish_reason, is_finished
+
+# RequestStatus -> FinishReason value (finished statuses only).
+_FINISH_REASON_VALUES = {s: int(finish_reason(s)) for s in RequestStatus if is_finished(s)}
 
 
 class Scheduler:
@@ -177,18 +180,23 @@ class Scheduler:
         return budget.grant(wanted)
 
     def _schedule_running(self, budget: TokenBudget, plan: StepPlan) -> None:
+        running = RequestStatus.RUNNING
+        allocate = self.kv_cache_manager.allocate_slots
         for request in list(self.running):
-            if budget.exhausted:
+            if budget.tokens_left <= 0:
                 return
-            if request.status != RequestStatus.RUNNING:
+            if request.status != running:
                 continue  # preempted earlier this step
-            n = self._grant(budget, request.num_tokens - request.num_computed_tokens)
+            n = self._grant(budget, len(request.all_token_ids) - request.num_computed_tokens)
             if n == 0:
                 continue
-            new_blocks = self._allocate_or_preempt(request, n, budget, plan)
+            # allocate_slots first (the common case fits); on failure, preempt and retry.
+            new_blocks = allocate(request, n)
+            if new_blocks is None:
+                new_blocks = self._allocate_or_preempt(request, n, budget, plan)
             if new_blocks is not None:
                 plan.add_cached(request, n, new_blocks.get_block_ids())
-                budget.spend(n)
+                budget.tokens_left -= n
 
     def _allocate_or_preempt(
         self, request: Request, num_tokens: int, budget: TokenBudget, plan: StepPlan
@@ -250,24 +258,34 @@ class Scheduler:
         """
         outputs, self._pending_outputs = self._pending_outputs, []
         now = self.clock()
+        requests, running = self.requests, RequestStatus.RUNNING
+        all_logprobs = model_runner_output.logprobs
         for rid, token_ids in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
-            request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING or not token_ids:
+            if not token_ids:
                 continue
-            if request.num_computed_tokens < request.num_tokens:
+            request = requests.get(rid)
+            if request is None or request.status != running:
+                continue
+            if request.num_computed_tokens < len(request.all_token_ids):
                 continue  # partial prefill: nothing to sample yet
             kept = self._append_tokens(request, token_ids, now)
-            if request.is_finished:
+            if request.status > RequestStatus.PREEMPTED:  # finished
                 self._finish(request, now)
                 self._step.num_finished += 1
-            logprobs = model_runner_output.logprobs.get(rid)
+            logprobs = all_logprobs.get(rid) if all_logprobs else None
             outputs.append(self._make_output(request, kept, logprobs[: len(kept)] if logprobs else None))
         self._release_inflight(scheduler_output)
         return outputs
 
     def _append_tokens(self, request: Request, token_ids: list[int], now: float) -> list[int]:
+        if len(token_ids) == 1:  # the common case, without the loop
+            request.append_output_token_ids(token_ids[0])
+            check_stop(request, self.max_model_len)
+            if not request.first_token_time:
+                request.first_token_time = now
+            return token_ids
         kept: list[int] = []
         for token_id in token_ids:
             request.append_output_token_ids(token_id)
@@ -279,22 +297,24 @@ class Scheduler:
         return kept
 
     def _release_inflight(self, scheduler_output: SchedulerOutput) -> None:
+        inflight, deferred = self._inflight, self._deferred_free
         for rid in scheduler_output.num_scheduled_tokens:
-            self._inflight[rid] -= 1
-            if self._inflight[rid] <= 0:
-                del self._inflight[rid]
-                if rid in self._deferred_free:
-                    self.kv_cache_manager.free(self._deferred_free.pop(rid))
+            left = inflight[rid] - 1
+            if left > 0:
+                inflight[rid] = left
+                continue
+            del inflight[rid]
+            if deferred and rid in deferred:
+                self.kv_cache_manager.free(deferred.pop(rid))
 
     @staticmethod
     def _make_output(
         request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None
     ) -> EngineCoreOutput:
-        reason = request.get_finish_reason()
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
-            finish_reason=None if reason is None else int(reason),
+            finish_reason=_FINISH_REASON_VALUES.get(request.status),
             stop_reason=request.stop_reason,
             new_logprobs=logprobs,
             num_cached_tokens=max(request.num_cached_tokens, 0),

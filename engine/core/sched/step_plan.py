@@ -53,12 +53,14 @@ class StepPlan:
             for r in self.new_reqs
         ]
         cached = CachedRequestData()
+        req_ids, block_ids, computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        token_ids, num_scheduled, new_block_ids = cached.new_token_ids, self.num_scheduled, self.new_block_ids
         for rid, r in self.cached_reqs.items():
             start = r.num_computed_tokens
-            cached.req_ids.append(rid)
-            cached.new_block_ids.append(self.new_block_ids[rid])
-            cached.num_computed_tokens.append(start)
-            cached.new_token_ids.append(r.all_token_ids[start : start + self.num_scheduled[rid]])
+            req_ids.append(rid)
+            block_ids.append(new_block_ids[rid])
+            computed.append(start)
+            token_ids.append(r.all_token_ids[start : start + num_scheduled[rid]])
         out = SchedulerOutput(
             scheduled_new_reqs=new,
             scheduled_cached_reqs=cached,
@@ -71,14 +73,21 @@ class StepPlan:
         return out
 
     def _count_phases(self, out: SchedulerOutput) -> None:
-        for r in [*self.new_reqs, *self.cached_reqs.values()]:
-            n = self.num_scheduled[r.request_id]
-            if is_decode(r, n):
-                out.num_decode_tokens += n
-                out.num_decode_reqs += 1
-            else:
-                out.num_prefill_tokens += n
-                out.num_prefill_reqs += 1
+        num_scheduled = self.num_scheduled
+        prefill_tokens = decode_tokens = prefill_reqs = decode_reqs = 0
+        for reqs in (self.new_reqs, self.cached_reqs.values()):
+            for r in reqs:
+                n = num_scheduled[r.request_id]
+                if n == 1 and r.output_token_ids and r.num_computed_tokens == len(r.all_token_ids) - 1:
+                    decode_tokens += 1  # is_decode(), inlined: this runs for every request of every step
+                    decode_reqs += 1
+                else:
+                    prefill_tokens += n
+                    prefill_reqs += 1
+        out.num_prefill_tokens += prefill_tokens
+        out.num_decode_tokens += decode_tokens
+        out.num_prefill_reqs += prefill_reqs
+        out.num_decode_reqs += decode_reqs
 
 
 def is_decode(request: Request, num_scheduled: int) -> bool:
