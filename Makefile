@@ -1,13 +1,16 @@
 # The two commands a new user types:
 #   make bench   run the default experiment on the embedded default model; prints the HTML report path
-#   make test    lint, type-check and run the test suite
+#   make test    lint, type-check, run the test suite, then the performance gate
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.servelab-setup
 TEST_STAMP := $(VENV)/.servelab-test-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup bench test lint typecheck clean
+GATE_RUN := runs/ci_gate/latest
+GATE_BASELINE := benchmarks/baselines/ci_gate.json
+
+.PHONY: setup bench test lint typecheck gate gate-baseline clean
 
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -30,6 +33,21 @@ typecheck: $(TEST_STAMP)
 
 test: $(TEST_STAMP) lint typecheck
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory gate
+
+# The performance gate: the fixed ci_gate experiment against the committed baseline
+# (machine-independent metrics exactly, time as a ratio to a reference timed in the same run).
+gate: $(TEST_STAMP)
+	rm -rf $(GATE_RUN)
+	$(VENV)/bin/servelab-run experiment=ci_gate hydra.run.dir=$(GATE_RUN)
+	$(VENV)/bin/servelab-gate --config conf/gate/ci.yaml --baseline $(GATE_BASELINE) $(GATE_RUN)
+
+# Re-make the baseline (on a quiet machine) after an intended change of behaviour.
+gate-baseline: $(TEST_STAMP)
+	rm -rf runs/ci_gate/base-1 runs/ci_gate/base-2 runs/ci_gate/base-3
+	for i in 1 2 3; do $(VENV)/bin/servelab-run experiment=ci_gate hydra.run.dir=runs/ci_gate/base-$$i || exit 1; done
+	mkdir -p $(dir $(GATE_BASELINE))
+	$(VENV)/bin/servelab-gate --make-baseline $(GATE_BASELINE) runs/ci_gate/base-1 runs/ci_gate/base-2 runs/ci_gate/base-3
 
 clean:
 	rm -rf runs outputs multirun test-output .pytest_cache .mypy_cache .ruff_cache

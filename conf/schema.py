@@ -80,6 +80,7 @@ class TraceSection:
     end_s: float | None = None
     lengths: str = "clamp"  # clamp | scale | none: fit lengths to the model context
     block_size: int = 512  # Mooncake hash block size (tokens)
+    block_multiple: int = 16  # lengths=scale: the scaled hash block is a multiple of this (KV block size)
     max_output_tokens: int | None = None
 
 
@@ -160,7 +161,6 @@ class RunSection:
     name: str = "default"
     output_dir: str = "runs"
     max_duration_s: float = 1800.0
-    repeats: int = 1
     time_reference: bool = True  # measure a fixed CPU/GPU reference to normalise time metrics
 
 

@@ -31,6 +31,8 @@ PromptType = str | list[int]
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, config: EngineConfig | None = None, **engine_args: Any) -> None:
+        if config is not None and engine_args:
+            raise ValueError(f"LLM: pass either config= or engine arguments, not both (got {sorted(engine_args)})")
         self.config = config if config is not None else EngineConfig.from_kwargs(model=model, **engine_args)
         self.engine_core = EngineCore(self.config)
         self.tokenizer = get_tokenizer(self.config.model)
@@ -103,7 +105,8 @@ class LLM:
                 core_out = self.engine_core.step()
                 if core_out.stats is not None and core_out.stats.num_prefill_tokens + core_out.stats.num_decode_tokens:
                     self.step_stats.append(core_out.stats)
-                outs, to_finish = self.output_processor.process_outputs(core_out)
+                with self.engine_core.hooks.phase("detokenize"):
+                    outs, to_finish = self.output_processor.process_outputs(core_out)
                 if to_finish:
                     self.engine_core.finish_requests(to_finish, RequestStatus.FINISHED_STOPPED)
                 for out in outs:

@@ -10,7 +10,8 @@ protocol (the engine's own default is a no-op object of the same shape):
         def close(self) -> None: ...                     # engine shutdown
 
 Phase names: schedule, prepare_inputs, forward, attention, sample, update, detokenize.
-`phase()` outside a step is allowed and recorded without a step (not in kernels.csv).
+`phase()` after a step's `step_end` (the front end detokenizing that step's outputs) is
+tagged with that step; before the first step it is not recorded.
 The workbench builds `StepProfilerHooks(StepProfiler(run_dir, ...))` and assigns it to
 `engine_core.profiler`.
 """
@@ -29,17 +30,19 @@ class StepProfilerHooks:
     def __init__(self, profiler: StepProfiler) -> None:
         self.profiler = profiler.start()
         self._step: int | None = None
+        self._last_step: int | None = None  # a phase after step_end (detokenize) belongs to it
         self._stack = ExitStack()
 
     def step_begin(self, step: int) -> None:
         if self._step is not None:
             self.step_end()
-        self._step = step
+        self._step = self._last_step = step
         self._stack.enter_context(self.profiler.step_range(step))
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        ctx = self.profiler.phase(name, self._step) if self._step is not None else nullcontext()
+        step = self._step if self._step is not None else self._last_step
+        ctx = self.profiler.phase(name, step) if step is not None else nullcontext()
         with ctx:
             yield
 

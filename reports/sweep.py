@@ -1,7 +1,8 @@
 """Sweep report: <sweep>/report.html from <sweep>/sweep.csv.
 
 sweep.csv has one row per job: the swept override values (columns named like the
-overrides, e.g. `workload.request_rate`, `attention.backend`), the job's summary.json
+overrides, e.g. `workload.arrival.rate`, `attention.backend` or
+`attention` when the group is swept), the job's summary.json
 scalars, and `run_dir`. Swept columns are those that are neither summary keys nor
 `run_dir`; a column whose name ends in `request_rate` (or `rate`) is the load axis.
 SLOs come from the first job's config.yaml, else `fallback_slo` in conf/report.
@@ -24,8 +25,14 @@ SUMMARY_RE = (r"^(completed|failed|duration|total_.*|request_.*|output_throughpu
               r"|p\d+_.*|driver_bottleneck|num_.*|prefix_cache_hit_rate|time_reference_s|reference_ratio_.*)$")  # fmt: skip
 
 
+NOT_SWEPT = {"job", "run_dir", "target", "error", "stop_reason", "simulation_wall_s"}
+
+
 def swept_columns(df: pd.DataFrame) -> list[str]:
-    return [c for c in df.columns if c != "run_dir" and not pd.Series([c]).str.match(SUMMARY_RE).item()]
+    """Override columns (not summary metrics, not bookkeeping) whose value changes across jobs."""
+    cols = [c for c in df.columns if c not in NOT_SWEPT and not pd.Series([c]).str.match(SUMMARY_RE).item()]
+    varying = [c for c in cols if df[c].astype(str).nunique() > 1]
+    return varying or cols
 
 
 def _rate_column(swept: list[str]) -> str | None:
@@ -85,7 +92,7 @@ def curves(df: pd.DataFrame, swept: list[str], cfg: dict[str, Any]) -> Section:
 
 def backends(df: pd.DataFrame, swept: list[str], cfg: dict[str, Any]) -> Section:
     s = Section("attention-backends", "Attention backends side by side")
-    col = next((c for c in swept if c.endswith("attention.backend")), None)
+    col = next((c for c in swept if c.endswith("attention.backend") or c == "attention"), None)
     if col is None:
         s.missing = "attention.backend was not swept."
         return s

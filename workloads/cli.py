@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from conf.schema import register_schemas
 
 register_schemas()
+_FAILED: list[str] = []  # run folders whose experiment failed (Hydra drops the task's return value)
 
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="run")
@@ -37,6 +38,8 @@ def _main(cfg: DictConfig) -> int:
     print(f"run folder: {outcome.run_dir}")
     if outcome.report is not None:
         print(f"report: {outcome.report}")
+    if outcome.error:
+        _FAILED.append(str(outcome.run_dir))
     return 1 if outcome.error else 0
 
 
@@ -48,6 +51,8 @@ def main() -> None:
     if not any(a.startswith("hydra/job_logging") or a.startswith("hydra/hydra_logging") for a in argv):
         sys.argv = [sys.argv[0], *argv, *quiet]
     _main()
+    if _FAILED:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

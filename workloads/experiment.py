@@ -118,7 +118,8 @@ def _make_target(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path):
         return target, llm.tokenizer, llm.max_model_len
     tokenizer = get_tokenizer(engine_config.model)
     if kind == "server":
-        target = ServerTarget(_serve_overrides(cfg), cfg.target.startup_timeout_s, str(run_dir / "server.log"))
+        target = ServerTarget(_serve_overrides(cfg), cfg.target.startup_timeout_s, str(run_dir / "server.log"),
+                              endpoint=cfg.target.endpoint, timeout_s=cfg.target.request_timeout_s)
         return target, tokenizer, _max_model_len(engine_config)
     if kind == "openai":
         if not cfg.target.url:

@@ -8,6 +8,7 @@ blocks). What was done to a trace is returned so the run can record it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,17 @@ def length_dist(cfg: Any) -> LengthDist:
         return make_lengths("fixed", value=int(cfg.value))
     if kind == "uniform":
         return make_lengths("uniform", low=int(cfg.low), high=int(cfg.high))
-    if kind in ("normal", "lognormal"):
+    if kind == "normal":
         return make_lengths(kind, mean=float(cfg.mean), std=float(cfg.std), min_len=int(cfg.min_len),
                             max_len=cfg.max_len)
+    if kind == "lognormal":
+        # mean/std are of the lengths themselves: sigma^2 = ln(1 + (std/mean)^2), median = mean / sqrt(1 + cv^2)
+        mean, std = float(cfg.mean), float(cfg.std)
+        if mean <= 0 or std < 0:
+            raise ValueError(f"workload length: lognormal needs mean > 0 and std >= 0, got {mean}, {std}")
+        var_log = math.log1p((std / mean) ** 2)
+        return make_lengths(kind, median=mean / math.sqrt(1 + (std / mean) ** 2), sigma=math.sqrt(var_log),
+                            min_len=int(cfg.min_len), max_len=cfg.max_len)
     if kind == "empirical":
         if not cfg.path or not cfg.column:
             raise ValueError("workload length: empirical needs `path` and `column`")
@@ -117,10 +126,10 @@ def _trace(cfg: Any, builder: PromptBuilder, rng: np.random.Generator, max_model
     if t.max_output_tokens is not None:
         cap = int(t.max_output_tokens)
         rows = [replace(r, output_tokens=min(r.output_tokens, cap)) for r in rows]
-    if t.lengths != "none":
-        rows = fit_to_context(rows, max_model_len, t.lengths, info=info)
-    if info.format == "mooncake" and t.lengths != "scale":
+    if info.format == "mooncake":
         info.block_size = int(t.block_size)
+    if t.lengths != "none":
+        rows = fit_to_context(rows, max_model_len, t.lengths, info=info, block_multiple=int(t.block_multiple))
     block = int(info.block_size)
     specs = trace_workload(rows, builder, rng, block_size=block, as_token_ids=True)
     return specs, {"trace": info.to_dict()}

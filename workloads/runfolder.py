@@ -134,8 +134,9 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
 
 
 def write_error(run_dir: str | Path, message: str) -> Path:
-    """error.txt: why the run failed or stopped early (the other files stay valid)."""
+    """error.txt: why the run failed or stopped early (the other files stay valid); appends."""
     path = Path(run_dir) / "error.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(message.rstrip() + "\n", encoding="utf-8")
+    with path.open("a", encoding="utf-8") as f:
+        f.write(message.rstrip() + "\n")
     return path

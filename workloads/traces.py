@@ -163,14 +163,16 @@ def slice_rows(
 
 def fit_to_context(
     rows: list[TraceRow], max_context: int, mode: str = "clamp", scale: float | None = None,
-    info: TraceInfo | None = None,
+    info: TraceInfo | None = None, block_multiple: int = 1,
 ) -> list[TraceRow]:
     """Make every prompt + output fit `max_context` tokens.
 
     clamp: prompt cut to max_context - 1 and output to what the context leaves (>= 1).
     scale: prompt lengths multiplied by `scale` (default: max_context / longest prompt+output),
     then clamped as above; the prefix block size scales with them (recorded in `info.block_size`)
-    so hash-id prefix structure is kept. Outputs are only clamped.
+    so hash-id prefix structure is kept. Outputs are only clamped. With `block_multiple` > 1
+    and a trace block size in `info`, the factor is rounded down so that the scaled block is a
+    multiple of it (the engine's KV block size): a shared hash block then fills whole KV blocks.
     """
     if mode not in ("clamp", "scale"):
         raise ValueError("mode must be clamp or scale")
@@ -178,6 +180,9 @@ def fit_to_context(
     if mode == "scale":
         longest = max((r.prompt_tokens + r.output_tokens for r in rows), default=1)
         factor = scale if scale is not None else min(1.0, max_context / longest)
+        if block_multiple > 1 and info is not None and any(r.hash_ids for r in rows):
+            scaled_block = max(block_multiple, int(info.block_size * factor) // block_multiple * block_multiple)
+            factor = scaled_block / info.block_size
     out, clamped = [], 0
     for r in rows:
         p = max(1, math.ceil(r.prompt_tokens * factor))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
@@ -62,6 +63,9 @@ class EngineCore:
         self.hooks = hooks
         if self._runner is not None:
             self._runner.hooks = hooks
+            backend = getattr(self._runner, "attn_backend", None)
+            if backend is not None:
+                _observe_attention(backend, hooks)
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -180,3 +184,22 @@ class EngineCore:
 
 def finish_reason_str(value: int | None) -> str | None:
     return None if value is None else str(FinishReason(value))
+
+
+def _observe_attention(backend: Any, hooks: StepHooks) -> None:
+    """Every layer's `backend.forward` runs inside `hooks.phase("attention")`.
+
+    The model holds the backend object and calls its `forward`; an instance attribute wraps
+    the class method, and NullHooks restore it (no cost when not observing).
+    """
+    if "forward" in vars(backend):
+        del backend.forward  # a wrapper from earlier hooks
+    if hooks is NULL_HOOKS:
+        return
+    inner = backend.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with hooks.phase("attention"):
+            return inner(*args, **kwargs)
+
+    backend.forward = forward

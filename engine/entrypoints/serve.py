@@ -111,8 +111,14 @@ async def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(__doc__)
+        print("options: " + " ".join(f"--{k.replace('_', '-')}" for k in sorted(_FLAG_KEYS)))
+        print("see docs/serving.md for every option")
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = flags_to_overrides(list(sys.argv[1:] if argv is None else argv))
+    overrides = flags_to_overrides(args)
     engine_config, settings = load_config(overrides)
     asyncio.run(serve(engine_config, settings))
 

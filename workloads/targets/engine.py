@@ -164,9 +164,13 @@ class ServerTarget(OpenAITarget):
 
     name = "server"
 
-    def __init__(self, overrides: list[str], startup_timeout_s: float = 180.0, log_path: str | None = None) -> None:
+    def __init__(
+        self, overrides: list[str], startup_timeout_s: float = 180.0, log_path: str | None = None,
+        endpoint: str = "completions", timeout_s: float | None = None,
+    ) -> None:
         self.port = free_port()
-        super().__init__(f"http://127.0.0.1:{self.port}", model="servelab", extra_body={"temperature": 0.0})
+        super().__init__(f"http://127.0.0.1:{self.port}", model="servelab", endpoint=endpoint,
+                         extra_body={"temperature": 0.0}, timeout_s=timeout_s)
         self.overrides = overrides
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path

@@ -147,6 +147,20 @@ class OpenAITarget:
             read_bufsize=_READ_BUFSIZE,
             headers=headers,
         )
+        if not self.model:
+            self.model = await self._first_model()
+
+    async def _first_model(self) -> str:
+        """The first id of GET /v1/models (when no model name was given)."""
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{self.base_url}/v1/models") as resp:
+                data = await resp.json(content_type=None)
+                return str(data["data"][0]["id"])
+        except (aiohttp.ClientError, OSError, KeyError, IndexError, TypeError, ValueError) as exc:
+            raise RuntimeError(
+                f"target.model_name not set and {self.base_url}/v1/models gave no model ({exc!r})"
+            ) from exc
 
     async def stop(self) -> None:
         if self._session is not None:

@@ -1,0 +1,137 @@
+"""`servelab-run` end to end on the default model, as a user runs it (a subprocess per command).
+
+- a 2x2 sweep (token budget x prefix caching) writes sweep.csv with one row per job;
+- the in-process and the servelab-serve targets give the same token counts per request;
+- profiling on: a Chrome trace with the engine's phase ranges, a kernel table joined to steps,
+  and a report that says there is no GPU telemetry on a CPU machine;
+- the gate: an identical rerun passes, a run slowed by `scheduler.step_delay_ms` fails and
+  names the time metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+GATE = str(Path(sys.executable).parent / "servelab-gate")
+TINY = [
+    "workload=fixed",
+    "workload.num_requests=4",
+    "workload.warmup_requests=0",
+    "workload.prompt_len.value=24",
+    "workload.output_len.value=6",
+    "run.time_reference=false",
+]
+
+
+def servelab_run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "workloads.cli", *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def run_once(run_dir: Path, *overrides: str) -> Path:
+    proc = servelab_run(*overrides, f"hydra.run.dir={run_dir}")
+    assert f"run folder: {run_dir}" in proc.stdout
+    assert (run_dir / "report.html").exists() and not (run_dir / "error.txt").exists()
+    return run_dir
+
+
+def test_sweep_2x2_writes_sweep_csv(tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    servelab_run(
+        "sweep=budgets_prefix", "workload=shared_prefix", "workload.num_requests=4",
+        "workload.warmup_requests=0", "workload.prompt_len.low=40", "workload.prompt_len.high=60",
+        "workload.shared_prefix.prefix_len=48", "workload.shared_prefix.num_groups=1",
+        "workload.shared_prefix.fraction=1.0", "workload.output_len.value=4",
+        "workload.arrival.rate=4", "run.time_reference=false",
+        f"hydra.sweep.dir={sweep_dir}", timeout=600,
+    )
+    df = pd.read_csv(sweep_dir / "sweep.csv")
+    assert len(df) == 4
+    combos = set(zip(df["scheduler.max_num_batched_tokens"], df["cache.enable_prefix_caching"], strict=True))
+    assert combos == {(256, True), (256, False), (1024, True), (1024, False)}
+    assert (df["completed"] == 4).all() and (df["failed"] == 0).all()
+    # prefix caching off never hits; on, the shared system prompts do
+    off = df[~df["cache.enable_prefix_caching"].astype(bool)]
+    on = df[df["cache.enable_prefix_caching"].astype(bool)]
+    assert (off["prefix_cache_hit_rate"].fillna(0) == 0).all() and (on["prefix_cache_hit_rate"] > 0).all()
+    assert any(p.suffix == ".html" for p in sweep_dir.iterdir())
+
+
+def test_inprocess_and_server_targets_give_the_same_token_counts(tmp_path: Path) -> None:
+    workload = [*TINY, "workload.output_len.value=12", "workload.num_requests=5"]
+    a = run_once(tmp_path / "inprocess", *workload, "target=inprocess")
+    b = run_once(tmp_path / "server", *workload, "target=server")
+    ra = pd.read_csv(a / "requests.csv").set_index("request_id").sort_index()
+    rb = pd.read_csv(b / "requests.csv").set_index("request_id").sort_index()
+    assert list(ra.index) == list(rb.index) and len(ra) == 5
+    assert ra["prompt_tokens"].tolist() == rb["prompt_tokens"].tolist()
+    assert ra["output_tokens"].tolist() == rb["output_tokens"].tolist()
+    assert (ra["output_tokens"] > 0).all()
+
+
+def test_profiled_run_trace_kernel_table_and_report(tmp_path: Path) -> None:
+    run = run_once(
+        tmp_path / "prof", *TINY, "profiling=enabled", "profiling.wait=2", "profiling.active=3",
+        "profiling.telemetry_interval_s=0.2",
+    )
+    trace = json.loads((run / "trace.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    for phase in ("schedule", "prepare_inputs", "forward", "sample", "update"):
+        assert any(n.startswith(f"servelab::{phase}#step=") for n in names), (phase, sorted(names)[:30])
+    kernels = pd.read_csv(run / "kernels.csv")
+    steps = pd.read_csv(run / "steps.csv")
+    assert set(kernels["step"]) <= set(steps["step"]) and len(set(kernels["step"])) == 3
+    assert {"gemm", "attention"} <= set(kernels["category"])
+    html = (run / "report.html").read_text()
+    assert "no GPU telemetry" in html
+
+
+def _gate(baseline: Path, run: Path, config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [GATE, "--baseline", str(baseline), "--config", str(config),
+         str(run)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_gate_passes_a_rerun_and_fails_a_slowed_run(tmp_path: Path) -> None:
+    gate_overrides = ["experiment=ci_gate", "run.time_reference=true"]
+    base = run_once(tmp_path / "base", *gate_overrides)
+    rerun = run_once(tmp_path / "rerun", *gate_overrides)
+    slow = run_once(tmp_path / "slow", *gate_overrides, "scheduler.step_delay_ms=400")
+
+    # This machine is shared: time metrics get 60% (a 400 ms delay per step is several x).
+    config = yaml.safe_load((ROOT / "conf" / "gate" / "ci.yaml").read_text())
+    cfg_path = tmp_path / "gate.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+    baseline = tmp_path / "baseline.json"
+    made = subprocess.run(
+        [GATE, "--make-baseline", str(baseline), str(base)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+
+    ok = _gate(baseline, rerun, cfg_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert json.loads((rerun / "gate.json").read_text())["verdict"] == "pass"
+
+    bad = _gate(baseline, slow, cfg_path)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    regressed = {line.split(":")[0].split()[-1] for line in bad.stdout.splitlines()
+                 if line.startswith("REGRESSION")}
+    assert {"mean_e2el_ms", "output_throughput"} <= regressed, bad.stdout
+    # machine-independent metrics are unchanged by a slower machine
+    assert not regressed & {"num_steps", "mean_tokens_per_step", "prefix_cache_hit_rate", "num_preemptions"}
