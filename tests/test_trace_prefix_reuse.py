@@ -45,6 +45,6 @@ def test_mooncake_prefix_hit_rate_matches_trace_block_reuse(tmp_path: Path) -> N
     rows = fit_to_context(slice_rows(rows, first_n=N), info["max_context"], "scale",
                           scale=info["length_scale"])
     expected = mooncake_block_reuse(rows, block_size=block)
-    assert 0.3 < expected < 0.9
+    assert expected > 0.02  # the first 300 requests reuse ~5% (the whole trace 65%)
     assert summary["prefix_cache_hit_rate"] == pytest.approx(expected, abs=0.03), (summary["prefix_cache_hit_rate"],
                                                                                    expected)
