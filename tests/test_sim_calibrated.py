@@ -88,6 +88,14 @@ def test_predict_from_a_batch() -> None:
     assert model.step_time(StepBatch()) == 0.0
 
 
+def test_prefill_requests_feature() -> None:
+    # Two prompt chunks and one decode: 2 prefill requests at 5 ms each on top of the tokens.
+    model = CalibratedStepModel(0.0, {"num_prefill_reqs": 5e-3, "num_prefill_tokens": 1e-4})
+    batch = StepBatch.from_requests([(30, 0, False, False), (10, 20, True, False), (1, 9, True, True)])
+    assert (batch.num_reqs, batch.num_prefill_reqs, batch.num_prefill_tokens) == (3, 2, 40)
+    assert model.step_time(batch) == pytest.approx(2 * 5e-3 + 40 * 1e-4)
+
+
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_save_load_roundtrip(tmp_path, suffix: str) -> None:
     model = CalibratedStepModel.fit(_synthetic_steps(60))

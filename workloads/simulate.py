@@ -18,6 +18,11 @@ Prompt tokens: `spec.prompt_token_ids` when present (their values matter for pre
 caching); otherwise `tokenize(spec.prompt)` when a tokenizer is given; otherwise
 `spec.prompt_len` ids unique to the request (no false prefix hits between text prompts).
 Requests are sampled with `ignore_eos` and `temperature=0`, so each runs to `max_tokens`.
+
+`replay(core, clock, specs)` is the same loop over any EngineCore and any clock with
+`clock()` / `advance_to(t)`: with a real executor and `WallClock` it replays a workload on
+the real engine in real time (the fidelity benchmark uses it to measure what the simulator
+predicts, through the very same loop).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -47,6 +52,28 @@ from workloads.trace_workload import BlockTokens
 from workloads.traces import TraceRow
 
 Tokenize = Callable[[str], list[int]]
+
+
+class Clock(Protocol):
+    """What the loop needs of time: read it, and wait (or jump) until a send time."""
+
+    def clock(self) -> float: ...
+
+    def advance_to(self, t: float) -> None: ...
+
+
+class WallClock:
+    """Real time (`time.time`, the InProcessExecutor's clock); `advance_to` sleeps."""
+
+    def clock(self) -> float:
+        return time.time()
+
+    def advance_to(self, t: float) -> None:
+        wait = t - time.time()
+        if wait > 0:
+            time.sleep(wait)
+
+
 _UNIQUE_BASE = 1000  # first id of the per-request unique prompt ids
 
 
@@ -96,8 +123,15 @@ class _Loop:
     """The discrete-event loop of one simulated run (see the module docstring)."""
 
     def __init__(
-        self, core: EngineCore, executor: SimulatedExecutor, *, closed_loop: bool, concurrency: int | None,
-        tokenize: Tokenize | None, max_duration_s: float | None, bar: tqdm | None,
+        self,
+        core: EngineCore,
+        executor: Clock,
+        *,
+        closed_loop: bool,
+        concurrency: int | None,
+        tokenize: Tokenize | None,
+        max_duration_s: float | None,
+        bar: tqdm | None,
     ) -> None:
         self.core, self.ex = core, executor
         self.closed_loop, self.concurrency = closed_loop, concurrency
@@ -148,7 +182,7 @@ class _Loop:
         ids = self._prompt_ids(spec)
         self.core.add_request(EngineCoreRequest(
             request_id=spec.request_id, prompt_token_ids=ids, sampling_params=self.sampling,
-            eos_token_id=self.ex.eos_token_id, arrival_time=now, max_tokens=spec.max_tokens,
+            eos_token_id=self.core.eos_token_id, arrival_time=now, max_tokens=spec.max_tokens,
             priority=spec.priority,
         ))  # fmt: skip
         self.live[spec.request_id] = _Live(spec, scheduled - self.t0, now - self.t0, len(ids), user)
@@ -186,11 +220,14 @@ class _Loop:
             req = live.get(o.request_id)
             if req is None:
                 continue
-            n = len(o.new_token_ids)
-            if n:
-                req.token_times.extend([t_rel] * n)
+            new = o.new_token_ids
+            if new:
+                if len(new) == 1:
+                    req.token_times.append(t_rel)
+                else:
+                    req.token_times.extend([t_rel] * len(new))
                 if req.spec.follow_up is not None:
-                    req.token_ids.extend(o.new_token_ids)
+                    req.token_ids.extend(new)
             if o.finish_reason is not None:
                 self._finish(live.pop(o.request_id), o, t_rel)
 
@@ -219,7 +256,11 @@ class _Loop:
         out = []
         for req in self.live.values():
             rec = _base_record(req)
-            rec.error, rec.finish_reason, rec.done_s = "interrupted before completion", "abort", self.ex.clock() - self.t0
+            rec.error, rec.finish_reason, rec.done_s = (
+                "interrupted before completion",
+                "abort",
+                self.ex.clock() - self.t0,
+            )
             out.append(rec)
         return out
 
@@ -237,7 +278,7 @@ def _record(req: _Live, o: EngineCoreOutput, t_rel: float, t0: float) -> Request
     """The finished request's record; server times from the engine's (virtual) timestamps."""
     rec = _base_record(req)
     rec.done_s = req.token_times[-1] if req.token_times else t_rel
-    rec.finish_reason = str(FinishReason(o.finish_reason))
+    rec.finish_reason = str(FinishReason(o.finish_reason)) if o.finish_reason is not None else ""
     rec.error = o.error or ("" if req.token_times else "no content chunk received")
     rec.output_token_ids = req.token_ids if req.spec.follow_up is not None else None
     arrival, first = o.arrival_time, o.first_scheduled_time
@@ -271,8 +312,36 @@ def simulate(
         raise ValueError("closed loop needs concurrency >= 1")
     wall0 = time.perf_counter()
     core = EngineCore(engine_config, executor=executor)
+    res = replay(core, executor, specs, slo, progress, closed_loop=closed_loop, concurrency=concurrency,
+                 tokenize=tokenize, max_duration_s=max_duration_s)  # fmt: skip
+    res.wall_s = time.perf_counter() - wall0
+    return res
+
+
+def replay(
+    core: EngineCore,
+    clock: Clock,
+    specs: list[RequestSpec],
+    slo: dict[str, float | None] | None = None,
+    progress: bool = False,
+    *,
+    closed_loop: bool = False,
+    concurrency: int | None = None,
+    tokenize: Tokenize | None = None,
+    max_duration_s: float | None = None,
+) -> SimResult:
+    """The loop of `simulate` over a given (idle) `core`, on `clock` (its executor's clock).
+
+    With a `SimulatedExecutor` as both core executor and clock this is `simulate`; with the
+    real executor and `WallClock` it replays the workload in real time.
+    """
+    if closed_loop and not concurrency:
+        raise ValueError("closed loop needs concurrency >= 1")
+    if core.has_unfinished_requests():
+        raise ValueError("replay() needs an idle engine")
+    wall0 = time.perf_counter()
     bar = tqdm(total=len(specs), unit="req", disable=not progress, smoothing=0.1) if progress else None
-    loop = _Loop(core, executor, closed_loop=closed_loop, concurrency=concurrency, tokenize=tokenize,
+    loop = _Loop(core, clock, closed_loop=closed_loop, concurrency=concurrency, tokenize=tokenize,
                  max_duration_s=max_duration_s, bar=bar)  # fmt: skip
     loop.start(specs)
     stop_reason = loop.run()
@@ -284,7 +353,7 @@ def simulate(
     records.sort(key=lambda r: (r.scheduled_s, r.request_id))
     return SimResult(
         records=records, steps=loop.steps, wall_s=time.perf_counter() - wall0,
-        sim_s=executor.clock() - loop.t0, t0=loop.t0, slo=slo, stop_reason=stop_reason,
+        sim_s=clock.clock() - loop.t0, t0=loop.t0, slo=slo, stop_reason=stop_reason,
     )  # fmt: skip
 
 
@@ -297,7 +366,9 @@ def trace_token_specs(
     `hash_ids` keep their prefix structure (`BlockTokens`: equal hash ids, equal blocks).
     """
     rng = np.random.default_rng(seed)
-    blocks = BlockTokens(list(range(vocab_size)), block_size, salt=seed) if any(r.hash_ids for r in rows) else None
+    blocks = (
+        BlockTokens(list(range(vocab_size)), block_size, salt=seed) if any(r.hash_ids for r in rows) else None
+    )
     specs = []
     for i, r in enumerate(rows):
         n = max(1, r.prompt_tokens)

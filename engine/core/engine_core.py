@@ -164,6 +164,10 @@ class EngineCore:
             raise ValueError("max_num_seqs: cannot grow past the model runner's batch")
         if cache.block_size != self.config.cache.block_size:
             raise ValueError("block_size: cannot change over an allocated cache")
+        if self.scheduler.finished_req_ids:
+            # Requests finished in the last step reach the model runner only with the next
+            # SchedulerOutput: hand them over with an empty step before the scheduler goes.
+            self.step()
         self.scheduler = Scheduler(sched, cache, num_blocks or self.num_blocks, self.max_model_len, clock=self.clock)
 
     def run_until_idle(self, max_steps: int | None = None) -> list[EngineCoreOutputs]:

@@ -7,7 +7,8 @@ Features are `StepBatch` aggregates that a run's steps.csv also records:
 `num_kv_tokens_read` (total context of the scheduled requests) when the csv has that
 column, else `kv_blocks_used` (blocks in use: a proxy, which also counts blocks of running
 requests not scheduled this step). Coefficients are seconds per unit; non-negativity
-keeps the model physical (more work never makes a step faster).
+keeps the model physical (more work never makes a step faster). Other features can be
+chosen explicitly, e.g. `num_prefill_reqs` (a per-prompt-chunk cost).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ FEATURES: dict[str, str] = {
     "num_prefill_tokens": "num_prefill_tokens",
     "num_decode_tokens": "num_decode_tokens",
     "num_decode_reqs": "num_decode_reqs",
+    "num_prefill_reqs": "num_prefill_reqs",
     "num_kv_tokens_read": "kv_tokens_read",
     "kv_blocks_used": "kv_blocks",
     "num_attn_pairs": "attn_pairs",

@@ -16,6 +16,8 @@ duration. A driver replaying arrivals calls `advance_to(t)` when the engine is i
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from engine.executor.base import Executor
@@ -131,16 +133,30 @@ class SimulatedExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Account the plan, advance the clock by the modelled step time, sample where due."""
-        computed = self._absorb(scheduler_output)
         known, prompt_len = self._known, self._prompt_len
+        for rid in scheduler_output.finished_req_ids:
+            known.pop(rid, None)
+            prompt_len.pop(rid, None)
+        new_reqs = scheduler_output.scheduled_new_reqs
+        for new in new_reqs:
+            known[new.req_id] = len(new.token_ids)
+            prompt_len[new.req_id] = len(new.prompt_token_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        # (request, tokens in the cache before the step): running requests, then new ones.
+        plan: Iterable[tuple[str, int]] = zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+        if new_reqs:
+            plan = itertools.chain(plan, ((n.req_id, n.num_computed_tokens) for n in new_reqs))
+        num_scheduled = scheduler_output.num_scheduled_tokens
         bs, token = self.config.cache.block_size, self.token_id
+        req_ids: list[str] = []
         sampled: list[list[int]] = []
         # StepBatch sums, accumulated inline: this loop runs for every request of every step.
         tokens = num_sampled = prefill = decode = pairs = kv_read = blocks = 0
         try:
-            for rid, q in scheduler_output.num_scheduled_tokens.items():
-                ctx = computed[rid]
+            for rid, ctx in plan:
+                q = num_scheduled[rid]
                 n_known = known[rid]
+                req_ids.append(rid)
                 tokens += q
                 pairs += q * ctx + q * (q + 1) // 2
                 kv_read += ctx
@@ -157,6 +173,8 @@ class SimulatedExecutor(Executor):
                 prefill += q
         except KeyError as e:
             raise KeyError(f"scheduled request {e} is unknown to the simulated runner") from None
+        if len(req_ids) != len(num_scheduled):
+            raise ValueError("num_scheduled_tokens lists requests that are neither new nor cached")
         batch = StepBatch(
             num_tokens=tokens, num_reqs=len(sampled), num_sampled=num_sampled, num_prefill_tokens=prefill,
             num_decode_tokens=decode, num_decode_reqs=decode, attn_pairs=pairs, kv_tokens_read=kv_read,
@@ -164,7 +182,6 @@ class SimulatedExecutor(Executor):
         )  # fmt: skip
         seconds = self.step_model.step_time(batch)
         self._advance(seconds, batch)
-        req_ids = list(scheduler_output.num_scheduled_tokens)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, forward_time=seconds)
 
     def clock(self) -> float:
@@ -174,20 +191,6 @@ class SimulatedExecutor(Executor):
     def advance_to(self, t: float) -> None:
         """Move the virtual clock forward to `t` (idle time); never backwards."""
         self._now = max(self._now, t)
-
-    def _absorb(self, so: SchedulerOutput) -> dict[str, int]:
-        """Update known-token counts from the plan; return num_computed_tokens per request."""
-        for rid in so.finished_req_ids:
-            self._known.pop(rid, None)
-            self._prompt_len.pop(rid, None)
-        computed: dict[str, int] = {}
-        for new in so.scheduled_new_reqs:
-            self._known[new.req_id] = len(new.token_ids)
-            self._prompt_len[new.req_id] = len(new.prompt_token_ids)
-            computed[new.req_id] = new.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        return computed
 
     def _advance(self, seconds: float, batch: StepBatch) -> None:
         self._now += seconds

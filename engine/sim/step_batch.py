@@ -26,6 +26,11 @@ class StepBatch:
     kv_tokens_read: int = 0  # sum ctx: cached K/V read by attention
     kv_blocks: int = 0  # sum ceil((ctx + q) / block_size): blocks the batch touches
 
+    @property
+    def num_prefill_reqs(self) -> int:
+        """Scheduled requests not in decode (prompt chunks, recomputes)."""
+        return self.num_reqs - self.num_decode_reqs
+
     def add(self, q: int, ctx: int, samples: bool, is_decode: bool, block_size: int = 16) -> None:
         """Account one scheduled request (the executor's hot loop calls this inline)."""
         self.num_tokens += q

@@ -1,0 +1,110 @@
+"""servelab-plan: tiny end-to-end runs on the simulator, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from workloads.plan import best_row, main
+
+# SmolLM2 on one H100, roofline: each run is a few hundred simulated steps.
+TINY = ["--model", "smollm2", "--hardware", "h100", "--tp", "1", "--plain"]
+SYNTH = ["--num-requests", "24", "--prompt-len", "96", "--output-len", "16"]
+
+
+def test_grid_of_configs_and_rates_writes_csv_and_json(tmp_path, capsys) -> None:
+    out = tmp_path / "plan"
+    rc = main([*TINY, *SYNTH, "--rates", "2,2000", "--max-num-batched-tokens", "64,512", "--max-num-seqs", "4",
+               "--slo-ttft-ms", "50", "--slo-tpot-ms", "50", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "TTFT p99" in text and "best: max_num_batched_tokens=" in text
+    df = pd.read_csv(out / "plan.csv")
+    assert len(df) == 4 and set(df["max_num_batched_tokens"]) == {64, 512} and set(df["rate"]) == {2, 2000}
+    assert (df["completed"] == 24).all()
+    assert df["mean_kv_usage"].between(0, 1).all() and (df["max_kv_usage"] > 0).all()
+    # Light load meets a loose SLO; 2000 req/s with 4 sequences queues far beyond 50 ms.
+    light = df[df["rate"] == 2]
+    assert light["meets_slo"].all() and not df[df["rate"] == 2000]["meets_slo"].any()
+    assert (light["request_goodput"] > 0).all()
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["best"]["rate"] == 2 and plan["slo"]["max"] == {"p99_ttft_ms": 50.0, "p99_tpot_ms": 50.0}
+
+
+def test_search_finds_the_knee_and_replicas(tmp_path, capsys) -> None:
+    args = [*TINY, *SYNTH, "--search", "--search-start", "4", "--search-tol", "0.5", "--slo-ttft-ms", "100",
+            "--slo-stat", "mean", "--max-num-seqs", "8", "--target-rate", "1000", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    (search,) = plan["searches"]
+    rates = {rate: ok for rate, ok in search["curve"]}
+    knee = search["max_rate"]
+    assert rates[knee] and knee >= 4  # the knee passed, every higher evaluated rate failed
+    assert all(not ok for rate, ok in rates.items() if rate > knee)
+    assert plan["best"]["rate"] == knee and plan["replicas"] == -(-1000 // knee)
+    assert (
+        f"{plan['replicas']} replica(s) of the best configuration serve 1000 req/s" in capsys.readouterr().out
+    )
+    assert "<svg" in (tmp_path / "plan.html").read_text()
+
+
+def test_trace_with_time_scales(traces_dir, tmp_path, capsys) -> None:
+    trace = traces_dir / "AzureLLMInferenceTrace_conv.csv"
+    out = tmp_path / "p"
+    assert (
+        main([*TINY, "--trace", str(trace), "--first-n", "20", "--time-scales", "1,4", "--out", str(out)])
+        == 0
+    )
+    df = pd.read_csv(out / "plan.csv")
+    assert list(df["time_scale"]) == pytest.approx([1.0, 4.0])
+    assert df["rate"].iloc[1] == pytest.approx(4 * df["rate"].iloc[0])
+    assert (df["completed"] == 20).all()
+    assert "best:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "no-such-model", "--rates", "1"], "no model config 'no-such-model'"),
+        (["--hardware", "tpu9", "--rates", "1"], "no hardware profile 'tpu9'"),
+        (["--trace", "/no/such/trace.csv", "--rates", "1"], "trace not found"),
+        (
+            ["--rates", "1", "--search", "--slo-ttft-ms", "1"],
+            "exactly one of --rates, --time-scales, --search",
+        ),
+        (["--rates", "fast"], "--rates: expected comma-separated float"),
+        (["--rates", "1", "--max-num-seqs", "0"], "--max-num-seqs: values must be > 0"),
+        (["--search"], "--search needs an SLO"),
+        (["--time-scales", "2"], "--time-scales needs --trace"),
+        (
+            ["--model", "llama-3-70b", "--hardware", "a100", "--tp", "1", "--rates", "1"],
+            "no room for a KV cache",
+        ),
+        (["--model", "llama-3-70b", "--tp", "3", "--rates", "1"], "tp=3"),
+        (["--prompt-len", "9000", "--rates", "1"], "exceed the context"),
+    ],
+)
+def test_bad_input_is_one_line_no_traceback(argv: list[str], message: str, capsys) -> None:
+    base = ["--plain", "--num-requests", "2", "--prompt-len", "8", "--output-len", "2"]
+    assert main(["--model", "smollm2", "--hardware", "h100", *base, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_argparse_errors_exit_2(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--tp", "eight"])
+    assert e.value.code == 2 and "invalid int value" in capsys.readouterr().err
+
+
+def test_best_row_prefers_rate_then_goodput() -> None:
+    rows = [
+        {"rate": 1.0, "meets_slo": True, "request_goodput": 1.0, "output_throughput": 10.0},
+        {"rate": 2.0, "meets_slo": True, "request_goodput": 1.5, "output_throughput": 20.0},
+        {"rate": 2.0, "meets_slo": True, "request_goodput": 1.9, "output_throughput": 19.0},
+        {"rate": 4.0, "meets_slo": False, "request_goodput": 0.5, "output_throughput": 30.0},
+    ]
+    assert best_row(rows) is rows[2]
+    assert best_row([rows[3]]) is None
