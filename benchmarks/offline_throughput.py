@@ -3,6 +3,10 @@
     python benchmarks/offline_throughput.py [--num-requests 64] [--prompt-len 128] [--output-len 128]
         [--threads N] [--dtype auto|float32|bfloat16] [--hf-dtype auto|float32|bfloat16]
         [--skip-hf] [--max-num-seqs 128] [--max-num-batched-tokens 2048] [--repeats 1] [--json OUT]
+        [--quick]
+
+`--quick` is a smoke run (16 requests x 128 prompt + 32 output tokens, one HF batch);
+its figures are not the acceptance numbers.
 
 Workload (engine-core issue): `num_requests` prompts of `prompt_len` real-text token ids
 (workloads/prompts.py, a different corpus offset each), greedy, ignore_eos, `output_len`
@@ -202,7 +206,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=1, help="timed runs of each engine (alternating)")
     p.add_argument("--json", type=Path, default=None, help="write all figures to this file")
+    p.add_argument("--quick", action="store_true", help="smoke run: 16 requests, 32 output tokens")
     args = p.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.output_len = min(args.num_requests, 16), min(args.output_len, 32)
     if args.threads <= 0:
         args.threads = psutil.cpu_count(logical=False) or torch.get_num_threads()
     return args

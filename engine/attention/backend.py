@@ -70,4 +70,8 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write k/v into kv_cache at metadata.slot_mapping, then attend."""
+        """Write k/v into kv_cache at metadata.slot_mapping, then attend.
+
+        q, k and v may be strided views (the model passes slices of its fused QKV output);
+        only the last dimension is guaranteed contiguous. The result may be a view too.
+        """

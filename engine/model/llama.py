@@ -40,10 +40,11 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = RotaryEmbedding.rotate(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = RotaryEmbedding.rotate(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
-        v = v.contiguous().view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
+        # One rotary pass over the query and key heads together; q, k and v stay strided views.
+        qk = RotaryEmbedding.rotate(qkv[:, : hq + hkv], cos, sin)  # [T, Hq + Hkv, D]
+        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         o = self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 

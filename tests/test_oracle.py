@@ -1,0 +1,123 @@
+"""The correctness oracle: greedy tokens equal HF transformers' on the same GGUF, fp32.
+
+Scenarios of the engine-core issue: (a) one request at a time, (b) all together,
+(c) a token budget small enough to chunk every prompt, (d) shared long prefixes and an
+exact repeat (prefix hits > 0), (e) a KV cache small enough to force preemption.
+One engine is loaded for the module; `EngineCore.reconfigure` swaps the scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+SYSTEM = (
+    "You are a careful assistant. Answer briefly, in plain English, and never invent facts. "
+    "If you do not know something, say so. Keep every answer under three sentences. "
+)
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three primary colors:",
+    "Translate to French: Good morning, my friend.",
+    "The quick brown fox",
+    SYSTEM + "Question: What is the boiling point of water?",
+    SYSTEM + "Question: Who wrote Hamlet?",
+    "春天来了，",
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    torch.manual_seed(0)
+    return LLM(model="smollm2", dtype="float32", max_num_seqs=16, num_blocks=256, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm: LLM) -> list[list[int]]:
+    return [llm.tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(smollm2_path, prompt_ids) -> list[list[int]]:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    model.eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            y = model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
+                pad_token_id=model.config.eos_token_id, eos_token_id=None,
+            )
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    llm.engine_core.scheduler.assert_idle()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _configure(llm: LLM, num_blocks: int | None = None, **sched: object) -> None:
+    base = SchedulerConfig(max_num_seqs=16)
+    llm.engine_core.reconfigure(dataclasses.replace(base, **sched), CacheConfig(num_blocks=256), num_blocks)
+
+
+def test_one_at_a_time(llm, prompt_ids, hf_greedy):
+    _configure(llm)
+    for ids, expected in zip(prompt_ids, hf_greedy, strict=True):
+        assert _run(llm, [ids]) == [expected]
+
+
+def test_all_together(llm, prompt_ids, hf_greedy):
+    _configure(llm)
+    assert _run(llm, prompt_ids) == hf_greedy
+
+
+def test_chunked_prefill(llm, prompt_ids, hf_greedy):
+    _configure(llm, max_num_batched_tokens=3)
+    start = len(llm.step_stats)
+    assert _run(llm, prompt_ids) == hf_greedy
+    steps = llm.step_stats[start:]
+    assert max(s.num_prefill_tokens + s.num_decode_tokens for s in steps) <= 3
+    # every prompt is longer than the budget, so every prompt was chunked
+    assert all(len(ids) > 3 for ids in prompt_ids)
+
+
+def test_prefix_hits(llm, prompt_ids, hf_greedy):
+    _configure(llm)
+    start = len(llm.step_stats)
+    # the two SYSTEM prompts share a long prefix; the repeat of prompt 6 is an exact hit
+    order = [6, 7, 6, 0]
+    assert _run(llm, [prompt_ids[i] for i in order[:1]]) == [hf_greedy[6]]
+    assert _run(llm, [prompt_ids[i] for i in order[1:]]) == [hf_greedy[i] for i in order[1:]]
+    hits = sum(s.prefix_cache_hits for s in llm.step_stats[start:])
+    assert hits > 0
+    llm.reset_prefix_cache()
+
+
+def test_preemption(llm, prompt_ids, hf_greedy):
+    # 12 blocks of 16 tokens cannot hold all nine sequences at once
+    _configure(llm, num_blocks=12)
+    start = len(llm.step_stats)
+    assert _run(llm, prompt_ids) == hf_greedy
+    assert sum(s.num_preemptions for s in llm.step_stats[start:]) > 0
