@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -35,6 +36,17 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] row of the packed batch whose logits are sampled
 
 
+class CausalLM(Protocol):
+    """What the runner needs of a model (`LlamaForCausalLM`, the MoE variant)."""
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -46,7 +58,7 @@ class ModelRunner:
         max_num_seqs: int,
         device: torch.device,
     ) -> None:
-        self.model = model
+        self.model = cast(CausalLM, model)
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches
         self.block_size = block_size
