@@ -93,6 +93,53 @@ def test_bad_input_is_one_line_no_traceback(argv: list[str], message: str, capsy
     assert message in err and "Traceback" not in err
 
 
+SEARCH = ["--search", "--slo-ttft-ms", "100"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--search-start", "50", "--search-max", "10"],
+            "--search-start 50 req/s is above --search-max 10 req/s",
+        ),
+        (["--search-start", "0"], "--search-start must be a finite rate > 0"),
+        (["--search-start", "-2"], "--search-start must be a finite rate > 0"),
+        (["--search-start", "inf"], "--search-start must be a finite rate > 0"),
+        (["--search-max", "0"], "--search-max must be a finite rate > 0"),
+        (["--search-max", "nan"], "--search-max must be a finite rate > 0"),
+        (["--search-tol", "0"], "--search-tol must be a number > 0"),
+        # No --search-start: a synthetic search starts at 1 req/s, above this limit.
+        (
+            ["--search-max", "0.5"],
+            "the default start, 1 req/s (where the search starts by default), is above",
+        ),
+    ],
+)
+def test_search_bounds_are_validated(argv: list[str], message: str, capsys) -> None:
+    assert main([*TINY, *SYNTH, *SEARCH, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("servelab-plan: error: ") and message in err and "Traceback" not in err
+    assert "meets SLOs" not in err and "violates" not in err  # rejected before any simulated run
+
+
+def test_search_from_the_trace_rate_checks_it_against_the_limit(traces_dir, capsys) -> None:
+    trace = ["--trace", str(traces_dir / "AzureLLMInferenceTrace_conv.csv"), "--first-n", "20"]
+    assert main([*TINY, *trace, *SEARCH, "--search-max", "1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "the trace's own rate" in err and "is above --search-max 0.001 req/s" in err
+    assert "give --search-start <= 0.001" in err and "Traceback" not in err
+
+
+def test_search_stays_within_the_limit(tmp_path) -> None:
+    # Every rate meets this SLO: the search doubles from 4 and stops at the limit, 10, not beyond.
+    args = [*TINY, *SYNTH, "--search", "--search-start", "4", "--search-max", "10", "--slo-ttft-ms", "1e9",
+            "--max-num-seqs", "8", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    (search,) = json.loads((tmp_path / "plan.json").read_text())["searches"]
+    assert [rate for rate, _ in search["curve"]] == [4, 8, 10] and search["max_rate"] == 10
+
+
 def test_argparse_errors_exit_2(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--tp", "eight"])

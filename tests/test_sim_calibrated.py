@@ -1,12 +1,14 @@
-"""Calibration: NNLS, recovering known coefficients from synthetic steps, save/load."""
+"""Calibration: NNLS, recovering known coefficients and cost tables from synthetic steps, save/load."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from engine.sim.calibrated import CalibratedStepModel, nnls
+from engine.sim.calibrated import CalibratedStepModel, CostTable, auto_knots, nnls
 from engine.sim.step_batch import StepBatch
 
 TRUE = {
@@ -114,3 +116,128 @@ def test_save_load_roundtrip(tmp_path, suffix: str) -> None:
 def test_unknown_feature_rejected() -> None:
     with pytest.raises(ValueError, match="unknown features"):
         CalibratedStepModel(0.0, {"gpu_temperature": 1.0})
+
+
+# ---- cost tables (piecewise-linear, interpolated) -------------------------------------------
+
+
+def test_cost_table_interpolates_and_extrapolates_by_hand() -> None:
+    # Through (0, 0), (1, 50 ms), (4, 110 ms); 15 ms per unit after 4.
+    table = CostTable((1.0, 4.0), (0.050, 0.110), slope_after=0.015)
+    assert table(0) == 0.0 and table(1) == pytest.approx(0.050)
+    assert table(0.5) == pytest.approx(0.025)
+    assert table(2) == pytest.approx(0.050 + 0.060 / 3)  # a third of the way from 1 to 4
+    assert table(4) == pytest.approx(0.110) and table(10) == pytest.approx(0.110 + 6 * 0.015)
+    # The same table from segment slopes: 50 ms/unit on (0, 1], 20 ms/unit on (1, 4], then 15.
+    assert CostTable.from_slopes([1, 4], [0.050, 0.020, 0.015]) == table
+    np.testing.assert_allclose(CostTable.basis(np.array([0.5, 3.0, 10.0]), [1, 4]),
+                               [[0.5, 0, 0], [1, 2, 0], [1, 3, 6]])  # fmt: skip
+    with pytest.raises(ValueError, match="increasing"):
+        CostTable((4.0, 1.0), (0.1, 0.2))
+
+
+def test_auto_knots_need_rows_on_both_sides() -> None:
+    x = np.array([1] * 10 + [2] * 10 + [3] * 2 + [4] * 10 + [10] * 6)
+    # 3 has too few rows in (2, 3]; 6 and 8 too few rows in (4, 6] / (4, 8]; 10 is the maximum.
+    assert auto_knots(x) == [1, 2, 4]
+    assert auto_knots(np.array([1, 1, 1])) == []
+
+
+def _stepwise_decode_steps(n: int = 600) -> tuple[pd.DataFrame, CostTable]:
+    """CPU-like steps: decode cost jumps with the batch size, a mixed step costs extra."""
+    rng = np.random.default_rng(1)
+    table = CostTable((1.0, 3.0, 4.0, 8.0), (0.010, 0.025, 0.050, 0.090), slope_after=0.010)
+    decode = rng.integers(0, 13, n)
+    prefill = rng.integers(0, 300, n) * (rng.random(n) < 0.4)
+    decode[(decode == 0) & (prefill == 0)] = 1
+    df = pd.DataFrame({
+        "num_prefill_tokens": prefill, "num_decode_tokens": decode, "num_decode_reqs": decode,
+        "num_prefill_reqs": (prefill > 0).astype(int), "num_kv_tokens_read": rng.integers(0, 4000, n),
+    })  # fmt: skip
+    mixed = ((prefill > 0) & (decode > 0)).astype(float)
+    df["step_time"] = (0.040 + 1e-3 * prefill + 2e-6 * df["num_kv_tokens_read"] + 0.025 * mixed
+                       + np.array([table(d) for d in decode]))  # fmt: skip
+    return df, table
+
+
+def test_table_fit_recovers_a_stepwise_decode_cost() -> None:
+    df, true = _stepwise_decode_steps()
+    model = CalibratedStepModel.fit(
+        df, features=["num_prefill_tokens", "is_mixed", "num_kv_tokens_read"],
+        tables={"num_decode_reqs": [1, 3, 4, 8]},
+    )  # fmt: skip
+    assert model.intercept == pytest.approx(0.040, rel=1e-6)
+    assert model.coefs["num_prefill_tokens"] == pytest.approx(1e-3, rel=1e-6)
+    assert model.coefs["is_mixed"] == pytest.approx(0.025, rel=1e-6)  # derived from the csv columns
+    fitted = model.tables["num_decode_reqs"]
+    np.testing.assert_allclose(fitted.ys, true.ys, rtol=1e-6)
+    assert fitted.slope_after == pytest.approx(true.slope_after, rel=1e-6)
+    assert model.r2 == pytest.approx(1.0)
+    # A linear fit cannot follow the jumps.
+    assert CalibratedStepModel.fit(df).r2 < 0.999
+    # Predicting from a StepBatch: 2 decodes of contexts 40 and 7 plus a 100-token prompt chunk.
+    batch = StepBatch.from_requests([(100, 0, True, False), (1, 40, True, True), (1, 7, True, True)])
+    expected = 0.040 + 0.100 + 47 * 2e-6 + 0.025 + true(2)
+    assert model.step_time(batch) == pytest.approx(expected, rel=1e-6)
+    assert sum(model.breakdown(batch).values()) == pytest.approx(expected, rel=1e-6)
+    assert model.breakdown(batch)["table:num_decode_reqs"] == pytest.approx(true(2), rel=1e-6)
+
+
+def test_automatic_knots_and_robust_fit_ignore_outlier_steps() -> None:
+    df, true = _stepwise_decode_steps()
+    slow = df.index[::50]
+    df.loc[slow, "step_time"] += 0.5  # 2% of the steps stalled by something else
+    features = ["num_prefill_tokens", "is_mixed", "num_kv_tokens_read"]
+    robust = CalibratedStepModel.fit(df, features=features, tables={"num_decode_reqs": []}, robust=True)
+    plain = CalibratedStepModel.fit(df, features=features, tables={"num_decode_reqs": []})
+    table = robust.tables["num_decode_reqs"]
+    assert set(true.xs) <= set(table.xs) and max(table.xs) < 12
+    clean = df.drop(index=slow)
+    err = {name: np.abs([m.step_time(_batch_of(r)) - r.step_time for r in clean.itertuples()]).max()
+           for name, m in (("robust", robust), ("plain", plain))}  # fmt: skip
+    assert err["robust"] < 2e-3 < err["plain"]
+
+
+def _batch_of(row) -> StepBatch:  # type: ignore[no-untyped-def]
+    """A StepBatch with a steps.csv row's aggregates (the features the models here read)."""
+    return StepBatch(num_tokens=row.num_prefill_tokens + row.num_decode_tokens, num_prefill_tokens=row.num_prefill_tokens,
+                     num_decode_tokens=row.num_decode_tokens, num_decode_reqs=row.num_decode_reqs,
+                     num_reqs=row.num_decode_reqs + row.num_prefill_reqs, kv_tokens_read=row.num_kv_tokens_read)  # fmt: skip
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_table_model_roundtrip_and_old_files_load(tmp_path, suffix: str) -> None:
+    df, _ = _stepwise_decode_steps(200)
+    model = CalibratedStepModel.fit(df, features=["num_prefill_tokens"], tables={"num_decode_reqs": [1, 4]})
+    path = tmp_path / f"fit{suffix}"
+    model.save(path)
+    loaded = CalibratedStepModel.load(path)
+    assert loaded.tables == model.tables and loaded.coefs == model.coefs
+    batch = StepBatch.from_requests([(1, 5, True, True)] * 6)
+    assert loaded.step_time(batch) == pytest.approx(model.step_time(batch))
+    # A file saved before tables existed (no "tables" key) loads as the plain linear model.
+    old = {"kind": "calibrated", "intercept": 0.05, "coefs": {"num_decode_tokens": 0.01}, "r2": 0.9,
+           "num_samples": 10, "meta": {}}  # fmt: skip
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    legacy = CalibratedStepModel.load(tmp_path / "old.json")
+    assert legacy.tables == {} and legacy.step_time(batch) == pytest.approx(0.05 + 6 * 0.01)
+    assert "tables" not in legacy.to_dict()
+
+
+def test_non_monotone_table_follows_a_faster_kernel_at_larger_sizes() -> None:
+    # Cost per token count: +30 ms per token up to 4, then a faster path: down 40 ms by 8, +5 ms/token after.
+    true = CostTable((4.0, 8.0), (0.120, 0.080), slope_after=0.005)
+    n = np.arange(1, 13).repeat(10)
+    df = pd.DataFrame({"num_prefill_tokens": 0 * n, "num_decode_tokens": n, "num_decode_reqs": n})
+    df["step_time"] = 0.050 + np.array([true(x) for x in n])
+    free = CalibratedStepModel.fit(df, features=[], tables={"num_tokens": [4, 8]}, monotone=False)
+    np.testing.assert_allclose(free.tables["num_tokens"].ys, true.ys, rtol=1e-6)
+    assert free.tables["num_tokens"].slope_after == pytest.approx(0.005, rel=1e-6)
+    assert free.intercept == pytest.approx(0.050, rel=1e-6) and free.r2 == pytest.approx(1.0)
+    # Monotone (the default), the table cannot fall: it stays flat after the peak instead.
+    mono = CalibratedStepModel.fit(df, features=[], tables={"num_tokens": [4, 8]})
+    ys = mono.tables["num_tokens"].ys
+    assert ys[1] >= ys[0] and mono.r2 < 0.99
+    # Beyond the last knot a table never falls, even where the data does (no negative extrapolation).
+    tail = CalibratedStepModel.fit(df, features=[], tables={"num_tokens": [4]}, monotone=False)
+    assert tail.tables["num_tokens"].slope_after == 0.0

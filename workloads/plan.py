@@ -11,7 +11,9 @@ completed. The best point is the highest rate that meets the SLOs (ties: higher 
 Load: `--rates` lists request rates (req/s). A trace is replayed with its timestamps
 rescaled to each mean rate (its burst shape kept); `--time-scales` gives multipliers of the
 trace's own rate instead. `--search` finds, per configuration, the highest rate that meets
-the SLOs (doubling, then bisection: `engine.sim.plan.find_max_rate`). `--target-rate` adds
+the SLOs (doubling, then bisection: `engine.sim.plan.find_max_rate`), starting at
+`--search-start` (default: the trace's own rate, synthetic 1 req/s) and never above
+`--search-max`; a start outside (0, --search-max] is an error. `--target-rate` adds
 the number of replicas of the best configuration needed for that total rate.
 
     servelab-plan --model llama-3-70b --hardware h200 --tp 8 \\
@@ -55,8 +57,42 @@ COLUMNS = [
 ]  # fmt: skip
 
 
+SEARCH_MAX_RATE = 1e6  # req/s: the default upper bound of --search
+
+
 class PlanError(Exception):
     """A user error: printed as one line, no traceback."""
+
+
+def check_search_args(args: argparse.Namespace) -> None:
+    """--search-tol, --search-max and an explicit --search-start: positive, finite, start <= max."""
+    if not (math.isfinite(args.search_tol) and args.search_tol > 0):
+        raise PlanError(f"--search-tol must be a number > 0, got {args.search_tol:g}")
+    if not (math.isfinite(args.search_max) and args.search_max > 0):
+        raise PlanError(f"--search-max must be a finite rate > 0 (req/s), got {args.search_max:g}")
+    start = args.search_start
+    if start is not None:
+        if not (math.isfinite(start) and start > 0):
+            raise PlanError(f"--search-start must be a finite rate > 0 (req/s), got {start:g}")
+        if start > args.search_max:
+            raise PlanError(f"--search-start {start:g} req/s is above --search-max {args.search_max:g} req/s")
+
+
+def search_start(args: argparse.Namespace, workload: Workload) -> float:
+    """The first rate of the search: --search-start, else the trace's own rate (synthetic: 1 req/s),
+    which must lie within (0, --search-max]."""
+    if args.search_start is not None:
+        return float(args.search_start)
+    natural = workload.natural_rate if not workload.synthetic else 1.0
+    what = "the trace's own rate" if not workload.synthetic else "the default start"
+    if not (math.isfinite(natural) and natural > 0):
+        raise PlanError(f"{what} ({natural:g} req/s) cannot start the search; give --search-start")
+    if natural > args.search_max:
+        raise PlanError(
+            f"{what}, {natural:.4g} req/s (where the search starts by default), is above --search-max "
+            f"{args.search_max:g} req/s; give --search-start <= {args.search_max:g} or raise --search-max"
+        )
+    return natural
 
 
 @dataclass
@@ -122,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--search", action="store_true", help="search the highest rate meeting the SLOs")
     load.add_argument("--search-start", type=float, default=None, help="first rate of the search (req/s)")
     load.add_argument("--search-tol", type=float, default=0.05, help="relative tolerance of the search")
+    load.add_argument("--search-max", type=float, default=SEARCH_MAX_RATE,
+                      help=f"highest rate the search may try (req/s, default {SEARCH_MAX_RATE:g})")  # fmt: skip
     load.add_argument("--target-rate", type=float, default=None, help="total rate to serve: replicas needed")
     s = ap.add_argument_group("SLOs")
     s.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -326,6 +364,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         raise PlanError("give exactly one of --rates, --time-scales, --search")
     if args.search and not (args.slo_ttft_ms or args.slo_tpot_ms):
         raise PlanError("--search needs an SLO (--slo-ttft-ms and/or --slo-tpot-ms)")
+    if args.search:
+        check_search_args(args)
     if args.target_rate is not None and args.target_rate <= 0:
         raise PlanError("--target-rate must be > 0")
     planner = Planner(args)
@@ -334,13 +374,14 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     for budget in budgets:
         for seqs in seqs_list:
             if args.search:
-                # Start at the trace's own rate (synthetic: 1 req/s) unless told.
-                start = args.search_start or planner.ensure_workload(budget, seqs).natural_rate or 1.0
+                # Start at the trace's own rate (synthetic: 1 req/s) unless told; never above --search-max.
+                start = search_start(args, planner.ensure_workload(budget, seqs))
 
                 def run_at(rate: float, b: int = budget, s: int = seqs) -> dict[str, Any]:
                     return planner.run(b, s, rate)
 
-                result = find_max_rate(run_at, planner.slo, start=start, rel_tol=args.search_tol)
+                result = find_max_rate(run_at, planner.slo, start=start, rate_limit=args.search_max,
+                                       rel_tol=args.search_tol)  # fmt: skip
                 searches.append({"max_num_batched_tokens": budget, "max_num_seqs": seqs,
                                  "max_rate": result.max_rate,
                                  "curve": [(e.rate, e.ok) for e in result.evaluations]})  # fmt: skip

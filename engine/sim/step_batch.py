@@ -31,6 +31,16 @@ class StepBatch:
         """Scheduled requests not in decode (prompt chunks, recomputes)."""
         return self.num_reqs - self.num_decode_reqs
 
+    @property
+    def is_mixed(self) -> int:
+        """1 when the step holds both prompt tokens and decodes (one forward over both), else 0."""
+        return int(self.num_prefill_tokens > 0 and self.num_decode_reqs > 0)
+
+    @property
+    def prefill_tokens_sq(self) -> int:
+        """num_prefill_tokens squared (a stand-in for causal attention within the prompt chunks)."""
+        return self.num_prefill_tokens * self.num_prefill_tokens
+
     def add(self, q: int, ctx: int, samples: bool, is_decode: bool, block_size: int = 16) -> None:
         """Account one scheduled request (the executor's hot loop calls this inline)."""
         self.num_tokens += q
