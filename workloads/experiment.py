@@ -43,15 +43,25 @@ def engine_config_of(cfg: DictConfig) -> EngineConfig:
     return EngineConfig.from_sections(data)  # type: ignore[arg-type]
 
 
-def measure_time_reference(repeats: int = 5) -> float:
-    """Seconds of a fixed matmul workload on this machine, now (gates normalise time metrics by it)."""
-    a = torch.randn(384, 384)
+def measure_time_reference(repeats: int = 7, iterations: int = 40) -> float:
+    """Seconds of a fixed matmul workload on this machine, now: the best of `repeats`.
+
+    Gates normalise time metrics by it; runs measure it before and after the workload and
+    record the mean, so a machine that got busier during the run is seen in both.
+    """
+    a0 = torch.randn(384, 384, generator=torch.Generator().manual_seed(0)) / 20
     best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(20):
-            a = torch.tanh(a @ a)
-        best = min(best, time.perf_counter() - t)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: ~1% spread between measurements, against ~20% with two
+    try:
+        for _ in range(repeats):
+            a = a0
+            t = time.perf_counter()
+            for _ in range(iterations):
+                a = torch.tanh(a @ a)
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
     return best
 
 
@@ -102,6 +112,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
         reference = measure_time_reference() if cfg.run.time_reference else None
         result = _drive(cfg, target, specs, run_dir)
+        if reference is not None:
+            reference = (reference + measure_time_reference()) / 2
     finally:
         _shutdown(target)
     return _write_results(cfg, run_dir, result, reference)
@@ -263,6 +275,8 @@ def _run_offline(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path) ->
         t0_wall, t0 = time.time(), time.perf_counter()
         outs = llm.generate(prompts, [sampling_params_for(s) for s in specs], use_tqdm=True)
         done = time.perf_counter() - t0
+        if reference is not None:
+            reference = (reference + measure_time_reference()) / 2
     finally:
         llm.engine_core.shutdown()
     records = []
