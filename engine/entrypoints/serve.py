@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from dataclasses import fields
@@ -76,7 +77,26 @@ def load_config(overrides: list[str]) -> tuple[EngineConfig, ServerSettings]:
     data: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     engine = EngineConfig(**{name: _build(cls, data.get(name) or {}) for name, cls in _SECTIONS.items()})
     engine.validate()
-    return engine, _build(ServerSettings, data.get("server") or {})
+    settings = _build(ServerSettings, data.get("server") or {})
+    reserve_api_core(engine, settings)
+    return engine, settings
+
+
+def reserve_api_core(engine: EngineConfig, settings: ServerSettings) -> None:
+    """On a CPU, the EngineCore process computes on all cores but one (unless told otherwise).
+
+    The API server process (HTTP, tokenizing, detokenizing, SSE) needs a core at every token;
+    when the model's threads hold every core, each of its wake-ups stalls a whole parallel
+    region. On 2 cores, 1 model thread gives the same inter-token latency through the
+    server as 2 (and the server then adds ~0.1 ms; benchmarks/serving_overhead.py).
+    """
+    import torch
+
+    on_gpu = engine.device.device == "cuda" or (engine.device.device == "auto" and torch.cuda.is_available())
+    if on_gpu or engine.device.num_threads > 0 or not settings.multiprocess:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    engine.device.num_threads = max(1, cores - 1)
 
 
 def _build(cls: type, values: dict[str, Any]) -> Any:
