@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -78,17 +80,19 @@ def load_azure(path: str | Path) -> list[TraceRow]:
     return _rebase([TraceRow(float(t), int(a), int(b)) for t, a, b in zip(secs, p, o, strict=True)])
 
 
-def load_mooncake(path: str | Path) -> list[TraceRow]:
-    rows = []
+def _json_lines(path: str | Path) -> Iterator[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
-                d = json.loads(line)
-                rows.append(
-                    TraceRow(d["timestamp"] / 1000.0, int(d["input_length"]), int(d["output_length"]),
-                             hash_ids=list(d.get("hash_ids") or []))
-                )
-    return _rebase(rows)
+                yield json.loads(line)
+
+
+def load_mooncake(path: str | Path) -> list[TraceRow]:
+    return _rebase([
+        TraceRow(d["timestamp"] / 1000.0, int(d["input_length"]), int(d["output_length"]),
+                 hash_ids=list(d.get("hash_ids") or []))
+        for d in _json_lines(path)
+    ])
 
 
 def load_burstgpt(path: str | Path, keep_failed: bool = False) -> list[TraceRow]:
@@ -101,16 +105,11 @@ def load_burstgpt(path: str | Path, keep_failed: bool = False) -> list[TraceRow]
 
 
 def load_jsonl(path: str | Path) -> list[TraceRow]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                d = json.loads(line)
-                rows.append(
-                    TraceRow(float(d["timestamp_s"]), int(d["prompt_tokens"]), int(d["output_tokens"]),
-                             hash_ids=d.get("hash_ids"), prompt=d.get("prompt"), group=str(d.get("group", "")))
-                )
-    return _rebase(rows)
+    return _rebase([
+        TraceRow(float(d["timestamp_s"]), int(d["prompt_tokens"]), int(d["output_tokens"]),
+                 hash_ids=d.get("hash_ids"), prompt=d.get("prompt"), group=str(d.get("group", "")))
+        for d in _json_lines(path)
+    ])
 
 
 def detect_format(path: str | Path) -> str:
