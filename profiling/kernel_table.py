@@ -17,7 +17,9 @@ Contract of `kernel_table(trace_events)`:
   `context` the innermost one (used by the category rules: inside an `attention`
   range every op but data movement counts as attention; inside `sample`, softmax and
   friends count as sampling). Events outside every step
-  range are dropped.
+  range are dropped. On a CPU run each outermost phase of a step also gets one `host` row:
+  the phase's duration minus its ops' self times (Python and dispatch between ops), so a
+  step's rows add up to its phases' durations.
 
 `per_step(table)` aggregates to the `kernels.csv` schema: `step, category, time_ms`.
 """
@@ -32,7 +34,7 @@ from typing import Any
 
 import pandas as pd
 
-CATEGORIES = ("gemm", "attention", "norm_act", "sampling", "copy", "other")
+CATEGORIES = ("gemm", "attention", "norm_act", "sampling", "copy", "other", "host")
 RANGE_RE = re.compile(r"^servelab::(?P<phase>[A-Za-z_]+)#step=(?P<step>-?\d+)$")
 COLUMNS = ["step", "phase", "context", "name", "category", "time_ms"]
 
@@ -172,6 +174,30 @@ def kernel_table(trace_events: list[Mapping[str, Any]]) -> pd.DataFrame:
             continue
         step, phase, context = where
         rows.append((step, phase, context, rec.name, categorize(rec.name, context), rec.time_us / 1e3))
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    if not any(e.get("cat") == "kernel" for e in events):
+        table = pd.concat([table, _host_rows(index, table)], ignore_index=True)
+    return table
+
+
+HOST_NAME = "(host: Python and dispatch between ops)"
+
+
+def _host_rows(index: _RangeIndex, table: pd.DataFrame) -> pd.DataFrame:
+    """CPU runs: per step and outermost phase, the range's time not inside any op (category host).
+
+    With them a step's rows add up to its phases' durations: nothing measured is unaccounted.
+    """
+    op_ms = table.groupby(["step", "phase"])["time_ms"].sum().to_dict() if not table.empty else {}
+    rows = []
+    for step_range in index.steps:
+        outer_end = -1.0
+        for r in index.phases.get(step_range.step, []):
+            if r.start < outer_end or r.start < step_range.start or r.end > step_range.end:
+                continue  # nested in an earlier phase, or outside the step (front-end detokenize)
+            outer_end = r.end
+            gap = (r.end - r.start) / 1e3 - op_ms.get((step_range.step, r.phase), 0.0)
+            rows.append((step_range.step, r.phase, r.phase, HOST_NAME, "host", max(gap, 0.0)))
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

@@ -100,7 +100,8 @@ def preemption_prefix(run: RunData) -> Section:
 def kernels(run: RunData) -> Section:
     s = Section("kernels", "Kernel-time breakdown",
                 intro="Time per category in the profiled steps (torch.profiler: CUDA kernels on GPU, "
-                      "aten-op self time on CPU).")  # fmt: skip
+                      "aten-op self time on CPU; on CPU, 'host' is each phase's time outside every op: "
+                      "Python and dispatch).")  # fmt: skip
     if run.kernels is None or run.kernels.empty:
         s.missing = "No profile recorded (kernels.csv absent: profiling was off for this run)."
         return s

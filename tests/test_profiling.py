@@ -108,10 +108,14 @@ def test_self_time_does_not_double_count():
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 200, "dur": 5, "tid": 1},  # outside any step
     ]
     table = kernel_table(ev)
-    assert table["time_ms"].sum() == pytest.approx(0.055)
+    ops = table[table["category"] != "host"]
+    assert ops["time_ms"].sum() == pytest.approx(0.055)
     agg = per_step(table).set_index("category")["time_ms"]
     assert agg["gemm"] == pytest.approx(0.050)  # linear self 10 us + addmm 40 us
     assert agg["copy"] == pytest.approx(0.005)
+    # the forward range (90 us) minus its ops' self times (55 us): Python between ops
+    assert agg["host"] == pytest.approx(0.035)
+    assert table["time_ms"].sum() == pytest.approx(0.090)
 
 
 def test_gpu_kernels_placed_by_launch():

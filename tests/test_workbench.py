@@ -95,7 +95,17 @@ def test_profiled_run_trace_kernel_table_and_report(tmp_path: Path) -> None:
     kernels = pd.read_csv(run / "kernels.csv")
     steps = pd.read_csv(run / "steps.csv")
     assert set(kernels["step"]) <= set(steps["step"]) and len(set(kernels["step"])) == 3
-    assert {"gemm", "attention"} <= set(kernels["category"])
+    assert {"gemm", "attention", "host"} <= set(kernels["category"])
+    # the kernel table accounts for the forward time of every profiled step (within 5%)
+    from profiling.kernel_table import kernel_table, phase_durations
+
+    table, ranges = kernel_table(trace["traceEvents"]), phase_durations(trace["traceEvents"])
+    for step in set(kernels["step"]):
+        fwd = ranges[(ranges["step"] == step) & (ranges["phase"] == "forward")]["duration_ms"].sum()
+        in_fwd = table[(table["step"] == step) & (table["phase"] == "forward")]
+        assert in_fwd["time_ms"].sum() == pytest.approx(fwd, rel=0.05)
+        ops = in_fwd[in_fwd["category"] != "host"]
+        assert ops.groupby("category")["time_ms"].sum().idxmax() == "gemm"  # the model is GEMM-bound
     html = (run / "report.html").read_text()
     assert "no GPU telemetry" in html
 
