@@ -153,7 +153,8 @@ class SimSection:
     hardware: str = "h200"
     tp: int = 1
     step_model: str = "roofline"  # roofline | path to a calibration file
-    token_id: int = 1000
+    dtype: str = "bf16"  # weights and KV cache on the simulated hardware: bf16 | fp16 | fp32 | fp8
+    token_id: int = 1000  # the id every simulated step samples (never EOS: outputs run to max_tokens)
 
 
 @dataclass

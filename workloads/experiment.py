@@ -233,12 +233,16 @@ def _run_simulated(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path) 
 
     s = cfg.sim
     executor = SimulatedExecutor.from_names(engine_config, engine_config.model.model, s.hardware, tp=int(s.tp),
-                                            step_model=s.step_model)
+                                            step_model=s.step_model, dtype=s.dtype, token_id=int(s.token_id))
     tokenizer = get_tokenizer(engine_config.model)
     specs, extra = build_workload(cfg.workload, tokenizer, executor_max_len(executor, engine_config))
     if extra:
         (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
-    res = simulate(specs, engine_config, executor, progress=True)
+    arr = cfg.workload.arrival
+    closed = cfg.workload.kind == "synthetic" and arr.process == "closed"
+    res = simulate(specs, engine_config, executor, progress=True, closed_loop=closed,
+                   concurrency=int(arr.concurrency) if closed else None, tokenize=tokenizer.encode,
+                   max_duration_s=cfg.run.max_duration_s)
     result = RunResult(records=res.records, t0_wall=0.0, wall_s=res.sim_s, steps=res.steps)
     summary = _write_results(cfg, run_dir, result, None)
     summary["simulation_wall_s"] = res.wall_s
