@@ -79,6 +79,12 @@ def test_completion_usage_and_cached_tokens(client: openai.OpenAI) -> None:
     assert again.choices[0].text == r.choices[0].text
 
 
+def test_priority_is_accepted_and_does_not_change_greedy_text(client: openai.OpenAI) -> None:
+    plain = client.completions.create(**_greedy(prompt=PROMPT, max_tokens=3))
+    ranked = client.completions.create(**_greedy(prompt=PROMPT, max_tokens=3), extra_body={"priority": 5})
+    assert ranked.choices[0].text == plain.choices[0].text
+
+
 def test_prompt_forms(server: ServerProcess, client: openai.OpenAI) -> None:
     ids = _post(server, "/tokenize", {"prompt": PROMPT})[1]["tokens"]
     one = client.completions.create(**_greedy(prompt=PROMPT, max_tokens=3))

@@ -120,7 +120,8 @@ class OpenAIServing:
     def _outputs(self, call: _Call) -> Any:
         """Merged `(prompt_index, RequestOutput)` of every prompt of the call."""
         iterators = [
-            self.llm.generate(job.prompt_ids, call.params, request_id=f"{call.request_id}-{job.prompt_index}")
+            self.llm.generate(job.prompt_ids, call.params, request_id=f"{call.request_id}-{job.prompt_index}",
+                              priority=call.body.priority)
             for job in call.jobs
         ]
         return merge_async_iterators(iterators)

@@ -47,6 +47,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    priority: int = 0  # vLLM's extension: lower runs first under scheduler.policy=priority
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
