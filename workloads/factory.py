@@ -126,8 +126,8 @@ def _trace(cfg: Any, builder: PromptBuilder, rng: np.random.Generator, max_model
     if t.max_output_tokens is not None:
         cap = int(t.max_output_tokens)
         rows = [replace(r, output_tokens=min(r.output_tokens, cap)) for r in rows]
-    if info.format == "mooncake":
-        info.block_size = int(t.block_size)
+    if info.format == "mooncake" or any(r.hash_ids for r in rows):
+        info.block_size = int(t.block_size)  # the tokens each hash id names
     if t.lengths != "none":
         rows = fit_to_context(rows, max_model_len, t.lengths, info=info, block_multiple=int(t.block_multiple))
     block = int(info.block_size)
