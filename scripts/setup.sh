@@ -38,10 +38,12 @@ if [ "$WANT_TEST" = 1 ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/de
     || echo "[setup] chromium could not be installed; the report rendering test will be skipped"
 fi
 "$VENV/bin/python" -c "import torch, engine; print('[setup] ok: torch', torch.__version__)"
-# The CPU decode-attention kernel (C++, built once with torch's cpp_extension and cached in
+# The CPU kernels (decode attention and the fused layer ops; C++, built once with torch's cpp_extension and cached in
 # ~/.cache/torch_extensions): built here so that no run or test pays the ~1 min build.
 if [ "$("$VENV/bin/python" -c "import torch; print(int(torch.cuda.is_available()))")" != 1 ]; then
   "$VENV/bin/python" -c "
 from engine.attention.torch_backend import cpu_decode_kernel
-print('[setup] CPU decode kernel:', 'ready' if cpu_decode_kernel() else 'unavailable (torch ops are used)')"
+from engine.model.cpu_kernels import kernels
+print('[setup] CPU decode kernel:', 'ready' if cpu_decode_kernel() else 'unavailable (torch ops are used)')
+print('[setup] CPU layer kernels:', 'ready' if kernels() else 'unavailable (torch ops are used)')"
 fi

@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 
 # ---- CPU decode kernel (C++, compiled on first use) -------------------------------------
-# Reads keys/values straight from the paged cache (no gathered copy): per (request, kv head)
-# one pass over K computing the G grouped query heads' scores, a softmax, one pass over V.
+# Reads keys/values straight from the paged cache (no gathered copy): per request, one pass
+# over its K rows (all kv heads together) scoring every query head, a softmax, one pass over V.
 _CPP_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -63,52 +63,55 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   const int64_t* slp = sl.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D), mx(G), inv(G);
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / Hkv, h = w % Hkv, L = slp[b];
-      scores.resize(G * L);
-      const float* qb = qp + b * qs0 + h * G * qs1;
+  // One work item per request: each token's K (then V) row holds all Hkv heads contiguously,
+  // so the context is streamed once, in order, for all Hq query heads.
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(Hq * D), mx(Hq), inv(Hq);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t L = slp[b];
+      scores.resize(Hq * L);
+      const float* qb = qp + b * qs0;
       const int64_t* row = btp + b * bts;
-      for (int64_t g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < Hq; ++j) mx[j] = -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < L; ++t) {
-        const float* k = kp + ((row[t / BS] * BS + t % BS) * Hkv + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qb + g * qs1;
+        const float* kt = kp + (row[t / BS] * BS + t % BS) * Hkv * D;
+        for (int64_t j = 0; j < Hq; ++j) {
+          const float* qj = qb + j * qs1;
+          const float* k = kt + (j / G) * D;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+          for (int64_t d = 0; d < D; ++d) s += qj[d] * k[d];
           s *= sc;
-          scores[g * L + t] = s;
-          mx[g] = s > mx[g] ? s : mx[g];
+          scores[j * L + t] = s;
+          mx[j] = s > mx[j] ? s : mx[j];
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        const float m = mx[g];
+      for (int64_t j = 0; j < Hq; ++j) {
+        float* sj = scores.data() + j * L;
+        const float m = mx[j];
         float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < L; ++t) {
-          const float e = std::exp(sg[t] - m);
-          sg[t] = e;
+          const float e = std::exp(sj[t] - m);
+          sj[t] = e;
           sum += e;
         }
-        inv[g] = 1.f / sum;
+        inv[j] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        const float* v = vp + ((row[t / BS] * BS + t % BS) * Hkv + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
-          float* a = acc.data() + g * D;
+        const float* vt = vp + (row[t / BS] * BS + t % BS) * Hkv * D;
+        for (int64_t j = 0; j < Hq; ++j) {
+          const float p = scores[j * L + t];
+          const float* v = vt + (j / G) * D;
+          float* a = acc.data() + j * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = op + (b * Hq + h * G + g) * D;
-        const float* a = acc.data() + g * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv[g];
+      for (int64_t j = 0; j < Hq; ++j) {
+        float* o = op + (b * Hq + j) * D;
+        const float* a = acc.data() + j * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv[j];
       }
     }
   });
@@ -129,7 +132,7 @@ def cpu_decode_kernel():  # type: ignore[no-untyped-def]
             from torch.utils.cpp_extension import load_inline
 
             _cpu_kernels = load_inline(
-                name="servelab_cpu_attention_v1",
+                name="servelab_cpu_attention_v2",
                 cpp_sources=[_CPP_SOURCE],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],

@@ -3,7 +3,8 @@
 Performance notes (CPU decode is bound by per-op overhead as much as by bandwidth):
 RMSNorm fuses the residual add; the rotary cos/sin table is built once and gathered
 once per forward (not per layer); rotate-half RoPE is 4 ops with a signed sin table;
-the MLP's gate and up projections are one fused GEMM.
+the MLP's gate and up projections are one fused GEMM. Float32 CPU tensors use the fused C++
+kernels of `cpu_kernels` (residual-add + RMSNorm in place, in-place RoPE, SiLU*mul).
 """
 
 from __future__ import annotations
@@ -11,6 +12,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.model.cpu_kernels import kernels
+
+
+def _fast(*ts: torch.Tensor) -> bool:
+    """True where the fused C++ kernels apply: contiguous float32 CPU tensors, no autograd."""
+    return (
+        all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts)
+        and not torch.is_grad_enabled()
+        and kernels() is not None
+    )
 
 
 class RMSNorm(nn.Module):
@@ -29,6 +41,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None and _fast(x, self.weight):
+            return kernels().rms_norm(x, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x
@@ -37,6 +51,14 @@ class RMSNorm(nn.Module):
         else:
             out = F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype) * self.weight
         return out if residual is None else (out, residual)
+
+    def add_norm_(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place: residual += x, x = norm(residual); returns (x, residual). Both are overwritten."""
+        if x.shape == residual.shape and _fast(x, residual, self.weight):
+            kernels().add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        out, res = self.forward(x, residual)  # type: ignore[misc]
+        return out, res
 
 
 class RotaryEmbedding(nn.Module):
@@ -83,6 +105,15 @@ class RotaryEmbedding(nn.Module):
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [x2, x1]
         return x * cos + swapped * sin
 
+    @staticmethod
+    def rotate_heads_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the first `heads` heads of qkv [T, H, D] in place; returns qkv (cos, sin: [T, 1, D])."""
+        if _fast(qkv, cos, sin):
+            kernels().rope_(qkv, cos, sin, heads)
+        else:
+            qkv[:, :heads] = RotaryEmbedding.rotate(qkv[:, :heads], cos, sin)
+        return qkv
+
 
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused in one Linear.
@@ -98,5 +129,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if _fast(gate_up):
+            return self.down_proj(kernels().silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)  # [T, H]

@@ -42,9 +42,9 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
-        # One rotary pass over the query and key heads together; q, k and v stay strided views.
-        qk = RotaryEmbedding.rotate(qkv[:, : hq + hkv], cos, sin)  # [T, Hq + Hkv, D]
-        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        # One in-place rotary pass over the query and key heads; q, k and v are strided views of qkv.
+        RotaryEmbedding.rotate_heads_(qkv, hq + hkv, cos, sin)
+        q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]  # [T, Hq|Hkv|Hkv, D]
         o = self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -77,9 +77,9 @@ class LlamaDecoderLayer(nn.Module):
             residual = x
             x = self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm.add_norm_(x, residual)
         x = self.self_attn(x, cos, sin, kv_cache, metadata)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm.add_norm_(x, residual)
         return (self.block_sparse_moe(x) if self.is_moe else self.mlp(x)), residual
 
 
@@ -103,7 +103,9 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, metadata)
-        x, _ = self.norm(x, residual)
+        if residual is None:  # no layers
+            return self.norm(x)
+        x, _ = self.norm.add_norm_(x, residual)
         return x
 
 
@@ -178,6 +180,17 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self.hf_weight_names() if n not in loaded]
         if missing:
             raise ValueError(f"model: {len(missing)} weights missing, e.g. {missing[:3]}")
+        self._column_major_linears()
+
+    def _column_major_linears(self) -> None:
+        """On a CPU, store each Linear weight [N, K] as the transpose of a contiguous [K, N] tensor.
+
+        Same shape and values; `F.linear` then multiplies by a plain row-major [K, N] matrix,
+        which the CPU BLAS runs ~5-30% faster than the transposed operand at these sizes.
+        """
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.weight.device.type == "cpu" and module.weight.is_contiguous():
+                module.weight.data = module.weight.data.t().contiguous().t()
 
     def _destination(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor:
         """The parameter (or slice of a fused one) that HF weight `name` fills."""
