@@ -12,9 +12,10 @@ import json
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -65,6 +66,24 @@ def measure_time_reference(repeats: int = 7, iterations: int = 40) -> float:
     return best
 
 
+T = TypeVar("T")
+
+
+def _timed(cfg: DictConfig, work: Callable[[], T]) -> tuple[T, float | None]:
+    """`work()`, and (when `run.time_reference`) the mean of the time reference before and after it."""
+    if not cfg.run.time_reference:
+        return work(), None
+    before = measure_time_reference()
+    result = work()
+    return result, (before + measure_time_reference()) / 2
+
+
+def closed_loop_concurrency(cfg: DictConfig) -> int | None:
+    """Users in flight for a closed-loop synthetic workload; None for open-loop arrivals."""
+    arr = cfg.workload.arrival
+    return int(arr.concurrency) if cfg.workload.kind == "synthetic" and arr.process == "closed" else None
+
+
 def slo_of(cfg: DictConfig) -> dict[str, float | None]:
     return {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms, "e2el_ms": cfg.slo.e2el_ms}
 
@@ -110,10 +129,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         specs, extra = build_workload(cfg.workload, tokenizer, max_len)
         if extra:
             (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
-        reference = measure_time_reference() if cfg.run.time_reference else None
-        result = _drive(cfg, target, specs, run_dir)
-        if reference is not None:
-            reference = (reference + measure_time_reference()) / 2
+        result, reference = _timed(cfg, lambda: _drive(cfg, target, specs, run_dir))
     finally:
         _shutdown(target)
     return _write_results(cfg, run_dir, result, reference)
@@ -180,10 +196,9 @@ def _hooks_factory(cfg: DictConfig, run_dir: Path):
 def _drive(cfg: DictConfig, target: Any, specs: list, run_dir: Path) -> RunResult:
     from profiling.telemetry import TelemetrySampler
 
-    arr = cfg.workload.arrival
-    closed = cfg.workload.kind == "synthetic" and arr.process == "closed"
+    concurrency = closed_loop_concurrency(cfg)
     scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai") else None
-    driver = Driver(target, closed_loop=closed, concurrency=int(arr.concurrency) if closed else None,
+    driver = Driver(target, closed_loop=concurrency is not None, concurrency=concurrency,
                     max_duration_s=cfg.run.max_duration_s, progress=True, scrape_interval_s=scrape)
     sampler = TelemetrySampler(run_dir, cfg.profiling.telemetry_interval_s) if cfg.profiling.telemetry else None
 
@@ -238,11 +253,9 @@ def _run_simulated(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path) 
     specs, extra = build_workload(cfg.workload, tokenizer, executor_max_len(executor, engine_config))
     if extra:
         (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
-    arr = cfg.workload.arrival
-    closed = cfg.workload.kind == "synthetic" and arr.process == "closed"
-    res = simulate(specs, engine_config, executor, progress=True, closed_loop=closed,
-                   concurrency=int(arr.concurrency) if closed else None, tokenize=tokenizer.encode,
-                   max_duration_s=cfg.run.max_duration_s)
+    concurrency = closed_loop_concurrency(cfg)
+    res = simulate(specs, engine_config, executor, progress=True, closed_loop=concurrency is not None,
+                   concurrency=concurrency, tokenize=tokenizer.encode, max_duration_s=cfg.run.max_duration_s)
     result = RunResult(records=res.records, t0_wall=0.0, wall_s=res.sim_s, steps=res.steps)
     summary = _write_results(cfg, run_dir, result, None)
     summary["simulation_wall_s"] = res.wall_s
@@ -274,13 +287,15 @@ def _run_offline(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path) ->
         llm.engine_core.set_hooks(factory())
     try:
         specs, _ = build_workload(cfg.workload, llm.tokenizer, llm.engine_core.max_model_len)
-        reference = measure_time_reference() if cfg.run.time_reference else None
         prompts = [s.prompt_token_ids if s.prompt_token_ids is not None else s.prompt for s in specs]
-        t0_wall, t0 = time.time(), time.perf_counter()
-        outs = llm.generate(prompts, [sampling_params_for(s) for s in specs], use_tqdm=True)
-        done = time.perf_counter() - t0
-        if reference is not None:
-            reference = (reference + measure_time_reference()) / 2
+        params = [sampling_params_for(s) for s in specs]
+
+        def generate_all() -> tuple[list[Any], float, float]:
+            t0_wall, t0 = time.time(), time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=True)
+            return outs, t0_wall, time.perf_counter() - t0
+
+        (outs, t0_wall, done), reference = _timed(cfg, generate_all)
     finally:
         llm.engine_core.shutdown()
     records = []

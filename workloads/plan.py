@@ -29,7 +29,6 @@ per configuration, the SLO as a dashed line).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -45,17 +44,10 @@ from engine.sim.executor import SimulatedExecutor
 from engine.sim.hardware import HardwareProfile
 from engine.sim.model_counts import load_arch
 from engine.sim.plan import SLO, find_max_rate, replicas_for_rate
+from workloads.plan_output import render, write
 from workloads.simulate import simulate, trace_token_specs
 from workloads.spec import RequestSpec
 from workloads.traces import TraceRow, fit_to_context, load_trace, scale_time, slice_rows
-
-COLUMNS = [
-    "max_num_batched_tokens", "max_num_seqs", "rate", "time_scale", "requests", "completed",
-    "request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-    "p99_tpot_ms", "request_goodput", "goodput_fraction", "mean_kv_usage", "max_kv_usage",
-    "num_preemptions", "sim_s", "wall_s", "meets_slo", "violations",
-]  # fmt: skip
-
 
 SEARCH_MAX_RATE = 1e6  # req/s: the default upper bound of --search
 
@@ -309,50 +301,6 @@ def best_row(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     return max(ok, key=lambda r: (r["rate"], r["request_goodput"] or 0.0, r["output_throughput"]))
 
 
-def render(rows: Sequence[dict[str, Any]], best: dict[str, Any] | None, plain: bool) -> None:
-    cols = [("max_num_batched_tokens", "budget", "{:d}"), ("max_num_seqs", "seqs", "{:d}"),
-            ("rate", "rate/s", "{:.4g}"), ("request_throughput", "req/s", "{:.3g}"),
-            ("output_throughput", "tok/s", "{:.0f}"), ("mean_ttft_ms", "TTFT mean", "{:.1f}"),
-            ("p99_ttft_ms", "TTFT p99", "{:.1f}"), ("mean_tpot_ms", "TPOT mean", "{:.2f}"),
-            ("p99_tpot_ms", "TPOT p99", "{:.2f}"), ("request_goodput", "goodput/s", "{:.3g}"),
-            ("mean_kv_usage", "KV mean", "{:.0%}"), ("max_kv_usage", "KV max", "{:.0%}"),
-            ("num_preemptions", "preempt", "{:d}"), ("meets_slo", "SLO", "{}")]  # fmt: skip
-
-    def cell(r: dict[str, Any], key: str, fmt: str) -> str:
-        v = r[key]
-        if v is None:
-            return "-"
-        if key == "meets_slo":
-            return "ok" if v else "no"
-        return fmt.format(int(v) if fmt == "{:d}" else v)
-
-    body = [[cell(r, k, f) for k, _, f in cols] for r in rows]
-    if plain:
-        widths = [max(len(h), *(len(b[i]) for b in body)) for i, (_, h, _) in enumerate(cols)]
-        print("  ".join(h.rjust(w) for (_, h, _), w in zip(cols, widths, strict=True)))
-        for b in body:
-            print("  ".join(c.rjust(w) for c, w in zip(b, widths, strict=True)))
-    else:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title="servelab-plan")
-        for _, h, _ in cols:
-            table.add_column(h, justify="right")
-        for r, b in zip(rows, body, strict=True):
-            table.add_row(*b, style="bold green" if r is best else None)
-        console = Console()
-        if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
-            console = Console(width=200)
-        console.print(table)
-    if best is None:
-        print("best: no configuration met the SLOs at any evaluated rate")
-    else:
-        print(f"best: max_num_batched_tokens={best['max_num_batched_tokens']} max_num_seqs={best['max_num_seqs']} "
-              f"at {best['rate']:.4g} req/s (output {best['output_throughput']:.0f} tok/s, "
-              f"p99 TTFT {best['p99_ttft_ms']:.1f} ms, p99 TPOT {best['p99_tpot_ms']:.2f} ms)")  # fmt: skip
-
-
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     """Run every candidate; returns the plan.json dict."""
     budgets = _csv(int, args.max_num_batched_tokens, "--max-num-batched-tokens")
@@ -414,85 +362,6 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         write(args.out, rows, out)
         print(f"wrote plan.csv, plan.json and plan.html to {args.out}")
     return out
-
-
-def write(folder: Path, rows: Sequence[dict[str, Any]], out: dict[str, Any]) -> None:
-    import pandas as pd
-
-    folder.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(list(rows), columns=COLUMNS).to_csv(folder / "plan.csv", index=False)
-    (folder / "plan.json").write_text(json.dumps(out, indent=2, default=str))
-    (folder / "plan.html").write_text(report_html(rows, out))
-
-
-_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
-
-
-def _svg_curve(rows: Sequence[dict[str, Any]], key: str, title: str, limit: float | None) -> str:
-    """One inline SVG: `key` against the rate, a polyline per (budget, seqs), log-free, 0-based."""
-    w, h, pad = 520, 300, 48
-    series: dict[tuple[int, int], list[tuple[float, float]]] = {}
-    for r in rows:
-        if r[key] is not None and math.isfinite(r[key]):
-            series.setdefault((r["max_num_batched_tokens"], r["max_num_seqs"]), []).append(
-                (r["rate"], r[key])
-            )
-    pts = [p for ps in series.values() for p in ps]
-    if not pts:
-        return f"<p>{title}: no data</p>"
-    xmax = max(x for x, _ in pts) or 1.0
-    ymax = max([y for _, y in pts] + ([limit] if limit else [])) or 1.0
-
-    def xy(x: float, y: float) -> str:
-        return f"{pad + (w - 2 * pad) * x / xmax:.1f},{h - pad - (h - 2 * pad) * min(y, ymax) / ymax:.1f}"
-
-    parts = [f'<svg width="{w}" height="{h}" xmlns="http://www.w3.org/2000/svg" font-size="11">',
-             f'<text x="{w / 2}" y="16" text-anchor="middle" font-weight="bold">{title}</text>',
-             f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#000"/>',
-             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#000"/>',
-             f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle">request rate (req/s), max {xmax:.4g}</text>',
-             f'<text x="{pad - 4}" y="{pad - 6}" text-anchor="start">{ymax:.4g} ms</text>']  # fmt: skip
-    if limit:
-        a, b = xy(0, limit), xy(xmax, limit)
-        parts.append(f'<polyline points="{a} {b}" stroke="#888" stroke-dasharray="5,4" fill="none"/>')
-    for i, ((budget, seqs), ps) in enumerate(sorted(series.items())):
-        color = _COLORS[i % len(_COLORS)]
-        ps.sort()
-        parts.append(f'<polyline points="{" ".join(xy(x, y) for x, y in ps)}" stroke="{color}" fill="none"/>')
-        parts += [f'<circle cx="{xy(x, y).split(",")[0]}" cy="{xy(x, y).split(",")[1]}" r="3" fill="{color}"/>'
-                  for x, y in ps]  # fmt: skip
-        parts.append(
-            f'<text x="{w - pad - 150}" y="{pad + 14 * i}" fill="{color}">budget {budget}, seqs {seqs}</text>'
-        )
-    parts.append("</svg>")
-    return "\n".join(parts)
-
-
-def report_html(rows: Sequence[dict[str, Any]], out: dict[str, Any]) -> str:
-    """A self-contained page: the search curves and the table of every run."""
-    import html
-
-    import pandas as pd
-
-    args, stat = out["args"], out["args"]["slo_stat"]
-    curves = "".join(
-        _svg_curve(rows, f"{stat}_{name}_ms" if stat in ("p99", "mean") else f"p99_{name}_ms",
-                   f"{stat if stat in ('p99', 'mean') else 'p99'} {name.upper()} (ms)", args.get(f"slo_{name}_ms"))
-        for name in ("ttft", "tpot")
-    )  # fmt: skip
-    best = out.get("best")
-    best_line = ("no configuration met the SLOs" if best is None else
-                 f"best: max_num_batched_tokens={best['max_num_batched_tokens']}, "
-                 f"max_num_seqs={best['max_num_seqs']} at {best['rate']:.4g} req/s")  # fmt: skip
-    if out.get("replicas") is not None:
-        best_line += f"; {out['replicas']} replica(s) for {args['target_rate']:.4g} req/s"
-    table = pd.DataFrame(list(rows), columns=COLUMNS).to_html(index=False, float_format=lambda v: f"{v:.4g}")
-    title = f"servelab-plan: {args['model']} on {args['tp']} x {args['hardware']}"
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            "<style>body{font-family:sans-serif;margin:2em} table{border-collapse:collapse;font-size:12px}"
-            "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}</style></head><body>"
-            f"<h1>{html.escape(title)}</h1><p>{html.escape(best_line)}</p>"
-            f"<p>SLO: {html.escape(json.dumps(out['slo']))}</p>{curves}{table}</body></html>")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -296,24 +296,16 @@ def simulate(
     executor: SimulatedExecutor,
     slo: dict[str, float | None] | None = None,
     progress: bool = False,
-    *,
-    closed_loop: bool = False,
-    concurrency: int | None = None,
-    tokenize: Tokenize | None = None,
-    max_duration_s: float | None = None,
+    **options: Any,
 ) -> SimResult:
     """Run `specs` (sorted by arrival_s) through an EngineCore on `executor`; see the module doc.
 
-    `slo` (ms limits, as for `summarize`) is kept for `SimResult.summary()`.
-    `max_duration_s` (simulated) stops the run early; unfinished requests are then
-    recorded as interrupted. Raises ValueError for closed loop without concurrency.
+    `slo` (ms limits, as for `summarize`) is kept for `SimResult.summary()`; `options`
+    (closed_loop, concurrency, tokenize, max_duration_s) are those of `replay`.
     """
-    if closed_loop and not concurrency:
-        raise ValueError("closed loop needs concurrency >= 1")
     wall0 = time.perf_counter()
     core = EngineCore(engine_config, executor=executor)
-    res = replay(core, executor, specs, slo, progress, closed_loop=closed_loop, concurrency=concurrency,
-                 tokenize=tokenize, max_duration_s=max_duration_s)  # fmt: skip
+    res = replay(core, executor, specs, slo, progress, **options)
     res.wall_s = time.perf_counter() - wall0
     return res
 

@@ -22,17 +22,15 @@ This backend is the correctness oracle for the Triton and FlashAttention backend
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-
-logger = logging.getLogger(__name__)
-
+from engine.cpu_extension import load_cpu_extension
 
 # ---- CPU decode kernel (C++, compiled on first use) -------------------------------------
 # Reads keys/values straight from the paged cache (no gathered copy): per request, one pass
@@ -121,27 +119,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode_attention", &paged_decode_attention); }
 """
 
-_cpu_kernels = None  # the compiled module; False once building it failed
-
-
-def cpu_decode_kernel():  # type: ignore[no-untyped-def]
+def cpu_decode_kernel() -> ModuleType | None:
     """The compiled C++ decode kernel, or None where no C++ toolchain builds it (then torch ops run)."""
-    global _cpu_kernels
-    if _cpu_kernels is None:
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            _cpu_kernels = load_inline(
-                name="servelab_cpu_attention_v2",
-                cpp_sources=[_CPP_SOURCE],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as exc:  # no compiler, no headers: the torch path is correct, just slower
-            logger.warning("torch attention backend: C++ decode kernel unavailable (%s); using torch ops", exc)
-            _cpu_kernels = False
-    return _cpu_kernels or None
+    return load_cpu_extension("servelab_cpu_attention_v2", _CPP_SOURCE, "torch attention backend")
 
 
 @dataclass
@@ -162,12 +142,6 @@ class _PrefillGroup:
     blocks: torch.Tensor | None  # [nblk] context blocks; None: fresh prefill (attend to this step's k/v)
     seq_len: int
     mask: torch.Tensor | None  # [q_len, seq_len] bool for a prefill over a cached context
-
-
-def context_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Flat cache slots of `positions` ([..., L]) for rows of `block_table` ([..., max_blocks])."""
-    blocks = torch.gather(block_table.long(), -1, positions // block_size)
-    return blocks * block_size + positions % block_size
 
 
 def write_kv(

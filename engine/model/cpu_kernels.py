@@ -12,9 +12,9 @@ is itself ~5 ops there). These fuse each step of the layer into one or two passe
 
 from __future__ import annotations
 
-import logging
+from types import ModuleType
 
-logger = logging.getLogger(__name__)
+from engine.cpu_extension import load_cpu_extension
 
 _CPP_SOURCE = r"""
 #include <torch/extension.h>
@@ -121,24 +121,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_kernels = None  # the compiled module; False once building it failed
-
-
-def kernels():  # type: ignore[no-untyped-def]
+def kernels() -> ModuleType | None:
     """The compiled kernels, or None where they cannot be built (callers fall back to torch ops)."""
-    global _kernels
-    if _kernels is None:
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            _kernels = load_inline(
-                name="servelab_cpu_layer_kernels_v1",
-                cpp_sources=[_CPP_SOURCE],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as exc:  # no compiler, no headers: torch ops are correct, just slower
-            logger.warning("llama layers: fused C++ CPU kernels unavailable (%s); using torch ops", exc)
-            _kernels = False
-    return _kernels or None
+    return load_cpu_extension("servelab_cpu_layer_kernels_v1", _CPP_SOURCE, "llama layers", ("-ffp-contract=off",))

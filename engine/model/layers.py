@@ -9,6 +9,8 @@ kernels of `cpu_kernels` (residual-add + RMSNorm in place, in-place RoPE, SiLU*m
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,13 +18,13 @@ from torch import nn
 from engine.model.cpu_kernels import kernels
 
 
-def _fast(*ts: torch.Tensor) -> bool:
-    """True where the fused C++ kernels apply: contiguous float32 CPU tensors, no autograd."""
-    return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts)
-        and not torch.is_grad_enabled()
-        and kernels() is not None
-    )
+def _fused(*ts: torch.Tensor) -> ModuleType | None:
+    """The fused C++ kernels where they apply (contiguous float32 CPU tensors, no autograd), else None."""
+    if torch.is_grad_enabled() or not all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts
+    ):
+        return None
+    return kernels()
 
 
 class RMSNorm(nn.Module):
@@ -41,8 +43,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None and _fast(x, self.weight):
-            return kernels().rms_norm(x, self.weight, self.eps)
+        fused = _fused(x, self.weight) if residual is None else None
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x
@@ -54,8 +57,9 @@ class RMSNorm(nn.Module):
 
     def add_norm_(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """In place: residual += x, x = norm(residual); returns (x, residual). Both are overwritten."""
-        if x.shape == residual.shape and _fast(x, residual, self.weight):
-            kernels().add_rms_norm_(x, residual, self.weight, self.eps)
+        fused = _fused(x, residual, self.weight) if x.shape == residual.shape else None
+        if fused is not None:
+            fused.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         out, res = self.forward(x, residual)  # type: ignore[misc]
         return out, res
@@ -108,8 +112,9 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def rotate_heads_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate the first `heads` heads of qkv [T, H, D] in place; returns qkv (cos, sin: [T, 1, D])."""
-        if _fast(qkv, cos, sin):
-            kernels().rope_(qkv, cos, sin, heads)
+        fused = _fused(qkv, cos, sin)
+        if fused is not None:
+            fused.rope_(qkv, cos, sin, heads)
         else:
             qkv[:, :heads] = RotaryEmbedding.rotate(qkv[:, :heads], cos, sin)
         return qkv
@@ -129,7 +134,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if _fast(gate_up):
-            return self.down_proj(kernels().silu_mul(gate_up))
+        fused = _fused(gate_up)
+        if fused is not None:
+            return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)  # [T, H]

@@ -169,7 +169,8 @@ class ServerTarget(OpenAITarget):
         endpoint: str = "completions", timeout_s: float | None = None,
     ) -> None:
         self.port = free_port()
-        super().__init__(f"http://127.0.0.1:{self.port}", model="servelab", endpoint=endpoint,
+        # model "": OpenAITarget.start asks the server's /v1/models for its served name
+        super().__init__(f"http://127.0.0.1:{self.port}", model="", endpoint=endpoint,
                          extra_body={"temperature": 0.0}, timeout_s=timeout_s)
         self.overrides = overrides
         self.startup_timeout_s = startup_timeout_s
@@ -192,10 +193,8 @@ class ServerTarget(OpenAITarget):
                     raise RuntimeError(f"servelab-serve exited with code {self.proc.returncode} during start-up"
                                        + (f" (log: {self.log_path})" if self.log_path else ""))
                 with contextlib.suppress(aiohttp.ClientError, OSError):
-                    async with session.get(f"{self.base_url}/v1/models") as resp:
+                    async with session.get(f"{self.base_url}/health") as resp:
                         if resp.status == 200:
-                            data = await resp.json()
-                            self.model = data["data"][0]["id"]
                             return
                 await asyncio.sleep(0.5)
         raise RuntimeError(f"servelab-serve not ready after {self.startup_timeout_s:.0f} s")

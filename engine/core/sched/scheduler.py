@@ -180,23 +180,18 @@ class Scheduler:
         return budget.grant(wanted)
 
     def _schedule_running(self, budget: TokenBudget, plan: StepPlan) -> None:
-        running = RequestStatus.RUNNING
-        allocate = self.kv_cache_manager.allocate_slots
         for request in list(self.running):
-            if budget.tokens_left <= 0:
+            if budget.exhausted:
                 return
-            if request.status != running:
+            if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier this step
-            n = self._grant(budget, len(request.all_token_ids) - request.num_computed_tokens)
+            n = self._grant(budget, request.num_tokens - request.num_computed_tokens)
             if n == 0:
                 continue
-            # allocate_slots first (the common case fits); on failure, preempt and retry.
-            new_blocks = allocate(request, n)
-            if new_blocks is None:
-                new_blocks = self._allocate_or_preempt(request, n, budget, plan)
+            new_blocks = self._allocate_or_preempt(request, n, budget, plan)
             if new_blocks is not None:
                 plan.add_cached(request, n, new_blocks.get_block_ids())
-                budget.tokens_left -= n
+                budget.spend(n)
 
     def _allocate_or_preempt(
         self, request: Request, num_tokens: int, budget: TokenBudget, plan: StepPlan
@@ -258,20 +253,19 @@ class Scheduler:
         """
         outputs, self._pending_outputs = self._pending_outputs, []
         now = self.clock()
-        requests, running = self.requests, RequestStatus.RUNNING
         all_logprobs = model_runner_output.logprobs
         for rid, token_ids in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
             if not token_ids:
                 continue
-            request = requests.get(rid)
-            if request is None or request.status != running:
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            if request.num_computed_tokens < len(request.all_token_ids):
+            if request.num_computed_tokens < request.num_tokens:
                 continue  # partial prefill: nothing to sample yet
             kept = self._append_tokens(request, token_ids, now)
-            if request.status > RequestStatus.PREEMPTED:  # finished
+            if request.is_finished:
                 self._finish(request, now)
                 self._step.num_finished += 1
             logprobs = all_logprobs.get(rid) if all_logprobs else None

@@ -78,8 +78,8 @@ class StepPlan:
         for reqs in (self.new_reqs, self.cached_reqs.values()):
             for r in reqs:
                 n = num_scheduled[r.request_id]
-                if n == 1 and r.output_token_ids and r.num_computed_tokens == len(r.all_token_ids) - 1:
-                    decode_tokens += 1  # is_decode(), inlined: this runs for every request of every step
+                if is_decode(r, n):
+                    decode_tokens += 1
                     decode_reqs += 1
                 else:
                     prefill_tokens += n
