@@ -1,6 +1,5 @@
-"""Value objects that cross the engine's seams.
+"""Value objects that cross the engine's front-end seams (the step seam is `engine/step_io.py`).
 
-- `ModelRunnerOutput`: worker -> scheduler (sampled token ids per request).
 - `EngineCoreOutput(s)`: EngineCore -> front end (new token ids, finish state,
   timestamps, per-step stats). Plain msgspec structs so they can cross a ZMQ socket
   without pickle.
@@ -27,24 +26,6 @@ class FinishReason(enum.IntEnum):
 
 # One position's logprobs: (sampled token id, its logprob, [(top id, top logprob), ...]).
 TokenLogprobs = tuple[int, float, list[tuple[int, float]]]
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    """Result of one `execute_model` call.
-
-    `req_ids[i]` sampled `sampled_token_ids[i]` (empty when that request is still
-    in a partial prefill and sampled nothing this step).
-    """
-
-    req_ids: list[str]
-    sampled_token_ids: list[list[int]]
-    # Per request, one entry per sampled token, only for requests that asked.
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # Wall-clock seconds of the runner's phases this step.
-    prepare_time: float = 0.0
-    forward_time: float = 0.0
-    sample_time: float = 0.0
 
 
 class StepStats(msgspec.Struct, omit_defaults=False):

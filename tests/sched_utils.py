@@ -9,11 +9,11 @@ from __future__ import annotations
 import itertools
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.sched.output import SchedulerOutput
 from engine.core.sched.scheduler import Scheduler
-from engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from engine.outputs import EngineCoreOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2
 SAMPLED = 7  # default token the fake runner samples (never EOS)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from sched_utils import EOS, SAMPLED, fake_runner_output, make_request, make_scheduler, run_until_idle, step
 
-from engine.outputs import FinishReason, ModelRunnerOutput
+from engine.outputs import FinishReason
 from engine.request import RequestStatus
+from engine.step_io import ModelRunnerOutput
 
 
 def scheduled(out) -> dict[str, int]:  # noqa: ANN001
@@ -79,10 +80,10 @@ def test_partial_prefill_samples_nothing_then_gets_the_rest() -> None:
     assert sched.update_from_output(out1, bogus) == [] and req.output_token_ids == []
     out2, outs2 = step(sched)
     assert scheduled(out2) == {"r": 30}
-    assert out2.scheduled_cached_reqs.new_token_ids == [req.prompt_token_ids[50:80]]
+    assert out2.scheduled_cached_reqs.num_computed_tokens == [50]
     assert [o.new_token_ids for o in outs2] == [[SAMPLED]]
     out3, _ = step(sched)
-    assert scheduled(out3) == {"r": 1} and out3.scheduled_cached_reqs.new_token_ids == [[SAMPLED]]
+    assert scheduled(out3) == {"r": 1} and out3.scheduled_cached_reqs.num_computed_tokens == [80]
     run_until_idle(sched)
     sched.assert_idle()
 
@@ -272,7 +273,7 @@ def test_preempted_request_resumes_with_prompt_and_outputs() -> None:
                 resumed = d, out.num_scheduled_tokens["late"]
     assert resumed is not None
     data, n = resumed
-    assert data.token_ids == late.prompt_token_ids + [SAMPLED] and data.output_token_ids == [SAMPLED]
+    assert data.token_ids == late.prompt_token_ids + [SAMPLED]
     assert data.prompt_token_ids == late.prompt_token_ids
     assert data.num_computed_tokens + n == 11  # prompt + the generated token, recomputed
     assert len(late.output_token_ids) == 4 and len(streamed["late"]) == 3  # 1 before + 3 after

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.model.arch import ModelArch
 from engine.sampling_params import SamplingParams
 from engine.sim.calibrated import CalibratedStepModel
 from engine.sim.executor import SimulatedExecutor
 from engine.sim.hardware import HardwareProfile
 from engine.sim.step_batch import StepBatch
+from engine.step_io import CachedRequestData, NewRequestData, SchedulerOutput
 
 ARCH = ModelArch(8, 2, 4, 2, 2, 16, vocab_size=64, eos_token_id=8, max_position_embeddings=256)
 
@@ -32,7 +32,7 @@ class RecordingModel:
 
 def _new(rid: str, prompt: int, outputs: int = 0, computed: int = 0) -> NewRequestData:
     tokens = list(range(prompt + outputs))
-    return NewRequestData(rid, tokens[:prompt], tokens, SamplingParams(), [], computed, tokens[prompt:])
+    return NewRequestData(rid, tokens[:prompt], tokens, SamplingParams(), [], computed)
 
 
 def _plan(

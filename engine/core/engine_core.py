@@ -18,9 +18,10 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sched.scheduler import Scheduler
 from engine.executor.base import Executor
 from engine.hooks import NULL_HOOKS, StepHooks
-from engine.outputs import EngineCoreOutputs, FinishReason, ModelRunnerOutput, StepStats
+from engine.outputs import EngineCoreOutputs, FinishReason, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.step_io import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.core.sched.output import SchedulerOutput
-    from engine.outputs import ModelRunnerOutput
+    from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):

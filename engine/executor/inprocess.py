@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.executor.base import Executor
-from engine.outputs import ModelRunnerOutput
+from engine.step_io import ModelRunnerOutput, SchedulerOutput
+from engine.worker.model_runner import ModelRunner
 from engine.worker.worker import Worker
 
 
@@ -20,9 +21,9 @@ class InProcessExecutor(Executor):
         self.vocab_size = self.worker.arch.vocab_size
         return num_blocks
 
-    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
     @property
-    def model_runner(self):
+    def model_runner(self) -> ModelRunner | None:
         return self.worker.model_runner

@@ -22,17 +22,16 @@ from typing import TYPE_CHECKING
 
 from engine.executor.base import Executor
 from engine.model.arch import ModelArch
-from engine.outputs import ModelRunnerOutput
 from engine.sim.calibrated import CalibratedStepModel
 from engine.sim.hardware import HardwareProfile
 from engine.sim.kv_capacity import kv_capacity
 from engine.sim.model_counts import load_arch
 from engine.sim.roofline import RooflineStepModel
 from engine.sim.step_batch import StepBatch, StepModel
+from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.core.sched.output import SchedulerOutput
 
 _TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 

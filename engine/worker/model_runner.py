@@ -1,6 +1,6 @@
 """Turns a SchedulerOutput into tensors, runs the model, samples.
 
-Contract with the scheduler (see engine/core/sched/output.py):
+Contract with the scheduler (see engine/step_io.py):
 - a request listed in `finished_req_ids` is forgotten (finished, aborted or
   preempted); a preempted request comes back later as a new request carrying all
   its tokens;
@@ -20,8 +20,8 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.hooks import NULL_HOOKS, StepHooks
-from engine.outputs import ModelRunnerOutput
 from engine.sample.sampler import Sampler, SamplingBatch
+from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.input_batch import InputBatch
 
 
@@ -69,7 +69,7 @@ class ModelRunner:
         self.hooks: StepHooks = NULL_HOOKS
 
     # ---- state updates -------------------------------------------------------------
-    def _update_states(self, so) -> None:  # so: SchedulerOutput
+    def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.batch.remove(req_id)
         for new in so.scheduled_new_reqs:
@@ -90,7 +90,7 @@ class ModelRunner:
             self.batch.num_computed[row] = num_computed
 
     # ---- inputs ----------------------------------------------------------------------
-    def _prepare_inputs(self, so) -> StepInputs:
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         b = self.batch
         req_ids = list(so.num_scheduled_tokens.keys())
         rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
@@ -146,7 +146,7 @@ class ModelRunner:
 
     # ---- step ------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         with self.hooks.phase("prepare_inputs"):
             self._update_states(so)

@@ -8,7 +8,7 @@ import torch
 
 from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
-from engine.outputs import ModelRunnerOutput
+from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,6 @@ class Worker:
         )
         return num_blocks
 
-    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None, "load_and_allocate() first"
         return self.model_runner.execute_model(scheduler_output)

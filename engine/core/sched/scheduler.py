@@ -40,14 +40,14 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache.hashing import make_block_hasher
 from engine.core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from engine.core.sched.budget import TokenBudget
-from engine.core.sched.output import SchedulerOutput
 from engine.core.sched.preemption import pick_victim
 from engine.core.sched.request_queue import create_request_queue
 from engine.core.sched.stats import SchedulerStats
 from engine.core.sched.step_plan import StepPlan
 from engine.core.sched.stop_checker import check_stop
-from engine.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
+from engine.outputs import EngineCoreOutput, TokenLogprobs
 from engine.request import Request, RequestStatus, finish_reason, is_finished
+from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 # RequestStatus -> FinishReason value (finished statuses only).
 _FINISH_REASON_VALUES = {s: int(finish_reason(s)) for s in RequestStatus if is_finished(s)}

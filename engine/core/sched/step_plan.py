@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.kv_cache.kv_cache_manager import KVCacheManager
-from engine.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.request import Request
+from engine.step_io import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 @dataclass
@@ -48,19 +48,16 @@ class StepPlan:
                 sampling_params=r.sampling_params,
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
-                output_token_ids=list(r.output_token_ids),
             )
             for r in self.new_reqs
         ]
         cached = CachedRequestData()
         req_ids, block_ids, computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-        token_ids, num_scheduled, new_block_ids = cached.new_token_ids, self.num_scheduled, self.new_block_ids
+        new_block_ids = self.new_block_ids
         for rid, r in self.cached_reqs.items():
-            start = r.num_computed_tokens
             req_ids.append(rid)
             block_ids.append(new_block_ids[rid])
-            computed.append(start)
-            token_ids.append(r.all_token_ids[start : start + num_scheduled[rid]])
+            computed.append(r.num_computed_tokens)
         out = SchedulerOutput(
             scheduled_new_reqs=new,
             scheduled_cached_reqs=cached,
@@ -91,7 +88,7 @@ class StepPlan:
 
 
 def is_decode(request: Request, num_scheduled: int) -> bool:
-    """Decode = computing exactly the last token of a request that has outputs (see output.py)."""
+    """Decode = computing exactly the last token of a request that has outputs (see engine/step_io.py)."""
     return (
         request.num_output_tokens > 0
         and num_scheduled == 1

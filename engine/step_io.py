@@ -1,4 +1,10 @@
-"""SchedulerOutput: the plan of one step, handed from the scheduler to the model runner.
+"""The step seam: what one engine step hands down to the runner and gets back.
+
+`SchedulerOutput` (with `NewRequestData` / `CachedRequestData`) goes from the
+scheduler through the executor and the worker to the model runner;
+`ModelRunnerOutput` comes back the same way. This module sits below all of them
+(it imports only `SamplingParams` and `TokenLogprobs`), so the scheduler and the
+workers both depend on it and never on each other.
 
 Runner contract:
 - `finished_req_ids` lists every request the runner must forget before this step:
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -38,8 +45,6 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens already in KV (prefix-cache hit).
     num_computed_tokens: int
-    # Generated so far (for penalties).
-    output_token_ids: list[int]
 
 
 @dataclass
@@ -47,10 +52,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     # Blocks appended since the last step, per request.
     new_block_ids: list[list[int]] = field(default_factory=list)
-    # Tokens in KV before this step, per request.
+    # Tokens in KV before this step, per request. The runner keeps each request's
+    # tokens itself (the prompt from `NewRequestData`, then what it sampled).
     num_computed_tokens: list[int] = field(default_factory=list)
-    # The tokens to compute this step, per request (for runners that do not keep them).
-    new_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -81,3 +85,21 @@ class SchedulerOutput:
     @classmethod
     def empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:
         return cls([], CachedRequestData(), {}, 0, finished_req_ids or set())
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Result of one `execute_model` call.
+
+    `req_ids[i]` sampled `sampled_token_ids[i]` (empty when that request is still
+    in a partial prefill and sampled nothing this step).
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Per request, one entry per sampled token, only for requests that asked.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Wall-clock seconds of the runner's phases this step.
+    prepare_time: float = 0.0
+    forward_time: float = 0.0
+    sample_time: float = 0.0
