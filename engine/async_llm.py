@@ -3,7 +3,8 @@
 Input processing (chat template, tokenization, validation) and output processing
 (incremental detokenization, stop strings) run here, on the caller's event loop; the
 EngineCore runs in its own process (or a background thread, `multiprocess=False`)
-behind `EngineCoreClient`.
+behind `EngineCoreClient`. A caller that already validated its input (the HTTP
+layer) hands `generate()` a `ProcessedRequest`, which is not checked again.
 
 `generate()` yields cumulative `RequestOutput`s with this step's delta on each
 `CompletionOutput` (`text_delta`, `token_ids_delta`) and per-token times in
@@ -24,8 +25,13 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.core.core_client import EngineCoreClient, EngineDeadError
+from engine.core.engine_core import EngineCoreRequest
+from engine.hooks import StepHooks
+from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutputs, RequestOutput, StepStats
+from engine.processor import InputProcessor, ProcessedRequest, child_request_ids, fan_out
 from engine.sampling_params import SamplingParams
+from engine.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +57,9 @@ class AsyncLLM:
     def __init__(
         self,
         client: EngineCoreClient,
-        tokenizer: Any,
-        input_processor: Any,
-        output_processor: Any,
+        tokenizer: Tokenizer,
+        input_processor: InputProcessor,
+        output_processor: OutputProcessor,
         max_model_len: int,
     ) -> None:
         self.client = client
@@ -71,15 +77,24 @@ class AsyncLLM:
 
     @classmethod
     def from_config(
-        cls, engine_config: EngineConfig, multiprocess: bool = True, ready_timeout_s: float = 600.0
+        cls,
+        engine_config: EngineConfig,
+        multiprocess: bool = True,
+        ready_timeout_s: float = 600.0,
+        hooks_factory: Callable[[], StepHooks] | None = None,
     ) -> AsyncLLM:
-        """Start the EngineCore (process or thread), wait until its model is loaded."""
-        from engine.output_processor import OutputProcessor
-        from engine.processor import InputProcessor
+        """Start the EngineCore (process or thread), wait until its model is loaded.
+
+        `hooks_factory` builds the observation hooks (the profiler) where the core
+        runs, once its engine is built; the engine closes them when it shuts down.
+        With `multiprocess=True` it must be picklable (a module-level callable).
+        """
         from engine.tokenizer import get_tokenizer
 
         tokenizer = get_tokenizer(engine_config.model)
-        client = EngineCoreClient.start(engine_config, multiprocess=multiprocess, ready_timeout_s=ready_timeout_s)
+        client = EngineCoreClient.start(
+            engine_config, multiprocess=multiprocess, ready_timeout_s=ready_timeout_s, hooks_factory=hooks_factory
+        )
         assert client.ready is not None
         max_len = client.ready.max_model_len
         return cls(client, tokenizer, InputProcessor(tokenizer, max_len), OutputProcessor(tokenizer), max_len)
@@ -88,7 +103,7 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: str | list[int] | None,
+        prompt: str | list[int] | ProcessedRequest | None,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
@@ -96,47 +111,46 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs of one request; `n > 1` runs n child requests `f"{id}-{i}"`.
 
+        `prompt` is text, token ids, or a `ProcessedRequest` from
+        `input_processor.process` (then `sampling_params`, `priority` and `messages`
+        come from it and must not be passed again).
         With n > 1 each yielded RequestOutput carries one CompletionOutput whose
         `index` names the child; `finished` is True only on the last one.
         Raises ValueError for invalid input (before anything is queued),
         RequestFailedError if the engine failed the request, EngineDeadError if the
         engine process is gone.
         """
-        params = sampling_params or SamplingParams()
-        request_id = request_id or uuid.uuid4().hex
-        if params.n == 1:
-            one = self._generate_one(request_id, prompt, params, priority, messages, 0)
-            async with contextlib.aclosing(one):  # an early exit aborts at once, not at GC
-                async for out in one:
-                    yield out
-            return
-        children = [
-            (f"{request_id}-{i}", params.clone(n=1, seed=None if params.seed is None else params.seed + i))
-            for i in range(params.n)
-        ]
-        merged = self._merge(request_id, prompt, children, priority, messages)
-        async with contextlib.aclosing(merged):
-            async for out in merged:
-                yield out
-
-    async def _generate_one(
-        self,
-        request_id: str,
-        prompt: str | list[int] | None,
-        params: SamplingParams,
-        priority: int,
-        messages: list[dict[str, Any]] | None,
-        index: int,
-    ) -> AsyncGenerator[RequestOutput, None]:
         self.client.ensure_running()
         if not self.client.is_healthy():
             raise EngineDeadError("engine core is not running")
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
-        req = self.input_processor.process(request_id, prompt, params, messages=messages, priority=priority)
-        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, ProcessedRequest):
+            if sampling_params is not None or messages is not None or priority:
+                raise ValueError("sampling_params: a ProcessedRequest carries its own parameters")
+            req = prompt
+        else:
+            params = sampling_params or SamplingParams()
+            req = self.input_processor.process(prompt, params, messages=messages, priority=priority)
+        request_id = request_id or uuid.uuid4().hex
+        for rid in child_request_ids(request_id, req.params.n):
+            if rid in self._streams:
+                raise ValueError(f"request_id: {rid!r} is already in flight")
+        iterators = [self._generate_one(child, req.prompt, i) for i, child in enumerate(fan_out(request_id, req))]
+        merged = merge_async_iterators(iterators)
+        remaining = len(iterators)
+        async with contextlib.aclosing(merged):  # an early exit aborts at once, not at GC
+            async for _, out in merged:
+                out.request_id = request_id
+                remaining -= out.finished
+                out.finished = remaining == 0
+                yield out
+
+    async def _generate_one(
+        self, req: EngineCoreRequest, prompt: str | None, index: int
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """One core request (one completion): queue it, relay its outputs, abort it on an early exit."""
+        request_id = req.request_id
         self.output_processor.add_request(
-            request_id, text, req.prompt_token_ids, params, arrival_time=req.arrival_time, index=index
+            request_id, prompt, req.prompt_token_ids, req.sampling_params, arrival_time=req.arrival_time, index=index
         )
         stream = self._streams[request_id] = _Stream()
         try:
@@ -153,26 +167,6 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not stream.finished:
                 self._abort_ids([request_id])
-
-    async def _merge(
-        self,
-        parent_id: str,
-        prompt: str | list[int] | None,
-        children: list[tuple[str, SamplingParams]],
-        priority: int,
-        messages: list[dict[str, Any]] | None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Run the children concurrently and yield their outputs as they arrive."""
-        iterators = [
-            self._generate_one(cid, prompt, params, priority, messages, i)
-            for i, (cid, params) in enumerate(children)
-        ]
-        remaining = len(children)
-        async for _, out in merge_async_iterators(iterators):
-            out.request_id = parent_id
-            remaining -= out.finished
-            out.finished = remaining == 0
-            yield out
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (or all children of an n > 1 request); its iterator ends."""
@@ -203,8 +197,8 @@ class AsyncLLM:
                 continue
             error = errors.get(out.request_id)
             stream.queue.put_nowait(RequestFailedError(error) if error else out)
-        if to_finish:  # stop strings end on the front end; free them in the core
-            self.client.abort_requests(to_finish)
+        if to_finish:  # stop strings end on the front end; finish them in the core (as offline)
+            self.client.finish_requests(to_finish)
         if outputs.stats is not None:
             self._step_stats.append(outputs.stats)
             for step_listener in self.step_listeners:
@@ -237,13 +231,13 @@ class AsyncLLM:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def shutdown(self) -> None:
-        """Stop the core and fail whatever is still in flight."""
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the core and fail whatever is still in flight; wait up to `timeout_s` for it."""
         self._on_dead(EngineDeadError("engine shut down"))
-        self.client.shutdown()
+        self.client.shutdown(timeout_s)
 
 
-async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
     """Yield `(i, item)` from all iterators as items arrive.
 
     The first exception from any iterator is re-raised here; on any exit (done, error,

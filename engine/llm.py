@@ -1,32 +1,45 @@
 """The offline API, mirroring vLLM's `LLM`.
 
+    from engine import LLM, SamplingParams
+
     llm = LLM(model="smollm2", max_num_batched_tokens=512)
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
     outs[0].outputs[0].text
 
-`generate()` is a loop over `EngineCore.step()`: it adds every request, then
-steps until all have finished, so requests join and leave the running batch at
-every step (continuous batching), exactly as the online server does.
+`generate()` takes vLLM's prompt forms (see `engine/inputs.py`). It is a loop over
+`EngineCore.step()`: it adds every request, then steps until all have finished, so
+requests join and leave the running batch at every step (continuous batching),
+exactly as the online server does. Input goes through the same admission path as
+`AsyncLLM` (`InputProcessor.process`, then `fan_out` for n > 1).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.core.engine_core import EngineCore, EngineCoreRequest
+from engine.inputs import PromptType, parse_prompts
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, RequestOutput, StepStats
-from engine.processor import InputProcessor
+from engine.processor import InputProcessor, ProcessedRequest, fan_out
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import get_tokenizer
 
-PromptType = str | list[int]
+
+@dataclass(slots=True)
+class _Pending:
+    """One prompt of a `generate()` call: its id, its text and its `n` core requests."""
+
+    request_id: str
+    prompt: str | None
+    children: list[EngineCoreRequest]
 
 
 class LLM:
@@ -45,18 +58,24 @@ class LLM:
     # ---- public API ------------------------------------------------------------------
     def generate(
         self,
-        prompts: PromptType | Sequence[PromptType],
+        prompts: PromptType,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order, each with `n` completions."""
-        prompt_list = _as_prompt_list(prompts)
-        params = _broadcast(sampling_params, len(prompt_list))
-        prios = list(priority) if priority is not None else [0] * len(prompt_list)
+        """One RequestOutput per prompt, in prompt order, each with `n` completions.
+
+        `prompts`: a string, a list of token ids, a `{"prompt": ...}` or
+        `{"prompt_token_ids": [...]}` dict, or a list of any of those.
+        """
+        parsed = parse_prompts(prompts)
+        params = _broadcast(sampling_params, len(parsed))
+        prios = list(priority) if priority is not None else [0] * len(parsed)
+        if len(prios) != len(parsed):
+            raise ValueError(f"priority: {len(prios)} given for {len(parsed)} prompts")
         reqs = [
-            self._prepare(p, sp, prio, messages=None)
-            for p, sp, prio in zip(prompt_list, params, prios, strict=True)
+            self._admit(self.processor.process(p.prompt, sp, priority=prio, cache_salt=p.cache_salt))
+            for p, sp, prio in zip(parsed, params, prios, strict=True)
         ]
         return self._run(reqs, use_tqdm)
 
@@ -67,10 +86,14 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations: list[list[dict[str, Any]]]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = messages  # type: ignore[assignment]
         params = _broadcast(sampling_params, len(conversations))
         reqs = [
-            self._prepare(None, sp, 0, messages=conv)  # type: ignore[arg-type]
+            self._admit(self.processor.process(None, sp, messages=conv))
             for conv, sp in zip(conversations, params, strict=True)
         ]
         return self._run(reqs, use_tqdm)
@@ -79,26 +102,20 @@ class LLM:
         self.engine_core.scheduler.kv_cache_manager.reset_prefix_cache()
 
     # ---- internals -------------------------------------------------------------------
-    def _prepare(
-        self, prompt: PromptType | None, params: SamplingParams, priority: int, messages: Any
-    ) -> tuple[str, str | None, list[EngineCoreRequest]]:
-        parent_id = str(next(self._counter))
-        children = []
-        for i in range(params.n):
-            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            req = self.processor.process(f"{parent_id}-{i}", prompt, child_params, messages, priority)
-            children.append(req)
-        return parent_id, prompt if isinstance(prompt, str) else None, children
+    def _admit(self, req: ProcessedRequest) -> _Pending:
+        request_id = str(next(self._counter))
+        return _Pending(request_id, req.prompt, fan_out(request_id, req))
 
-    def _run(self, reqs: list[tuple[str, str | None, list[EngineCoreRequest]]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, reqs: list[_Pending], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        for _, prompt, children in reqs:
-            for i, child in enumerate(children):
+        for pending in reqs:
+            for i, child in enumerate(pending.children):
                 self.output_processor.add_request(
-                    child.request_id, prompt, child.prompt_token_ids, child.sampling_params, child.arrival_time, i
+                    child.request_id, pending.prompt, child.prompt_token_ids, child.sampling_params,
+                    child.arrival_time, i,
                 )
                 self.engine_core.add_request(child)
-        total = sum(len(c) for _, _, c in reqs)
+        total = sum(len(p.children) for p in reqs)
         bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while self.engine_core.has_unfinished_requests():
@@ -107,20 +124,20 @@ class LLM:
                     self.step_stats.append(core_out.stats)
                 with self.engine_core.hooks.phase("detokenize"):
                     outs, to_finish = self.output_processor.process_outputs(core_out)
-                if to_finish:
+                if to_finish:  # stop strings end on the front end; finish them in the core
                     self.engine_core.finish_requests(to_finish, RequestStatus.FINISHED_STOPPED)
                 for out in outs:
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            ids = [c.request_id for _, _, cs in reqs for c in cs]
+            ids = [c.request_id for p in reqs for c in p.children]
             self.engine_core.abort_requests(ids)
             self.output_processor.abort_requests(ids)
             raise
         finally:
             bar.close()
-        return [_merge(parent, [finished[c.request_id] for c in children]) for parent, _, children in reqs]
+        return [_merge(p.request_id, [finished[c.request_id] for c in p.children]) for p in reqs]
 
 
 def _merge(parent_id: str, children: list[RequestOutput]) -> RequestOutput:
@@ -135,16 +152,6 @@ def _merge(parent_id: str, children: list[RequestOutput]) -> RequestOutput:
         num_cached_tokens=first.num_cached_tokens,
         metrics=first.metrics,
     )
-
-
-def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
-        return [prompts]  # type: ignore[list-item]
-    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
-        raise ValueError("prompts: must be a string, a list of token ids, or a list of those")
-    return list(prompts)  # type: ignore[arg-type]
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

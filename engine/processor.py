@@ -1,17 +1,76 @@
 """Input processing on the front end: chat template, tokenization, validation.
 
-Produces the `EngineCoreRequest` the core accepts. Every rejection is a
-`ValueError` whose message starts with the offending field, so the HTTP server can
-turn it into a 400 with `param` set and the offline API can show it as is.
+The one admission path: `InputProcessor.process` turns a prompt (or a chat) into a
+`ProcessedRequest` (validated token ids, the resolved `max_tokens`), once; `fan_out`
+turns that into the `EngineCoreRequest`s the core accepts, one per `n` child. `LLM`,
+`AsyncLLM` and the HTTP layer all go through these two, so a prompt is tokenized
+and checked exactly once whichever door it came in by.
+
+Every rejection is a `ValueError` whose message starts with the offending field, so
+the HTTP server can turn it into a 400 with `param` set and the offline API can show
+it as is.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.core.engine_core import EngineCoreRequest
 from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    """A prompt tokenized and validated against the model, with its sampling parameters.
+
+    `max_tokens` is resolved (never None, fits the context). `prompt` is the text it
+    came from, when it came as text (shown on the outputs). Hand it to
+    `AsyncLLM.generate` (or `fan_out`) as is: nothing checks it again.
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_id: int | None
+    arrival_time: float
+    prompt: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    """The core's ids for the `n` children of a request: the id itself when n == 1."""
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
+def fan_out(request_id: str, req: ProcessedRequest) -> list[EngineCoreRequest]:
+    """One EngineCoreRequest per completion (`params.n` of them), child `i` seeded `seed + i`.
+
+    The only place n > 1 is expanded: every child is an independent request in the
+    core with `n=1`; the front end merges their outputs (`index` = i).
+    """
+    params = req.params
+    ids = child_request_ids(request_id, params.n)
+    children = []
+    for i, rid in enumerate(ids):
+        child_params = params if params.n == 1 else params.clone(
+            n=1, seed=None if params.seed is None else params.seed + i
+        )
+        children.append(
+            EngineCoreRequest(
+                request_id=rid,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling_params=child_params,
+                eos_token_id=req.eos_token_id,
+                arrival_time=req.arrival_time,
+                max_tokens=req.max_tokens,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+            )
+        )
+    return children
 
 
 class TokenizerLike(Protocol):
@@ -72,28 +131,28 @@ class InputProcessor:
 
     def process(
         self,
-        request_id: str,
         prompt: str | list[int] | None,
         params: SamplingParams,
         messages: list[dict[str, Any]] | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
-    ) -> EngineCoreRequest:
+        add_generation_prompt: bool = True,
+    ) -> ProcessedRequest:
+        """Tokenize (or render the chat) and validate; raises ValueError naming the field."""
         if messages is not None:
-            prompt_ids = self.render_chat(messages)
+            prompt_ids = self.render_chat(messages, add_generation_prompt)
         elif prompt is None:
             raise ValueError("prompt: required")
         else:
             prompt_ids = self.tokenize_prompt(prompt)
-        max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
-        return EngineCoreRequest(
-            request_id=request_id,
+        return ProcessedRequest(
             prompt_token_ids=prompt_ids,
-            sampling_params=params,
+            params=params,
+            max_tokens=self.resolve_max_tokens(len(prompt_ids), params),
             eos_token_id=self.tokenizer.eos_token_id,
             arrival_time=time.time() if arrival_time is None else arrival_time,
-            max_tokens=max_tokens,
+            prompt=prompt if isinstance(prompt, str) and messages is None else None,
             priority=priority,
             cache_salt=cache_salt,
         )

@@ -1,6 +1,6 @@
 """Test helpers for the online-serving tests: an echo EngineCore and server launching.
 
-`EchoEngineCore` has the EngineCore API (add_request / abort_requests / step /
+`EchoEngineCore` has the EngineCore API (add_request / abort_requests / finish_requests / step /
 has_unfinished_requests / shutdown / max_model_len / num_blocks / scheduler) and
 "generates" by echoing the prompt's token ids one per step, so the process, IPC and
 failure handling can be tested without a model. A prompt containing POISON_TOKEN makes
@@ -21,7 +21,9 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.core.core_client import EngineCoreClient
 from engine.core.engine_core import EngineCoreRequest
+from engine.hooks import NULL_HOOKS, StepHooks
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason, StepStats
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 
 POISON_TOKEN = 200  # a non-ASCII byte: inside the byte-level vocabulary, absent from test prompts
@@ -69,6 +71,12 @@ class EchoEngineCore:
         self.scheduler = _EchoScheduler()
         self.step_count = 0
         self.step_delay_s = config.scheduler.step_delay_ms / 1000
+        # (request id, status) of every request the front end finished (stop strings).
+        self.finished_by_front_end: list[tuple[str, RequestStatus]] = []
+        self.hooks: StepHooks = NULL_HOOKS
+
+    def set_hooks(self, hooks: StepHooks) -> None:
+        self.hooks = hooks
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.scheduler.requests[req.request_id] = (req, [])
@@ -76,6 +84,10 @@ class EchoEngineCore:
     def abort_requests(self, ids: list[str]) -> None:
         for rid in ids:
             self.scheduler.requests.pop(rid, None)
+
+    def finish_requests(self, ids: list[str], status: RequestStatus) -> None:
+        self.finished_by_front_end.extend((rid, status) for rid in ids if rid in self.scheduler.requests)
+        self.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)
@@ -113,6 +125,7 @@ class EchoEngineCore:
 
     def shutdown(self) -> None:
         self.scheduler.requests.clear()
+        self.hooks.close()
 
 
 def make_echo_engine(config: EngineConfig) -> EchoEngineCore:

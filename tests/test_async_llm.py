@@ -10,18 +10,22 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 
 import pytest
-from server_utils import POISON_TOKEN, echo_async_llm
+from server_utils import POISON_TOKEN, echo_async_llm, make_echo_engine
 
 from engine.async_llm import AsyncLLM, RequestFailedError
-from engine.core.core_client import EngineDeadError
+from engine.config import EngineConfig
+from engine.core.core_client import EngineCoreClient, EngineDeadError
+from engine.hooks import NullHooks
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 
 
-async def _drain(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams, **kw: object) -> list:
+async def _drain(llm: AsyncLLM, prompt: object, params: SamplingParams | None, **kw: object) -> list:
     return [out async for out in llm.generate(prompt, params, **kw)]
 
 
@@ -127,3 +131,56 @@ def test_step_error_and_engine_death() -> None:
             llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_stop_string_finishes_as_stopped_in_the_core_as_offline() -> None:
+    async def main() -> None:
+        llm = echo_async_llm()
+        try:
+            outs = await _drain(llm, "xyz", SamplingParams(max_tokens=50, stop=["zx"]), request_id="s")
+            assert outs[-1].outputs[0].finish_reason == "stop" and outs[-1].outputs[0].stop_reason == "zx"
+            await _until_idle(llm)
+            engine = llm.client._thread_core.engine  # type: ignore[union-attr]
+            # A FINISH message, not an ABORT: the same status the offline LLM gives a stop string.
+            assert engine.finished_by_front_end == [("s", RequestStatus.FINISHED_STOPPED)]
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_processed_request_is_admitted_without_processing_it_again() -> None:
+    async def main() -> None:
+        llm = echo_async_llm()
+        try:
+            req = llm.input_processor.process("abc", SamplingParams(n=2, max_tokens=3, seed=5), priority=0)
+            calls = []
+            real = llm.input_processor.process
+            llm.input_processor.process = lambda *a, **k: calls.append(a) or real(*a, **k)  # type: ignore[method-assign]
+            outs = await _drain(llm, req, None, request_id="p")
+            assert calls == [] and outs[-1].finished and {o.request_id for o in outs} == {"p"}
+            done = sorted(o.outputs[0].index for o in outs if o.outputs[0].finished)
+            assert done == [0, 1] and all(o.prompt == "abc" for o in outs)
+            with pytest.raises(ValueError, match="sampling_params"):
+                await _drain(llm, req, SamplingParams())
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_hooks_are_built_where_the_core_runs_and_closed_with_it() -> None:
+    events: list[tuple[str, str]] = []
+
+    class Hooks(NullHooks):
+        def close(self) -> None:
+            events.append(("close", threading.current_thread().name))
+
+    def factory() -> Hooks:
+        events.append(("build", threading.current_thread().name))
+        return Hooks()
+
+    client = EngineCoreClient.start(EngineConfig(), multiprocess=False, engine_factory=make_echo_engine,
+                                    ready_timeout_s=30, hooks_factory=factory)
+    client.shutdown()
+    assert events == [("build", "EngineCore"), ("close", "EngineCore")]

@@ -8,8 +8,8 @@ on the caller's event loop:
   turns unhealthy and `on_dead(EngineDeadError)` is called once, so every in-flight
   request can fail at once.
 
-Sends use a plain (non-asyncio) PUSH socket with no high-water mark, so `add_request`
-and `abort_requests` never block and may be called from `finally:` blocks.
+Sends use a plain (non-asyncio) PUSH socket with no high-water mark, so `add_request`,
+`abort_requests` and `finish_requests` never block and may be called from `finally:` blocks.
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.core import messages as msg
-from engine.core.core_proc import EngineCoreProc, announce_ready, build_engine_core, run_engine_core
+from engine.core.core_proc import (
+    EngineCoreProc,
+    announce_ready,
+    build_engine,
+    build_engine_core,
+    run_engine_core,
+)
+from engine.hooks import StepHooks
 from engine.outputs import EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
@@ -91,19 +98,21 @@ class EngineCoreClient:
         engine_factory: Callable[[EngineConfig], Any] = build_engine_core,
         request_type: type | None = None,
         ready_timeout_s: float = 600.0,
+        hooks_factory: Callable[[], StepHooks] | None = None,
     ) -> EngineCoreClient:
         """Start the core and block until it is READY (the model is loaded).
 
         `engine_factory` (a module-level callable, picklable by reference) builds the
-        engine inside the core; raises EngineStartError if it fails or times out.
+        engine inside the core, then `hooks_factory` (if any; picklable too for a
+        process) its observation hooks; raises EngineStartError if it fails or times out.
         The background tasks start on the first `ensure_running()` inside a loop.
         """
         client = cls(config, multiprocess)
         try:
             if multiprocess:
-                client._spawn_process(engine_factory, request_type)
+                client._spawn_process(engine_factory, request_type, hooks_factory)
             else:
-                client._start_thread(engine_factory, request_type)
+                client._start_thread(engine_factory, request_type, hooks_factory)
             client._wait_ready(ready_timeout_s)
         except BaseException:
             client.shutdown()
@@ -120,20 +129,26 @@ class EngineCoreClient:
             asyncio.create_task(self._watch()),
         ]
 
-    def _spawn_process(self, engine_factory: Callable[..., Any], request_type: type | None) -> None:
+    def _spawn_process(
+        self, engine_factory: Callable[..., Any], request_type: type | None,
+        hooks_factory: Callable[[], StepHooks] | None,
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._process = ctx.Process(
             target=run_engine_core,
             name="EngineCore",
-            args=(self.config, self.input_addr, self.output_addr, engine_factory, request_type),
+            args=(self.config, self.input_addr, self.output_addr, engine_factory, request_type, hooks_factory),
             daemon=True,
         )
         self._process.start()
 
-    def _start_thread(self, engine_factory: Callable[..., Any], request_type: type | None) -> None:
+    def _start_thread(
+        self, engine_factory: Callable[..., Any], request_type: type | None,
+        hooks_factory: Callable[[], StepHooks] | None,
+    ) -> None:
         def target() -> None:
             try:
-                engine = engine_factory(self.config)
+                engine = build_engine(self.config, engine_factory, hooks_factory)
                 from engine.core.core_proc import default_request_type
 
                 core = EngineCoreProc(
@@ -218,6 +233,11 @@ class EngineCoreClient:
         """Abort in the core; a no-op once the core is gone (nothing left to free)."""
         if request_ids and self.is_healthy():
             self._send(msg.ABORT, self._encoder.encode(request_ids))
+
+    def finish_requests(self, request_ids: list[str]) -> None:
+        """Finish as stopped in the core (a stop string found on the front end); a no-op once it is gone."""
+        if request_ids and self.is_healthy():
+            self._send(msg.FINISH, self._encoder.encode(request_ids))
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 5.0) -> Any:
         """Run a utility method (see messages.UTILITY_METHODS) in the core between steps."""

@@ -26,7 +26,9 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core import messages as msg
+from engine.hooks import StepHooks
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from engine.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,10 @@ class EngineCoreProc:
             ids = self.abort_decoder.decode(payload)
             self.in_flight.difference_update(ids)
             self.engine.abort_requests(ids)
+        elif kind == msg.FINISH:  # stop strings: FINISHED_STOPPED, as the offline LLM does
+            ids = self.abort_decoder.decode(payload)
+            self.in_flight.difference_update(ids)
+            self.engine.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
         elif kind == msg.UTILITY:
             self._call_utility(self.utility_decoder.decode(payload))
         else:
@@ -187,12 +193,25 @@ def announce_ready(proc: EngineCoreProc) -> None:
     proc.send(msg.READY, info)
 
 
+def build_engine(
+    config: EngineConfig,
+    engine_factory: Callable[[EngineConfig], Any],
+    hooks_factory: Callable[[], StepHooks] | None,
+) -> Any:
+    """Build the engine where the core runs and install its hooks there (the profiler is per thread)."""
+    engine = engine_factory(config)
+    if hooks_factory is not None:
+        engine.set_hooks(hooks_factory())
+    return engine
+
+
 def run_engine_core(
     config: EngineConfig,
     input_addr: str,
     output_addr: str,
     engine_factory: Callable[[EngineConfig], Any] = build_engine_core,
     request_type: type | None = None,
+    hooks_factory: Callable[[], StepHooks] | None = None,
 ) -> None:
     """Process entry point: build the engine, say READY (or FAILED), serve, exit.
 
@@ -205,7 +224,7 @@ def run_engine_core(
     ctx = zmq.Context()
     proc: EngineCoreProc | None = None
     try:
-        engine = engine_factory(config)
+        engine = build_engine(config, engine_factory, hooks_factory)
         proc = EngineCoreProc(engine, input_addr, output_addr, request_type or default_request_type(), ctx)
         signal.signal(signal.SIGTERM, lambda *_: proc.stop_event.set() if proc else None)
         announce_ready(proc)

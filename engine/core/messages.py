@@ -6,7 +6,8 @@ arrives over a socket is ever unpickled or turned into an arbitrary object.
 
 Front end -> core (input socket):
     ADD      payload: EngineCoreRequest
-    ABORT    payload: list[str] (request ids)
+    ABORT    payload: list[str] (request ids): the client gave up on them
+    FINISH   payload: list[str] (request ids): a stop string ended them on the front end
     UTILITY  payload: UtilityCall
     SHUTDOWN payload: empty
 
@@ -26,6 +27,7 @@ import msgspec
 # Input kinds.
 ADD = b"a"
 ABORT = b"x"
+FINISH = b"f"
 UTILITY = b"u"
 SHUTDOWN = b"q"
 

@@ -1,8 +1,9 @@
 """/v1/completions and /v1/chat/completions on top of AsyncLLM.
 
 One request body becomes one `generate()` per prompt (each with `n` choices); choice
-index = prompt_index * n + child index. Input is validated and tokenized before any
-request reaches the engine, so a bad prompt in a batch queues nothing. Streams are SSE
+index = prompt_index * n + child index. Input is validated and tokenized here, once
+(`InputProcessor.process`), before any request reaches the engine, so a bad prompt in
+a batch queues nothing; `AsyncLLM` takes the resulting `ProcessedRequest` as is. Streams are SSE
 (`data: {json}\\n\\n`, ending with `data: [DONE]`); an error after the stream started is
 sent as an error event, then `[DONE]`.
 """
@@ -22,6 +23,7 @@ from engine.entrypoints import formatting as fmt
 from engine.entrypoints.errors import ApiError, from_value_error
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from engine.outputs import CompletionOutput
+from engine.processor import ProcessedRequest
 from engine.sampling_params import SamplingParams
 
 _json = msgspec.json.Encoder()
@@ -30,11 +32,15 @@ DONE = b"data: [DONE]\n\n"
 
 @dataclass(slots=True)
 class Job:
-    """One prompt of the request, tokenized."""
+    """One prompt of the request, tokenized and validated."""
 
     prompt_index: int
-    prompt_ids: list[int]
-    prompt_text: str | None
+    request: ProcessedRequest
+    prompt_text: str | None  # for `echo`: the prompt, or its token ids decoded
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
 
 
 @dataclass(slots=True)
@@ -92,36 +98,36 @@ class OpenAIServing:
         try:
             params = body.sampling_params()
             if isinstance(body, ChatCompletionRequest):
-                jobs = self._chat_jobs(body)
+                jobs = self._chat_jobs(body, params)
             else:
-                jobs = self._completion_jobs(body)
-            for job in jobs:
-                self.llm.input_processor.resolve_max_tokens(len(job.prompt_ids), params)
+                jobs = self._completion_jobs(body, params)
         except ValueError as exc:
             raise from_value_error(exc) from None
         rid = fmt.new_id("chatcmpl" if chat else "cmpl")
         return _Call(chat, body, params, jobs, rid, k)
 
-    def _completion_jobs(self, body: CompletionRequest) -> list[Job]:
+    def _completion_jobs(self, body: CompletionRequest, params: SamplingParams) -> list[Job]:
         ip = self.llm.input_processor
         jobs = []
         for i, prompt in enumerate(body.prompts()):
-            ids = ip.tokenize_prompt(prompt)
+            req = ip.process(prompt, params, priority=body.priority)
             text = prompt if isinstance(prompt, str) else None
             if body.echo and text is None:
-                text = self.llm.tokenizer.decode(ids)
-            jobs.append(Job(i, ids, text))
+                text = self.llm.tokenizer.decode(req.prompt_token_ids)
+            jobs.append(Job(i, req, text))
         return jobs
 
-    def _chat_jobs(self, body: ChatCompletionRequest) -> list[Job]:
-        ids = self.llm.input_processor.render_chat(body.message_dicts(), body.add_generation_prompt)
-        return [Job(0, ids, None)]
+    def _chat_jobs(self, body: ChatCompletionRequest, params: SamplingParams) -> list[Job]:
+        req = self.llm.input_processor.process(
+            None, params, messages=body.message_dicts(), priority=body.priority,
+            add_generation_prompt=body.add_generation_prompt,
+        )
+        return [Job(0, req, None)]
 
     def _outputs(self, call: _Call) -> Any:
         """Merged `(prompt_index, RequestOutput)` of every prompt of the call."""
         iterators = [
-            self.llm.generate(job.prompt_ids, call.params, request_id=f"{call.request_id}-{job.prompt_index}",
-                              priority=call.body.priority)
+            self.llm.generate(job.request, request_id=f"{call.request_id}-{job.prompt_index}")
             for job in call.jobs
         ]
         return merge_async_iterators(iterators)

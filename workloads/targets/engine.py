@@ -19,18 +19,22 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.hooks import StepHooks
 from engine.outputs import StepStats
 from engine.sampling_params import SamplingParams
 from workloads.record import TargetResult
 from workloads.spec import RequestSpec
 from workloads.targets.base import OnToken
 from workloads.targets.openai import OpenAITarget
+
+SHUTDOWN_TIMEOUT_S = 120.0  # the profiled engine's last trace export
 
 
 def sampling_params_for(spec: RequestSpec) -> SamplingParams:
@@ -40,7 +44,7 @@ def sampling_params_for(spec: RequestSpec) -> SamplingParams:
 class EngineTarget:
     name = "inprocess"
 
-    def __init__(self, engine_config: EngineConfig, hooks_factory: Any = None) -> None:
+    def __init__(self, engine_config: EngineConfig, hooks_factory: Callable[[], StepHooks] | None = None) -> None:
         self.engine_config = engine_config
         self.hooks_factory = hooks_factory
         self.llm: AsyncLLM | None = None
@@ -51,15 +55,9 @@ class EngineTarget:
     def load(self) -> AsyncLLM:
         """Start the engine (blocks while the model loads); idempotent."""
         if self.llm is None:
-            self.llm = AsyncLLM.from_config(self.engine_config, multiprocess=False)
-            if self.hooks_factory is not None:
-                self._install_hooks()
+            # The hooks are built in the engine's thread (torch.profiler records per thread).
+            self.llm = AsyncLLM.from_config(self.engine_config, multiprocess=False, hooks_factory=self.hooks_factory)
         return self.llm
-
-    def _install_hooks(self) -> None:
-        core = self.llm.client._thread_core  # type: ignore[union-attr]
-        if core is not None:
-            core.engine.set_hooks(_LazyHooks(self.hooks_factory))
 
     async def start(self) -> None:
         self.load()
@@ -71,10 +69,8 @@ class EngineTarget:
 
     def shutdown(self) -> None:
         if self.llm is not None:
-            core = self.llm.client._thread_core
-            self.llm.shutdown()
-            if core is not None:
-                core.engine.hooks.close()
+            # The engine closes its hooks as it stops: give a profiler time to write its trace.
+            self.llm.shutdown(timeout_s=SHUTDOWN_TIMEOUT_S if self.hooks_factory is not None else 5.0)
             self.llm = None
 
     async def send(self, spec: RequestSpec, on_token: OnToken | None = None) -> TargetResult:
@@ -125,32 +121,6 @@ class EngineTarget:
 
     async def scrape_metrics(self) -> dict[str, float] | None:
         return None
-
-
-class _LazyHooks:
-    """Builds the real hooks on first use, in the engine thread (torch.profiler is per thread)."""
-
-    def __init__(self, factory: Any) -> None:
-        self.factory = factory
-        self.hooks: Any = None
-
-    def _get(self) -> Any:
-        if self.hooks is None:
-            self.hooks = self.factory()
-        return self.hooks
-
-    def step_begin(self, step: int) -> None:
-        self._get().step_begin(step)
-
-    def step_end(self) -> None:
-        self._get().step_end()
-
-    def phase(self, name: str) -> Any:
-        return self._get().phase(name)
-
-    def close(self) -> None:
-        if self.hooks is not None:
-            self.hooks.close()
 
 
 def free_port() -> int:
