@@ -21,7 +21,7 @@ from engine.outputs import (
     TokenLogprobs,
 )
 from engine.sampling_params import SamplingParams
-from engine.tokenizer.detokenizer import IncrementalDetokenizer
+from engine.tokenizer.detokenizer import DecodingTokenizer, IncrementalDetokenizer
 
 
 @dataclass
@@ -40,7 +40,7 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: DecodingTokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
 
