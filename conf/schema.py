@@ -26,10 +26,12 @@ CONF_DIR = Path(__file__).parent
 @dataclass
 class ModelSection(ModelConfig):
     """`engine.config.ModelConfig` plus the workbench-only `arch`: Hugging Face config.json
-    hyper-parameters of a dummy shape defined in the config itself (empty: `model` names the
+    hyper-parameters of a dummy shape defined in the config itself (null: `model` names the
     weights or a shape the engine finds, e.g. engine/model/shapes/llama-3-8b.yaml)."""
 
-    arch: dict[str, Any] = field(default_factory=dict)
+    # A mapping, or null. Typed Any: Hydra merges `model.arch={...}` into a typed dict node and
+    # rejects its new keys (struct mode), while an untyped node takes the whole mapping.
+    arch: Any = None
 
 
 @dataclass
@@ -48,6 +50,8 @@ class EngineSections(EngineConfig):
                 raise ValueError("model.arch: a shape defined in the config needs a folder to write it to")
             path = Path(shape_dir) / f"{Path(self.model.model).stem}.yaml"
             path.parent.mkdir(parents=True, exist_ok=True)
+            if not isinstance(self.model.arch, dict):
+                raise ValueError(f"model.arch: expected a mapping of hyper-parameters, got {self.model.arch!r}")
             path.write_text(yaml.safe_dump(dict(self.model.arch), sort_keys=False))
             model.model = str(path)
         cfg = EngineConfig(model=model, cache=self.cache, scheduler=self.scheduler, attention=self.attention,

@@ -49,3 +49,64 @@ def test_one_dtype_map() -> None:
         torch_dtype("int8")
     with pytest.raises(ValueError, match="unknown dtype 'int4'"):
         canonical_dtype("int4")
+
+
+# ---- the workbench's typed configs and the engine's serve config file ------------------
+def test_run_config_is_typed_and_its_engine_part_is_the_engine_config(tmp_path) -> None:
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from conf.schema import ModelSection, RunConfig, register_schemas
+    from engine.model.loader import resolve_model
+
+    register_schemas()
+    arch = "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, intermediate_size: 48, vocab_size: 64}"
+    with initialize_config_module(config_module="conf", version_base=None):
+        composed = compose(config_name="run", overrides=["experiment=ci_gate", "model.model=tiny",
+                                                         f"model.arch={arch}"])  # fmt: skip
+    cfg = OmegaConf.to_object(composed)
+    assert isinstance(cfg, RunConfig) and isinstance(cfg, EngineConfig) and isinstance(cfg.model, ModelSection)
+    assert cfg.cache.num_blocks == 24 and cfg.scheduler.max_num_seqs == 8  # the experiment's values
+    engine = cfg.engine_config(shape_dir=tmp_path)
+    assert type(engine) is EngineConfig and engine.scheduler is cfg.scheduler
+    assert engine.model.model == str(tmp_path / "tiny.yaml")  # the shape defined in the config
+    arch_loaded, weights, _ = resolve_model(engine.model)
+    assert weights is None and (arch_loaded.hidden_size, arch_loaded.num_layers) == (32, 2)
+
+
+def test_check_overrides_names_unknown_keys_in_one_line() -> None:
+    from conf.schema import PlanConfig, RunConfig, ServeConfig, check_overrides
+
+    ok = ["scheduler.max_num_seqs=4", "model.arch.hidden_size=8", "hydra.run.dir=x", "attention=torch,triton"]
+    assert check_overrides(RunConfig, ok) is None
+    assert check_overrides(RunConfig, ["workload.prompt_len.valu=3"]) == (
+        "unknown key 'workload.prompt_len.valu': workload.prompt_len (LengthSection) has dist, value, low, high, "
+        "mean, std, path, column, min_len, max_len")
+    assert "unknown key 'server.port'" in (check_overrides(RunConfig, ["server.port=1"]) or "")
+    assert check_overrides(ServeConfig, ["server.port=1"]) is None
+    assert check_overrides(PlanConfig, ["plan.rates=[1,2]"]) is None
+    assert check_overrides(RunConfig, ["target=servr"]) == (
+        "unknown target 'servr' (known: inprocess, offline, openai, server, simulated)")
+
+
+def test_engine_serve_reads_one_config_file_strictly(tmp_path) -> None:
+    from engine.entrypoints.serve import ConfigError, load_config
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: {model: llama-3-8b, num_layers_override: 2}\nscheduler: {max_num_seqs: 8}\n"
+                    "server: {api_key: k, port: 8001}\n")  # fmt: skip
+    engine, settings = load_config(["--config", str(path), "scheduler.max_num_seqs=4", "--port", "9000"])
+    assert (engine.model.model, engine.model.num_layers_override, engine.scheduler.max_num_seqs) == (
+        "llama-3-8b", 2, 4)
+    assert (settings.api_key, settings.port) == ("k", 9000)  # flags win over the file
+    engine, _ = load_config(["model=mixtral-8x7b", "model.max_model_len=null"])
+    assert engine.model.model == "mixtral-8x7b" and engine.model.max_model_len is None
+    for args, message in [
+        (["scheduler.max_num_seq=4"], "unknown key 'scheduler.max_num_seq'"),
+        (["server.prot=1"], "unknown key 'server.prot'"),
+        (["--prot", "1"], "unknown option --prot"),
+        (["--config", str(tmp_path / "none.yaml")], "--config: cannot read"),
+        (["attention=triton"], "expected section.key=value"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(args)
