@@ -35,17 +35,17 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from conf.schema import PlanConfig
-from engine.config import EngineConfig, ModelConfig
-from engine.model.arch import ModelArch
+from engine.config import EngineConfig
 from engine.sim.executor import SimulatedExecutor
 from engine.sim.hardware import HardwareProfile
 from engine.sim.model_counts import load_arch
@@ -183,10 +183,10 @@ class Planner:
         self.cfg = cfg
         self.model, self.sim = cfg.model.model, cfg.sim
         try:
-            if cfg.model.arch:
-                self.arch = ModelArch.from_hf_config(cfg.model.arch, name=self.model)
-            else:
-                self.arch = load_arch(self.model)
+            # A shape given by model.arch goes to a scratch file, like any other shape file.
+            shape_dir = tempfile.mkdtemp(prefix="servelab-plan-") if cfg.model.arch else None
+            self.base = cfg.engine_config(shape_dir=shape_dir)
+            self.arch = load_arch(self.base.model.model)
             self.hw = HardwareProfile.load(self.sim.hardware)
         except FileNotFoundError as e:
             raise PlanError(str(e)) from None
@@ -200,9 +200,8 @@ class Planner:
 
     def config(self, budget: int, seqs: int) -> EngineConfig:
         """The plan's engine sections with one candidate's token budget and sequence limit."""
-        c = self.cfg
-        model = ModelConfig(**{f.name: getattr(c.model, f.name) for f in fields(ModelConfig)})
-        cfg = EngineConfig(model=model, cache=replace(c.cache), attention=replace(c.attention),
+        c = self.base
+        cfg = EngineConfig(model=replace(c.model), cache=replace(c.cache), attention=replace(c.attention),
                            device=replace(c.device),
                            scheduler=replace(c.scheduler, max_num_batched_tokens=budget, max_num_seqs=seqs))  # fmt: skip
         cfg.validate()
