@@ -1,32 +1,63 @@
-"""Structured (typed) configs for the Hydra tree in `conf/`.
+"""The typed configuration of the workbench's front doors, and the checks that keep it strict.
 
-Every yaml file of a group is validated against the dataclass registered for that
-group, so a misspelled key fails at start-up with Hydra's "Key 'x' not in 'Y'"
-message instead of being silently ignored. Engine sections reuse the engine's own
-dataclasses (`engine/config.py`), so the harness and the engine cannot drift.
+Hydra composes `conf/run.yaml` (servelab-run), `conf/serve.yaml` (servelab-serve) and
+`conf/plan.yaml` (servelab-plan) against the dataclasses below, and `OmegaConf.to_object`
+turns the result into a `RunConfig` / `ServeConfig` / `PlanConfig`. Their engine part is the
+engine's own `EngineConfig` (they extend it): its sections are the engine's dataclasses, the
+model section a `ModelSection` that adds the workbench-only fields. A key no dataclass
+declares fails at start-up (`check_overrides` gives the one-line message).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_type_hints
 
+import yaml
 from hydra.core.config_store import ConfigStore
 
-from engine.config import AttentionConfig, CacheConfig, DeviceConfig, SchedulerConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.entrypoints.api_server import ServerSettings
+
+CONF_DIR = Path(__file__).parent
 
 
 @dataclass
-class ModelSection:
-    """engine.config.ModelConfig plus the architecture of a dummy shape (HF config.json names)."""
+class ModelSection(ModelConfig):
+    """`engine.config.ModelConfig` plus the workbench-only `arch`: Hugging Face config.json
+    hyper-parameters of a dummy shape defined in the config itself (null: `model` names the
+    weights or a shape the engine finds, e.g. engine/model/shapes/llama-3-8b.yaml)."""
 
-    model: str = "smollm2"
-    load_format: str = "auto"
-    dtype: str = "float32"
-    max_model_len: int | None = None
-    seed: int = 0
-    num_layers_override: int | None = None
-    arch: dict[str, Any] = field(default_factory=dict)
+    # A mapping, or null. Typed Any: Hydra merges `model.arch={...}` into a typed dict node and
+    # rejects its new keys (struct mode), while an untyped node takes the whole mapping.
+    arch: Any = None
+
+
+@dataclass
+class EngineSections(EngineConfig):
+    """The engine's `EngineConfig` with the workbench's model section; every front door extends it."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+
+    def engine_config(self, shape_dir: str | Path | None = None) -> EngineConfig:
+        """The plain `EngineConfig` the engine runs (same section objects; `ModelConfig` without
+        the workbench fields). A model given by `arch` is written to `<shape_dir>/<model>.yaml`
+        and named by that path."""
+        model = ModelConfig(**{f.name: getattr(self.model, f.name) for f in fields(ModelConfig)})
+        if self.model.arch:
+            if shape_dir is None:
+                raise ValueError("model.arch: a shape defined in the config needs a folder to write it to")
+            path = Path(shape_dir) / f"{Path(self.model.model).stem}.yaml"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not isinstance(self.model.arch, dict):
+                raise ValueError(f"model.arch: expected a mapping of hyper-parameters, got {self.model.arch!r}")
+            path.write_text(yaml.safe_dump(dict(self.model.arch), sort_keys=False))
+            model.model = str(path)
+        cfg = EngineConfig(model=model, cache=self.cache, scheduler=self.scheduler, attention=self.attention,
+                           device=self.device)  # fmt: skip
+        cfg.validate()
+        return cfg
 
 
 @dataclass
@@ -154,6 +185,7 @@ class SimSection:
     tp: int = 1
     step_model: str = "roofline"  # roofline | path to a calibration file
     dtype: str = "bf16"  # weights and KV cache on the simulated hardware: bf16 | fp16 | fp32 | fp8
+    gpu_memory_utilization: float = 0.9  # fraction of device memory for weights + KV cache
     token_id: int = 1000  # the id every simulated step samples (never EOS: outputs run to max_tokens)
 
 
@@ -166,12 +198,9 @@ class RunSection:
 
 
 @dataclass
-class RunConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    attention: AttentionConfig = field(default_factory=AttentionConfig)
-    device: DeviceConfig = field(default_factory=DeviceConfig)
+class RunConfig(EngineSections):
+    """`servelab-run` (conf/run.yaml): the engine sections plus the experiment's."""
+
     workload: WorkloadSection = field(default_factory=WorkloadSection)
     target: TargetSection = field(default_factory=TargetSection)
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
@@ -181,23 +210,108 @@ class RunConfig:
     run: RunSection = field(default_factory=RunSection)
 
 
-GROUP_SCHEMAS: dict[str, type] = {
-    "model": ModelSection,
-    "scheduler": SchedulerConfig,
-    "cache": CacheConfig,
-    "attention": AttentionConfig,
-    "device": DeviceConfig,
-    "workload": WorkloadSection,
-    "target": TargetSection,
-    "profiling": ProfilingSection,
-    "report": ReportSection,
-    "slo": SLOSection,
-}
+@dataclass
+class ServeConfig(EngineSections):
+    """`servelab-serve` (conf/serve.yaml): the engine sections plus the HTTP server's."""
+
+    server: ServerSettings = field(default_factory=ServerSettings)
+
+
+@dataclass
+class PlanSection:
+    """What `servelab-plan` varies and how it searches (see docs/capacity.md)."""
+
+    # Candidate engine configurations: every combination (null: the scheduler section's value).
+    max_num_batched_tokens: list[int] | None = None
+    max_num_seqs: list[int] | None = None
+    # Load: exactly one of rates, time_scales (trace only), search.
+    rates: list[float] | None = None  # offered request rates, req/s
+    time_scales: list[float] | None = None  # multipliers of the trace's own rate
+    search: bool = False  # the highest rate meeting the SLOs, per configuration
+    search_start: float | None = None  # null: the trace's own rate (synthetic: 1 req/s)
+    search_tol: float = 0.05  # relative tolerance of the search
+    search_max: float = 1e6  # highest rate the search may try, req/s
+    target_rate: float | None = None  # total rate to serve: replicas of the best configuration
+    slo_stat: str = "p99"  # the statistic of TTFT / TPOT held to slo.*: p99 | p95 | p90 | median | mean
+    out: str | None = None  # folder for plan.csv, plan.json, plan.html
+    plain: bool = False  # plain-text table (no rich)
+    progress: bool = False  # a progress bar per simulated run
+
+
+@dataclass
+class PlanConfig(RunConfig):
+    """`servelab-plan` (conf/plan.yaml): a run config (model, scheduler, cache, workload, sim,
+    slo) plus the candidates and the load to plan over."""
+
+    plan: PlanSection = field(default_factory=PlanSection)
+
+
+SCHEMAS: dict[str, type] = {"run_schema": RunConfig, "serve_schema": ServeConfig, "plan_schema": PlanConfig}
 
 
 def register_schemas() -> None:
-    """Register the run schema and one `<group>_schema` per group (used by the group yaml defaults)."""
+    """Register the primary configs' schemas (named in the `defaults:` of run/serve/plan.yaml)."""
     cs = ConfigStore.instance()
-    cs.store(name="run_schema", node=RunConfig)
-    for group, node in GROUP_SCHEMAS.items():
-        cs.store(group=group, name=f"{group}_schema", node=node)
+    for name, node in SCHEMAS.items():
+        cs.store(name=name, node=node)
+
+
+# ---- strictness: unknown keys fail at start-up with one line ------------------------
+def config_groups() -> dict[str, list[str]]:
+    """Config group -> its options (the yaml files of `conf/<group>/`)."""
+    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in CONF_DIR.iterdir() if d.is_dir()
+            and not d.name.startswith("_")}  # fmt: skip
+
+
+def check_overrides(schema: type, overrides: list[str]) -> str | None:
+    """Why these command-line overrides cannot apply to `schema` (one line), or None.
+
+    Checks what Hydra would reject with a multi-line message: a key no dataclass declares
+    (`scheduler.max_num_seq=8`) and a config group option with no yaml file (`model=llama3`).
+    `hydra.*` and `hydra/...` overrides, deletions (`~key`) and keys under a free-form
+    mapping (`model.arch.*`) pass.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as exc:
+        return one_line(exc)
+    groups = config_groups()
+    for ov in parsed:
+        key = ov.key_or_group
+        if ov.is_delete() or key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            continue
+        if key in groups and ov.package is None:
+            values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]
+            for value in values:
+                if value is not None and str(value) not in groups[key]:
+                    return f"unknown {key} {str(value)!r} (known: {', '.join(groups[key])})"
+            continue
+        problem = _unknown_key(schema, key)
+        if problem:
+            return problem
+    return None
+
+
+def _unknown_key(schema: type, dotted: str) -> str | None:
+    node: Any = schema
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        if not (isinstance(node, type) and is_dataclass(node)):
+            return None  # below a mapping or a list: free-form
+        hints = get_type_hints(node)
+        if part not in hints:
+            where = ".".join(parts[:i]) or "the config"
+            known = ", ".join(f.name for f in fields(node))
+            return f"unknown key {dotted!r}: {where} ({node.__name__}) has {known}"
+        node = hints[part]
+    return None
+
+
+def one_line(exc: BaseException) -> str:
+    """A Hydra / OmegaConf error as one line (their messages span several, with a full_key line)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type="))]
+    return "; ".join(keep) or type(exc).__name__

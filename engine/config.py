@@ -1,8 +1,10 @@
 """Typed engine configuration.
 
-These dataclasses are the single source of truth for every engine knob. Hydra
-(`conf/`) fills them as structured configs; the offline `LLM(...)` API builds them
-from keyword arguments. Nothing in the engine reads environment variables for
+These dataclasses are the single source of truth for every engine knob. The offline
+`LLM(...)` API builds them from keyword arguments (vLLM's engine-argument names);
+`servelab-serve`'s config file fills them section by section (`from_sections`); the
+workbench's Hydra tree (`conf/`) types its engine part with these same classes. Unknown
+names fail loudly everywhere. Nothing in the engine reads environment variables for
 behaviour.
 """
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from engine.dtypes import MODEL_DTYPES
 
 DEFAULT_MODEL = "smollm2"
 
@@ -19,8 +23,9 @@ class ModelConfig:
     """Which weights to load and how.
 
     `model` is a path to a `.gguf` file, a Hugging Face folder (config.json +
-    safetensors), the name of a config under `conf/model/` (e.g. "llama-3-8b"),
-    or "smollm2" for the embedded default model.
+    safetensors), a model shape (a `.yaml` path, or the name of one packaged in
+    `engine/model/shapes/`, e.g. "llama-3-8b": random weights), or "smollm2" for the
+    embedded default model.
     """
 
     model: str = DEFAULT_MODEL
@@ -30,6 +35,7 @@ class ModelConfig:
     seed: int = 0
     # Override of the architecture's layer count (dummy shapes run faster with fewer).
     num_layers_override: int | None = None
+    enforce_eager: bool = True  # vLLM's name: False compiles the forward (torch.compile / CUDA graphs)
 
 
 @dataclass
@@ -53,6 +59,7 @@ class SchedulerConfig:
     # Test/diagnostic knob: sleep this long after every step (gates use it to
     # produce a run that is slow on purpose).
     step_delay_ms: float = 0.0
+    async_scheduling: bool = False  # vLLM's name: schedule step N+1 while step N runs
 
 
 @dataclass
@@ -67,6 +74,13 @@ class DeviceConfig:
     num_threads: int = 0
 
 
+# Keyword arguments of `EngineConfig.from_kwargs` under another name: key -> (section, field).
+KWARG_ALIASES: dict[str, tuple[str, str]] = {
+    "num_gpu_blocks_override": ("cache", "num_blocks"),  # vLLM's name for the KV block count
+    "attention_backend": ("attention", "backend"),
+}
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -79,15 +93,20 @@ class EngineConfig:
     def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword arguments, as `LLM(model=..., block_size=16)`.
 
-        Each keyword must name a field of exactly one sub-config; `attention_backend`
-        is accepted as an alias for `AttentionConfig.backend`.
+        Each keyword names a field of one section, under vLLM's engine-argument name where
+        the meaning is the same (`dtype`, `seed`, `max_model_len`, `enforce_eager`,
+        `block_size`, `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`);
+        `KWARG_ALIASES` adds vLLM's `num_gpu_blocks_override` (= `num_blocks`) and
+        `attention_backend` (= `AttentionConfig.backend`). An unknown keyword is a ValueError.
         """
         cfg = cls()
         cfg.model.model = model
-        if "attention_backend" in kwargs:
-            cfg.attention.backend = kwargs.pop("attention_backend")
-        sections: list[Any] = [cfg.model, cfg.cache, cfg.scheduler, cfg.attention, cfg.device]
+        sections: list[Any] = [getattr(cfg, f.name) for f in fields(cls)]
         for key, value in kwargs.items():
+            if key in KWARG_ALIASES:
+                section_name, name = KWARG_ALIASES[key]
+                setattr(getattr(cfg, section_name), name, value)
+                continue
             owners = [s for s in sections if key in {f.name for f in fields(s)}]
             if not owners:
                 raise ValueError(f"unknown engine argument {key!r}")
@@ -97,15 +116,20 @@ class EngineConfig:
 
     @classmethod
     def from_sections(cls, data: dict[str, Any]) -> EngineConfig:
-        """Build from nested dicts (a resolved Hydra config); keys a section does not know
-        (e.g. `model.arch`, kept for dummy shapes) are ignored, missing ones keep defaults."""
+        """Build from nested dicts (`{"scheduler": {"max_num_seqs": 8}, ...}`, as in a
+        servelab-serve config file); missing keys keep their defaults, an unknown section or
+        key is a ValueError naming it and what is known."""
         cfg = cls()
-        for f in fields(cls):
-            section = getattr(cfg, f.name)
-            known = {sf.name for sf in fields(section)}
-            for key, value in (data.get(f.name) or {}).items():
-                if key in known:
-                    setattr(section, key, value)
+        sections = {f.name: getattr(cfg, f.name) for f in fields(cls)}
+        for name, values in data.items():
+            if name not in sections:
+                raise ValueError(f"unknown engine config section {name!r} (known: {', '.join(sections)})")
+            section = sections[name]
+            known = [sf.name for sf in fields(section)]
+            for key, value in (values or {}).items():
+                if key not in known:
+                    raise ValueError(f"unknown key '{name}.{key}' (known: {', '.join(known)})")
+                setattr(section, key, value)
         cfg.validate()
         return cfg
 
@@ -123,5 +147,5 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if c.num_blocks is not None and c.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2")
-        if self.model.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.model.dtype!r}")
+        if self.model.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.model.dtype!r}")

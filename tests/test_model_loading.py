@@ -1,5 +1,5 @@
 """Model resolution and loading: the real GGUF, synthetic GGUFs (quant types, Q/K
-permutation), conf/ dummy architectures, parameter arithmetic, and input errors."""
+permutation), packaged model shapes (dummy weights), parameter arithmetic, and input errors."""
 
 from __future__ import annotations
 
@@ -138,14 +138,14 @@ def test_rotary_row_permutation_round_trip():
     assert torch.equal(unpermute_rotary_rows(permuted, 3), w)
 
 
-# ---- conf/model architectures and dummy weights -------------------------------------
+# ---- packaged model shapes and dummy weights -----------------------------------------
 @pytest.mark.parametrize(
     ("name", "params", "moe"),
     [("llama-3-8b", 8_030_261_248, False), ("llama-3-70b", 70_553_706_496, False),
      ("mixtral-8x7b", 46_702_792_704, True), ("smollm2", 134_515_008, False)],
 )
-def test_conf_arch_parameter_counts(name, params, moe):
-    arch = loader.read_conf_arch(loader.MODEL_CONF_DIR / f"{name}.yaml")
+def test_shape_parameter_counts(name, params, moe):
+    arch = loader.read_shape(loader.SHAPES_DIR / f"{name}.yaml")
     assert arch.num_parameters() == params and arch.is_moe == moe
 
 
@@ -161,16 +161,14 @@ def test_dummy_big_arch_truncates_and_counts_match_module(name):
         3 * arch.num_experts if arch.is_moe else 3)  # fused q/k/v, gate/up, stacked experts
 
 
-def test_dummy_weights_are_seeded_and_sane(tmp_path, monkeypatch):
-    conf_dir = tmp_path / "model"
-    conf_dir.mkdir()
-    (conf_dir / "tiny.yaml").write_text(
-        "model: tiny\nload_format: auto\ndtype: float32\narch:\n  hidden_size: 32\n  num_hidden_layers: 3\n"
-        "  num_attention_heads: 4\n  num_key_value_heads: 2\n  intermediate_size: 48\n  vocab_size: 50\n"
+def test_dummy_weights_are_seeded_and_sane(tmp_path):
+    shape = tmp_path / "tiny.yaml"
+    shape.write_text(
+        "hidden_size: 32\nnum_hidden_layers: 3\n"
+        "num_attention_heads: 4\nnum_key_value_heads: 2\nintermediate_size: 48\nvocab_size: 50\n"
     )
-    monkeypatch.setattr(loader, "MODEL_CONF_DIR", conf_dir)
-    a = load_model(ModelConfig(model="tiny", seed=3, num_layers_override=2), NoAttention(), "cpu")
-    b = load_model(ModelConfig(model="tiny", seed=3), NoAttention(), "cpu")
+    a = load_model(ModelConfig(model=str(shape), seed=3, num_layers_override=2), NoAttention(), "cpu")
+    b = load_model(ModelConfig(model=str(shape), seed=3), NoAttention(), "cpu")
     assert a.arch.num_layers == 2 and b.arch.num_layers == 3
     assert torch.equal(a.model.embed_tokens.weight, b.model.embed_tokens.weight)
     assert torch.equal(a.model.norm.weight, torch.ones(32))

@@ -72,12 +72,12 @@ def test_trace_with_time_scales(traces_dir, tmp_path, capsys) -> None:
         (["--trace", "/no/such/trace.csv", "--rates", "1"], "trace not found"),
         (
             ["--rates", "1", "--search", "--slo-ttft-ms", "1"],
-            "exactly one of --rates, --time-scales, --search",
+            "exactly one of plan.rates, plan.time_scales, plan.search=true",
         ),
         (["--rates", "fast"], "--rates: expected comma-separated float"),
         (["--rates", "1", "--max-num-seqs", "0"], "--max-num-seqs: values must be > 0"),
-        (["--search"], "--search needs an SLO"),
-        (["--time-scales", "2"], "--time-scales needs --trace"),
+        (["--search"], "plan.search needs an SLO"),
+        (["--time-scales", "2"], "plan.time_scales (--time-scales) needs a trace"),
         (
             ["--model", "llama-3-70b", "--hardware", "a100", "--tp", "1", "--rates", "1"],
             "no room for a KV cache",
@@ -101,14 +101,14 @@ SEARCH = ["--search", "--slo-ttft-ms", "100"]
     [
         (
             ["--search-start", "50", "--search-max", "10"],
-            "--search-start 50 req/s is above --search-max 10 req/s",
+            "plan.search_start 50 req/s is above plan.search_max 10 req/s",
         ),
-        (["--search-start", "0"], "--search-start must be a finite rate > 0"),
-        (["--search-start", "-2"], "--search-start must be a finite rate > 0"),
-        (["--search-start", "inf"], "--search-start must be a finite rate > 0"),
-        (["--search-max", "0"], "--search-max must be a finite rate > 0"),
-        (["--search-max", "nan"], "--search-max must be a finite rate > 0"),
-        (["--search-tol", "0"], "--search-tol must be a number > 0"),
+        (["--search-start", "0"], "plan.search_start (--search-start) must be a finite rate > 0"),
+        (["--search-start", "-2"], "plan.search_start (--search-start) must be a finite rate > 0"),
+        (["--search-start", "inf"], "plan.search_start (--search-start) must be a finite rate > 0"),
+        (["--search-max", "0"], "plan.search_max (--search-max) must be a finite rate > 0"),
+        (["--search-max", "nan"], "plan.search_max (--search-max) must be a finite rate > 0"),
+        (["--search-tol", "0"], "plan.search_tol (--search-tol) must be a number > 0"),
         # No --search-start: a synthetic search starts at 1 req/s, above this limit.
         (
             ["--search-max", "0.5"],
@@ -127,8 +127,8 @@ def test_search_from_the_trace_rate_checks_it_against_the_limit(traces_dir, caps
     trace = ["--trace", str(traces_dir / "AzureLLMInferenceTrace_conv.csv"), "--first-n", "20"]
     assert main([*TINY, *trace, *SEARCH, "--search-max", "1e-3"]) == 2
     err = capsys.readouterr().err
-    assert "the trace's own rate" in err and "is above --search-max 0.001 req/s" in err
-    assert "give --search-start <= 0.001" in err and "Traceback" not in err
+    assert "the trace's own rate" in err and "is above plan.search_max 0.001 req/s" in err
+    assert "give plan.search_start <= 0.001" in err and "Traceback" not in err
 
 
 def test_search_stays_within_the_limit(tmp_path) -> None:
@@ -155,3 +155,32 @@ def test_best_row_prefers_rate_then_goodput() -> None:
     ]
     assert best_row(rows) is rows[2]
     assert best_row([rows[3]]) is None
+
+
+def test_hydra_overrides_plan_the_same_as_the_old_flags(tmp_path) -> None:
+    flags = ["--model", "smollm2", "--hardware", "h100", "--plain", "--num-requests", "6", "--prompt-len", "16",
+             "--output-len", "4", "--rates", "2,50", "--max-num-seqs", "2,4", "--out", str(tmp_path / "a")]
+    overrides = ["model=smollm2", "sim.hardware=h100", "plan.plain=true", "workload.num_requests=6",
+                 "workload.prompt_len.value=16", "workload.output_len.value=4", "plan.rates=[2,50]",
+                 "plan.max_num_seqs=[2,4]", f"plan.out={tmp_path / 'b'}"]  # fmt: skip
+    assert main(flags) == 0 and main(overrides) == 0
+
+    def rows(folder: str) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "wall_s"}
+                for r in json.loads((tmp_path / folder / "plan.json").read_text())["rows"]]  # fmt: skip
+
+    assert len(rows("a")) == 4 and rows("a") == rows("b")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan.ratez=[1]"], "unknown key 'plan.ratez': plan (PlanSection) has max_num_batched_tokens"),
+        (["model=llama3", "plan.rates=[1]"], "unknown model 'llama3' (known: llama-3-70b"),
+        (["model=smollm2", "workload=default", "plan.rates=[1]"], "workload.prompt_len.dist: the planner's synthetic traffic"),
+    ],
+)
+def test_unknown_keys_fail_in_one_line(argv: list[str], message: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("servelab-plan: error: ") and message in err and err.count("\n") == 1

@@ -6,7 +6,9 @@
     servelab-run sweep=budgets_prefix
 
 Each job writes a run folder and prints its report path; a sweep also writes
-`sweep.csv` (one row per job) and a sweep report in the sweep folder.
+`sweep.csv` (one row per job) and a sweep report in the sweep folder. Hydra's composed
+config becomes the typed `conf.schema.RunConfig`; an unknown key or group option stops
+start-up with one line.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from conf.schema import register_schemas
+from conf.schema import RunConfig, check_overrides, register_schemas
 
 register_schemas()
 _FAILED: list[str] = []  # run folders whose experiment failed (Hydra drops the task's return value)
@@ -32,7 +34,9 @@ def _main(cfg: DictConfig) -> int:
     hc = HydraConfig.get()
     run_dir = hc.runtime.output_dir
     write_job_overrides(run_dir, list(hc.overrides.task))
-    outcome = run_experiment(cfg, run_dir)
+    run_cfg = OmegaConf.to_object(cfg)
+    assert isinstance(run_cfg, RunConfig)
+    outcome = run_experiment(run_cfg, run_dir)
     if outcome.error:
         print(f"servelab-run: {outcome.error}", file=sys.stderr)
     print(f"run folder: {outcome.run_dir}")
@@ -43,10 +47,34 @@ def _main(cfg: DictConfig) -> int:
     return 1 if outcome.error else 0
 
 
+# Hydra's own options that take a value (`--cfg job`, `-cn run`, ...): not overrides.
+_VALUE_FLAGS = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "-c", "--cfg",
+                "-p", "--package", "-i", "--info"}
+
+
+def hydra_overrides(argv: list[str]) -> list[str]:
+    """The `key=value` overrides among Hydra's command-line arguments."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            if "=" not in arg:
+                continue
+        if arg.startswith("-"):
+            skip = arg in _VALUE_FLAGS
+            continue
+        out.append(arg)
+    return out
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Hydra's own logging stays out of the way unless the user asks for it.
     argv = sys.argv[1:]
+    problem = check_overrides(RunConfig, hydra_overrides(argv))
+    if problem:
+        print(f"servelab-run: {problem}", file=sys.stderr)
+        sys.exit(2)
     quiet = ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     if not any(a.startswith("hydra/job_logging") or a.startswith("hydra/hydra_logging") for a in argv):
         sys.argv = [sys.argv[0], *argv, *quiet]

@@ -13,13 +13,15 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import OmegaConf
 
+from conf.schema import RunConfig
 from engine.config import EngineConfig
 from engine.tokenizer import get_tokenizer
 from workloads import runfolder
@@ -36,12 +38,6 @@ class Outcome:
     summary: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     report: Path | None = None
-
-
-def engine_config_of(cfg: DictConfig) -> EngineConfig:
-    data = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(data, dict)
-    return EngineConfig.from_sections(data)  # type: ignore[arg-type]
 
 
 def measure_time_reference(repeats: int = 7, iterations: int = 40) -> float:
@@ -69,7 +65,7 @@ def measure_time_reference(repeats: int = 7, iterations: int = 40) -> float:
 T = TypeVar("T")
 
 
-def _timed(cfg: DictConfig, work: Callable[[], T]) -> tuple[T, float | None]:
+def _timed(cfg: RunConfig, work: Callable[[], T]) -> tuple[T, float | None]:
     """`work()`, and (when `run.time_reference`) the mean of the time reference before and after it."""
     if not cfg.run.time_reference:
         return work(), None
@@ -78,20 +74,21 @@ def _timed(cfg: DictConfig, work: Callable[[], T]) -> tuple[T, float | None]:
     return result, (before + measure_time_reference()) / 2
 
 
-def closed_loop_concurrency(cfg: DictConfig) -> int | None:
+def closed_loop_concurrency(cfg: RunConfig) -> int | None:
     """Users in flight for a closed-loop synthetic workload; None for open-loop arrivals."""
     arr = cfg.workload.arrival
     return int(arr.concurrency) if cfg.workload.kind == "synthetic" and arr.process == "closed" else None
 
 
-def slo_of(cfg: DictConfig) -> dict[str, float | None]:
+def slo_of(cfg: RunConfig) -> dict[str, float | None]:
     return {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms, "e2el_ms": cfg.slo.e2el_ms}
 
 
-def run_experiment(cfg: DictConfig, run_dir: str | Path) -> Outcome:
+def run_experiment(cfg: RunConfig, run_dir: str | Path) -> Outcome:
+    """Run the experiment `cfg` describes into `run_dir`; never raises for a failed run."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     outcome = Outcome(run_dir)
     try:
         outcome.summary = _run(cfg, run_dir)
@@ -117,8 +114,8 @@ def _report(run_dir: Path) -> Path | None:
         return None
 
 
-def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    engine_config = engine_config_of(cfg)
+def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    engine_config = cfg.engine_config(shape_dir=run_dir / "shapes")
     kind = cfg.target.kind
     if kind == "simulated":
         return _run_simulated(cfg, engine_config, run_dir)
@@ -135,7 +132,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     return _write_results(cfg, run_dir, result, reference)
 
 
-def _make_target(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path):
+def _make_target(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path):
     from workloads.targets.engine import EngineTarget, ServerTarget
     from workloads.targets.openai import OpenAITarget
 
@@ -146,7 +143,8 @@ def _make_target(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path):
         return target, llm.tokenizer, llm.max_model_len
     tokenizer = get_tokenizer(engine_config.model)
     if kind == "server":
-        target = ServerTarget(_serve_overrides(cfg), cfg.target.startup_timeout_s, str(run_dir / "server.log"),
+        target = ServerTarget(write_serve_config(engine_config, run_dir), cfg.target.startup_timeout_s,
+                              str(run_dir / "server.log"),
                               endpoint=cfg.target.endpoint, timeout_s=cfg.target.request_timeout_s)
         return target, tokenizer, _max_model_len(engine_config)
     if kind == "openai":
@@ -163,22 +161,19 @@ def _max_model_len(engine_config: EngineConfig) -> int:
     from engine.model.loader import resolve_model
 
     arch, _, _ = resolve_model(engine_config.model)
-    return min(engine_config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    return arch.max_model_len(engine_config.model.max_model_len)
 
 
-def _serve_overrides(cfg: DictConfig) -> list[str]:
-    """The engine sections of this run as servelab-serve overrides (same config groups)."""
-    out = []
-    for section in ("scheduler", "cache", "attention", "device"):
-        for key, value in cfg[section].items():
-            out.append(f"{section}.{key}={'null' if value is None else value}")
-    for key in ("model", "load_format", "dtype", "max_model_len", "seed", "num_layers_override"):
-        value = cfg.model[key]
-        out.append(f"model.{key}={'null' if value is None else value}")
-    return out
+def write_serve_config(engine_config: EngineConfig, run_dir: Path) -> Path:
+    """This run's engine config as the one file the server target hands `engine.entrypoints.serve`
+    (`--config`); the server section keeps its defaults (the target picks the port)."""
+    path = run_dir / "serve_config.yaml"
+    path.write_text("# written by servelab-run for its server target (engine.entrypoints.serve --config)\n"
+                    + yaml.safe_dump(asdict(engine_config), sort_keys=False))  # fmt: skip
+    return path
 
 
-def _hooks_factory(cfg: DictConfig, run_dir: Path):
+def _hooks_factory(cfg: RunConfig, run_dir: Path):
     if not cfg.profiling.enabled:
         return None
     p = cfg.profiling
@@ -193,7 +188,7 @@ def _hooks_factory(cfg: DictConfig, run_dir: Path):
     return factory
 
 
-def _drive(cfg: DictConfig, target: Any, specs: list, run_dir: Path) -> RunResult:
+def _drive(cfg: RunConfig, target: Any, specs: list, run_dir: Path) -> RunResult:
     from profiling.telemetry import TelemetrySampler
 
     concurrency = closed_loop_concurrency(cfg)
@@ -222,7 +217,7 @@ def _shutdown(target: Any) -> None:
         stop()
 
 
-def _write_results(cfg: DictConfig, run_dir: Path, result: RunResult, reference: float | None) -> dict[str, Any]:
+def _write_results(cfg: RunConfig, run_dir: Path, result: RunResult, reference: float | None) -> dict[str, Any]:
     runfolder.write_requests(run_dir, result.records)
     steps_df = None
     if result.steps:
@@ -242,13 +237,14 @@ def _write_results(cfg: DictConfig, run_dir: Path, result: RunResult, reference:
     return summary
 
 
-def _run_simulated(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path) -> dict[str, Any]:
+def _run_simulated(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> dict[str, Any]:
     from engine.sim.executor import SimulatedExecutor
     from workloads.simulate import simulate
 
     s = cfg.sim
     executor = SimulatedExecutor.from_names(engine_config, engine_config.model.model, s.hardware, tp=int(s.tp),
-                                            step_model=s.step_model, dtype=s.dtype, token_id=int(s.token_id))
+                                            step_model=s.step_model, dtype=s.dtype, token_id=int(s.token_id),
+                                            gpu_memory_utilization=s.gpu_memory_utilization)
     tokenizer = get_tokenizer(engine_config.model)
     specs, extra = build_workload(cfg.workload, tokenizer, executor_max_len(executor, engine_config))
     if extra:
@@ -271,7 +267,7 @@ def executor_max_len(executor: Any, engine_config: EngineConfig) -> int:
     return int(executor_len)
 
 
-def _run_offline(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path) -> dict[str, Any]:
+def _run_offline(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> dict[str, Any]:
     """Every request handed to `LLM.generate` at once (vLLM's offline benchmark shape).
 
     Arrival times are ignored; scheduling is then deterministic, which is what the CI

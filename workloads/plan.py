@@ -1,29 +1,33 @@
 """servelab-plan: capacity planning on the simulator (the engine's own scheduler, modelled time).
 
-For a model (conf/model/*), a hardware profile (conf/hardware/*) and a tensor-parallel size,
-it replays a workload (a trace slice, or synthetic Poisson traffic) through
-`workloads.simulate.simulate` for every candidate engine configuration (token budget x
-max_num_seqs) at every offered request rate, and reports throughput, mean / p99 TTFT and
-TPOT, goodput, KV utilisation and preemptions. A configuration meets the SLOs when the
-chosen statistic (p99 or mean) of TTFT and TPOT is within the limits and every request
-completed. The best point is the highest rate that meets the SLOs (ties: higher goodput).
+For a model shape, a hardware profile and a tensor-parallel size, it replays a workload (a
+trace slice, or synthetic Poisson traffic) through `workloads.simulate.simulate` for every
+candidate engine configuration (token budget x max_num_seqs) at every offered request rate,
+and reports throughput, mean / p99 TTFT and TPOT, goodput, KV utilisation and preemptions. A
+configuration meets the SLOs when the chosen statistic (p99 or mean) of TTFT and TPOT is
+within the limits and every request completed. The best point is the highest rate that meets
+the SLOs (ties: higher goodput).
 
-Load: `--rates` lists request rates (req/s). A trace is replayed with its timestamps
-rescaled to each mean rate (its burst shape kept); `--time-scales` gives multipliers of the
-trace's own rate instead. `--search` finds, per configuration, the highest rate that meets
-the SLOs (doubling, then bisection: `engine.sim.plan.find_max_rate`), starting at
-`--search-start` (default: the trace's own rate, synthetic 1 req/s) and never above
-`--search-max`; a start outside (0, --search-max] is an error. `--target-rate` adds
-the number of replicas of the best configuration needed for that total rate.
+It takes the same Hydra overrides as servelab-run (conf/plan.yaml, typed by
+`conf.schema.PlanConfig`: model / scheduler / cache / workload / sim / slo, plus `plan:`):
 
-    servelab-plan --model llama-3-70b --hardware h200 --tp 8 \\
-        --trace ../shared/traces/AzureLLMInferenceTrace_conv.csv --first-n 2000 \\
-        --slo-ttft-ms 2000 --slo-tpot-ms 100 --max-num-batched-tokens 2048,8192 \\
-        --max-num-seqs 128,256 --search --target-rate 50 --out runs/plan
+    servelab-plan model=llama-3-70b sim.hardware=h200 sim.tp=8 workload=azure_conv \
+        workload.trace.max_requests=2000 slo.ttft_ms=2000 slo.tpot_ms=100 \
+        plan.max_num_batched_tokens=[2048,8192] plan.max_num_seqs=[128,256] \
+        plan.search=true plan.target_rate=50 plan.out=runs/plan
 
-Writes plan.csv (one row per simulated run), plan.json (arguments, rows, best, replicas,
-search curves) and plan.html (the curves: TTFT and TPOT statistic against the rate, one line
-per configuration, the SLO as a dashed line).
+Load: `plan.rates` lists request rates (req/s). A trace is replayed with its timestamps
+rescaled to each mean rate (its burst shape kept); `plan.time_scales` gives multipliers of the
+trace's own rate instead. `plan.search=true` finds, per configuration, the highest rate that
+meets the SLOs (doubling, then bisection: `engine.sim.plan.find_max_rate`), starting at
+`plan.search_start` (default: the trace's own rate, synthetic 1 req/s) and never above
+`plan.search_max`. `plan.target_rate` adds the number of replicas of the best configuration
+needed for that total rate. The old `--flag` options still work as aliases (`FLAG_ALIASES`,
+docs/capacity.md lists the mapping).
+
+Writes plan.csv (one row per simulated run), plan.json (the planned settings, rows, best,
+replicas, search curves) and plan.html (the curves: TTFT and TPOT statistic against the rate,
+one line per configuration, the SLO as a dashed line).
 """
 
 from __future__ import annotations
@@ -31,61 +35,63 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from conf.schema import PlanConfig
 from engine.config import EngineConfig
 from engine.sim.executor import SimulatedExecutor
 from engine.sim.hardware import HardwareProfile
 from engine.sim.model_counts import load_arch
 from engine.sim.plan import SLO, find_max_rate, replicas_for_rate
+from workloads.factory import resolve_path
 from workloads.plan_output import render, write
 from workloads.simulate import simulate, trace_token_specs
 from workloads.spec import RequestSpec
 from workloads.traces import TraceRow, fit_to_context, load_trace, scale_time, slice_rows
 
-SEARCH_MAX_RATE = 1e6  # req/s: the default upper bound of --search
+SEARCH_MAX_RATE = 1e6  # req/s: the default upper bound of plan.search
 
 
 class PlanError(Exception):
     """A user error: printed as one line, no traceback."""
 
 
-def check_search_args(args: argparse.Namespace) -> None:
-    """--search-tol, --search-max and an explicit --search-start: positive, finite, start <= max."""
-    if not (math.isfinite(args.search_tol) and args.search_tol > 0):
-        raise PlanError(f"--search-tol must be a number > 0, got {args.search_tol:g}")
-    if not (math.isfinite(args.search_max) and args.search_max > 0):
-        raise PlanError(f"--search-max must be a finite rate > 0 (req/s), got {args.search_max:g}")
-    start = args.search_start
+def check_search_args(p: Any) -> None:
+    """plan.search_tol, plan.search_max and an explicit plan.search_start: positive, finite, start <= max."""
+    if not (math.isfinite(p.search_tol) and p.search_tol > 0):
+        raise PlanError(f"plan.search_tol (--search-tol) must be a number > 0, got {p.search_tol:g}")
+    if not (math.isfinite(p.search_max) and p.search_max > 0):
+        raise PlanError(f"plan.search_max (--search-max) must be a finite rate > 0 (req/s), got {p.search_max:g}")
+    start = p.search_start
     if start is not None:
         if not (math.isfinite(start) and start > 0):
-            raise PlanError(f"--search-start must be a finite rate > 0 (req/s), got {start:g}")
-        if start > args.search_max:
-            raise PlanError(f"--search-start {start:g} req/s is above --search-max {args.search_max:g} req/s")
+            raise PlanError(f"plan.search_start (--search-start) must be a finite rate > 0 (req/s), got {start:g}")
+        if start > p.search_max:
+            raise PlanError(f"plan.search_start {start:g} req/s is above plan.search_max {p.search_max:g} req/s")
 
 
-def search_start(args: argparse.Namespace, workload: Workload) -> float:
-    """The first rate of the search: --search-start, else the trace's own rate (synthetic: 1 req/s),
-    which must lie within (0, --search-max]."""
-    if args.search_start is not None:
-        return float(args.search_start)
+def search_start(p: Any, workload: Workload) -> float:
+    """The first rate of the search: plan.search_start, else the trace's own rate (synthetic:
+    1 req/s), which must lie within (0, plan.search_max]."""
+    if p.search_start is not None:
+        return float(p.search_start)
     natural = workload.natural_rate if not workload.synthetic else 1.0
     what = "the trace's own rate" if not workload.synthetic else "the default start"
     if not (math.isfinite(natural) and natural > 0):
-        raise PlanError(f"{what} ({natural:g} req/s) cannot start the search; give --search-start")
-    if natural > args.search_max:
+        raise PlanError(f"{what} ({natural:g} req/s) cannot start the search; give plan.search_start")
+    if natural > p.search_max:
         raise PlanError(
-            f"{what}, {natural:.4g} req/s (where the search starts by default), is above --search-max "
-            f"{args.search_max:g} req/s; give --search-start <= {args.search_max:g} or raise --search-max"
+            f"{what}, {natural:.4g} req/s (where the search starts by default), is above plan.search_max "
+            f"{p.search_max:g} req/s; give plan.search_start <= {p.search_max:g} or raise plan.search_max"
         )
     return natural
-
 
 @dataclass
 class Workload:
@@ -110,150 +116,117 @@ class Workload:
         return trace_token_specs(scale_time(self.rows, k), vocab_size, seed=self.seed), k
 
 
-def _csv(kind: type, text: str, name: str) -> list[Any]:
-    try:
-        vals = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise PlanError(f"{name}: expected comma-separated {kind.__name__} values, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise PlanError(f"{name}: values must be > 0, got {text!r}")
-    return vals
+def positive(values: list[Any] | None, name: str) -> list[Any]:
+    """A non-empty list of values > 0 (a candidate or load list)."""
+    if not values or any(not (isinstance(v, int | float) and v > 0) for v in values):
+        raise PlanError(f"{name}: values must be numbers > 0, got {values!r}")
+    return list(values)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="servelab-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    g = ap.add_argument_group("deployment")
-    g.add_argument("--model", default="llama-3-70b", help="conf/model/<name>.yaml, a yaml or HF config.json")
-    g.add_argument("--hardware", default="h200", help="conf/hardware/<name>.yaml or a yaml path")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    g.add_argument("--dtype", default="bf16", help="weight dtype: fp32|bf16|fp16|fp8")
-    g.add_argument("--step-model", default="roofline", help="roofline or a calibration file (.json/.yaml)")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: what fits the hardware)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    w = ap.add_argument_group("workload")
-    w.add_argument(
-        "--trace", type=Path, default=None, help="trace file (azure csv, mooncake/jsonl, burstgpt)"
-    )
-    w.add_argument("--first-n", type=int, default=None, help="trace: only the first N requests")
-    w.add_argument("--start-s", type=float, default=None, help="trace: slice start (s)")
-    w.add_argument("--end-s", type=float, default=None, help="trace: slice end (s)")
-    w.add_argument("--num-requests", type=int, default=200, help="synthetic: requests per run")
-    w.add_argument("--prompt-len", type=int, default=512, help="synthetic: prompt tokens")
-    w.add_argument("--output-len", type=int, default=128, help="synthetic: output tokens")
-    w.add_argument("--seed", type=int, default=0)
-    load = ap.add_argument_group("load (one of)")
-    load.add_argument("--rates", default=None, help="offered rates, req/s, comma-separated")
-    load.add_argument("--time-scales", default=None, help="trace: multipliers of its own rate")
-    load.add_argument("--search", action="store_true", help="search the highest rate meeting the SLOs")
-    load.add_argument("--search-start", type=float, default=None, help="first rate of the search (req/s)")
-    load.add_argument("--search-tol", type=float, default=0.05, help="relative tolerance of the search")
-    load.add_argument("--search-max", type=float, default=SEARCH_MAX_RATE,
-                      help=f"highest rate the search may try (req/s, default {SEARCH_MAX_RATE:g})")  # fmt: skip
-    load.add_argument("--target-rate", type=float, default=None, help="total rate to serve: replicas needed")
-    s = ap.add_argument_group("SLOs")
-    s.add_argument("--slo-ttft-ms", type=float, default=None)
-    s.add_argument("--slo-tpot-ms", type=float, default=None)
-    s.add_argument("--slo-stat", choices=("p99", "mean", "p90", "p95", "median"), default="p99")
-    c = ap.add_argument_group("candidate configurations (comma-separated lists; every combination)")
-    c.add_argument("--max-num-batched-tokens", default="8192")
-    c.add_argument("--max-num-seqs", default="256")
-    o = ap.add_argument_group("output")
-    o.add_argument("--out", type=Path, default=None, help="folder for plan.csv and plan.json")
-    o.add_argument("--plain", action="store_true", help="plain-text table (no rich)")
-    o.add_argument("--progress", action="store_true", help="a progress bar per run")
-    return ap
-
-
-def load_workload(args: argparse.Namespace, max_context: int) -> Workload:
-    if args.trace is not None:
-        if not args.trace.is_file():
-            raise PlanError(f"trace not found: {args.trace}")
+def load_workload(cfg: PlanConfig, max_context: int) -> Workload:
+    w = cfg.workload
+    if w.kind == "trace":
+        if not w.trace.path:
+            raise PlanError("workload.trace.path is required for workload.kind=trace")
+        path = resolve_path(w.trace.path)
+        if not path.is_file():
+            raise PlanError(f"trace not found: {w.trace.path}")
         try:
-            rows, _ = load_trace(args.trace)
+            rows, _ = load_trace(path)
         except (ValueError, KeyError) as e:
-            raise PlanError(f"cannot read trace {args.trace}: {e}") from None
-        rows = slice_rows(rows, first_n=args.first_n, start_s=args.start_s, end_s=args.end_s)
+            raise PlanError(f"cannot read trace {w.trace.path}: {e}") from None
+        rows = slice_rows(rows, first_n=w.trace.max_requests, start_s=w.trace.start_s, end_s=w.trace.end_s)
         if len(rows) < 2:
             raise PlanError("the trace slice holds fewer than 2 requests")
         rows = fit_to_context(rows, max_context)
         span = rows[-1].timestamp_s - rows[0].timestamp_s
         if span <= 0:
             raise PlanError("the trace slice has no time span (all arrivals at once)")
-        return Workload(rows, (len(rows) - 1) / span, False, args.seed)
-    if args.time_scales:
-        raise PlanError("--time-scales needs --trace")
-    if min(args.num_requests, args.prompt_len, args.output_len) < 1:
-        raise PlanError("--num-requests, --prompt-len and --output-len must be >= 1")
-    if args.prompt_len + args.output_len > max_context:
-        raise PlanError(
-            f"prompt + output ({args.prompt_len + args.output_len}) exceed the context {max_context}"
-        )
-    rows = [TraceRow(0.0, args.prompt_len, args.output_len) for _ in range(args.num_requests)]
-    return Workload(rows, 0.0, True, args.seed)
+        return Workload(rows, (len(rows) - 1) / span, False, int(w.seed))
+    if w.kind != "synthetic":
+        raise PlanError(f"workload.kind: unknown {w.kind!r} (synthetic|trace)")
+    if cfg.plan.time_scales:
+        raise PlanError("plan.time_scales (--time-scales) needs a trace (workload.kind=trace)")
+    for name, dist in (("prompt_len", w.prompt_len), ("output_len", w.output_len)):
+        if dist.dist != "fixed":
+            raise PlanError(f"workload.{name}.dist: the planner's synthetic traffic has fixed lengths, got {dist.dist!r}")
+    num, prompt_len, output_len = int(w.num_requests), int(w.prompt_len.value), int(w.output_len.value)
+    if min(num, prompt_len, output_len) < 1:
+        raise PlanError("workload.num_requests, workload.prompt_len.value and workload.output_len.value must be >= 1")
+    if prompt_len + output_len > max_context:
+        raise PlanError(f"prompt + output ({prompt_len + output_len}) exceed the context {max_context}")
+    rows = [TraceRow(0.0, prompt_len, output_len) for _ in range(num)]
+    return Workload(rows, 0.0, True, int(w.seed))
 
 
-def slo_of(args: argparse.Namespace) -> tuple[SLO, dict[str, float | None]]:
+def slo_of(cfg: PlanConfig) -> tuple[SLO, dict[str, float | None]]:
     """The run-level SLO (stat of TTFT/TPOT, all completed) and the per-request one (goodput)."""
+    stat = cfg.plan.slo_stat
+    if stat not in STATS:
+        raise PlanError(f"plan.slo_stat: one of {', '.join(STATS)}, got {stat!r}")
     limits = {}
-    for name, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms)):
+    for name, v in (("ttft", cfg.slo.ttft_ms), ("tpot", cfg.slo.tpot_ms)):
         if v is not None:
             if v <= 0:
-                raise PlanError(f"--slo-{name}-ms must be > 0")
-            limits[f"{args.slo_stat}_{name}_ms"] = v
-    return SLO(max=limits, min={"completed_fraction": 1.0}), {
-        "ttft_ms": args.slo_ttft_ms,
-        "tpot_ms": args.slo_tpot_ms,
-    }
+                raise PlanError(f"slo.{name}_ms must be > 0")
+            limits[f"{stat}_{name}_ms"] = v
+    return SLO(max=limits, min={"completed_fraction": 1.0}), {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}
+
+
+STATS = ("p99", "mean", "p90", "p95", "median")
 
 
 class Planner:
     """Runs the simulator for one configuration at one rate; keeps every row."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+    def __init__(self, cfg: PlanConfig) -> None:
+        self.cfg = cfg
+        self.model, self.sim = cfg.model.model, cfg.sim
         try:
-            self.arch = load_arch(args.model)
-            self.hw = HardwareProfile.load(args.hardware)
+            # A shape given by model.arch goes to a scratch file, like any other shape file.
+            shape_dir = tempfile.mkdtemp(prefix="servelab-plan-") if cfg.model.arch else None
+            self.base = cfg.engine_config(shape_dir=shape_dir)
+            self.arch = load_arch(self.base.model.model)
+            self.hw = HardwareProfile.load(self.sim.hardware)
         except FileNotFoundError as e:
             raise PlanError(str(e)) from None
         except (ValueError, KeyError, TypeError) as e:
             raise PlanError(f"bad model or hardware config: {e}") from None
-        if args.tp < 1:
-            raise PlanError("--tp must be >= 1")
-        self.slo, self.request_slo = slo_of(args)
+        if self.sim.tp < 1:
+            raise PlanError("sim.tp (--tp) must be >= 1")
+        self.slo, self.request_slo = slo_of(cfg)
         self.rows: list[dict[str, Any]] = []
         self.workload: Workload | None = None
 
     def config(self, budget: int, seqs: int) -> EngineConfig:
-        cfg = EngineConfig.from_kwargs(self.arch.name or self.args.model, max_num_batched_tokens=budget,
-                                       max_num_seqs=seqs)  # fmt: skip
-        cfg.cache.num_blocks = self.args.num_blocks
-        cfg.cache.enable_prefix_caching = not self.args.no_prefix_caching
+        """The plan's engine sections with one candidate's token budget and sequence limit."""
+        c = self.base
+        cfg = EngineConfig(model=replace(c.model), cache=replace(c.cache), attention=replace(c.attention),
+                           device=replace(c.device),
+                           scheduler=replace(c.scheduler, max_num_batched_tokens=budget, max_num_seqs=seqs))  # fmt: skip
+        cfg.validate()
         return cfg
 
     def executor(self, cfg: EngineConfig) -> SimulatedExecutor:
-        a = self.args
+        s = self.sim
         try:
-            ex = SimulatedExecutor.from_names(cfg, self.arch, a.hardware, tp=a.tp, step_model=a.step_model,
-                                              dtype=a.dtype, gpu_memory_utilization=a.gpu_memory_utilization)  # fmt: skip
+            ex = SimulatedExecutor.from_names(cfg, self.arch, s.hardware, tp=s.tp, step_model=s.step_model,
+                                              dtype=s.dtype, gpu_memory_utilization=s.gpu_memory_utilization)  # fmt: skip
             num_blocks = ex.initialize()
         except FileNotFoundError as e:
             raise PlanError(str(e)) from None
         except (ValueError, KeyError) as e:
-            raise PlanError(f"cannot simulate {a.model} on {a.tp} x {a.hardware}: {e}") from None
+            raise PlanError(f"cannot simulate {self.model} on {s.tp} x {s.hardware}: {e}") from None
         if num_blocks <= 0:
             raise PlanError(
-                f"{a.model} does not fit on {a.tp} x {a.hardware} (no memory left for the KV cache)"
+                f"{self.model} does not fit on {s.tp} x {s.hardware} (no memory left for the KV cache)"
             )
         return ex
 
     def ensure_workload(self, budget: int, seqs: int) -> Workload:
         """The workload, fitted to the context the engine would have (loaded once)."""
         if self.workload is None:
-            self.workload = load_workload(self.args, self.executor(self.config(budget, seqs)).max_model_len)
+            self.workload = load_workload(self.cfg, self.executor(self.config(budget, seqs)).max_model_len)
         return self.workload
 
     def run(self, budget: int, seqs: int, rate: float) -> dict[str, Any]:
@@ -261,7 +234,7 @@ class Planner:
         ex = self.executor(cfg)
         workload = self.ensure_workload(budget, seqs)
         specs, k = workload.specs(rate, self.arch.vocab_size)
-        res = simulate(specs, cfg, ex, slo=self.request_slo, progress=self.args.progress)
+        res = simulate(specs, cfg, ex, slo=self.request_slo, progress=self.cfg.plan.progress)
         summ = res.summary()
         usage = [s.kv_blocks_used / s.kv_blocks_total for s in res.steps if s.kv_blocks_total]
         done = summ["completed"]
@@ -301,73 +274,205 @@ def best_row(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     return max(ok, key=lambda r: (r["rate"], r["request_goodput"] or 0.0, r["output_throughput"]))
 
 
-def plan(args: argparse.Namespace) -> dict[str, Any]:
+def settings_of(cfg: PlanConfig) -> dict[str, Any]:
+    """What was planned, flat (plan.json "args", read by plan.html and by people)."""
+    p, w = cfg.plan, cfg.workload
+    return {
+        "model": cfg.model.model, "hardware": cfg.sim.hardware, "tp": cfg.sim.tp, "dtype": cfg.sim.dtype,
+        "step_model": cfg.sim.step_model, "num_blocks": cfg.cache.num_blocks,
+        "gpu_memory_utilization": cfg.sim.gpu_memory_utilization,
+        "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+        "workload": w.kind, "trace": w.trace.path if w.kind == "trace" else None,
+        "first_n": w.trace.max_requests, "start_s": w.trace.start_s, "end_s": w.trace.end_s,
+        "num_requests": w.num_requests, "prompt_len": w.prompt_len.value, "output_len": w.output_len.value,
+        "seed": w.seed, "slo_ttft_ms": cfg.slo.ttft_ms, "slo_tpot_ms": cfg.slo.tpot_ms,
+        **{k: getattr(p, k) for k in (
+            "max_num_batched_tokens", "max_num_seqs", "rates", "time_scales", "search", "search_start",
+            "search_tol", "search_max", "target_rate", "slo_stat", "out")},
+    }  # fmt: skip
+
+
+def plan(cfg: PlanConfig) -> dict[str, Any]:
     """Run every candidate; returns the plan.json dict."""
-    budgets = _csv(int, args.max_num_batched_tokens, "--max-num-batched-tokens")
-    seqs_list = _csv(int, args.max_num_seqs, "--max-num-seqs")
-    if (
-        sum(x is not None and x is not False for x in (args.rates, args.time_scales, args.search or None))
-        != 1
-    ):
-        raise PlanError("give exactly one of --rates, --time-scales, --search")
-    if args.search and not (args.slo_ttft_ms or args.slo_tpot_ms):
-        raise PlanError("--search needs an SLO (--slo-ttft-ms and/or --slo-tpot-ms)")
-    if args.search:
-        check_search_args(args)
-    if args.target_rate is not None and args.target_rate <= 0:
-        raise PlanError("--target-rate must be > 0")
-    planner = Planner(args)
+    p = cfg.plan
+    budgets = positive(p.max_num_batched_tokens or [cfg.scheduler.max_num_batched_tokens],
+                       "plan.max_num_batched_tokens")  # fmt: skip
+    seqs_list = positive(p.max_num_seqs or [cfg.scheduler.max_num_seqs], "plan.max_num_seqs")
+    if sum(bool(x) for x in (p.rates, p.time_scales, p.search)) != 1:
+        raise PlanError("give exactly one of plan.rates, plan.time_scales, plan.search=true "
+                        "(--rates, --time-scales, --search)")  # fmt: skip
+    if p.search and not (cfg.slo.ttft_ms or cfg.slo.tpot_ms):
+        raise PlanError("plan.search needs an SLO (slo.ttft_ms and/or slo.tpot_ms)")
+    if p.search:
+        check_search_args(p)
+    if p.target_rate is not None and p.target_rate <= 0:
+        raise PlanError("plan.target_rate must be > 0")
+    rates = positive(p.rates, "plan.rates") if p.rates else None
+    scales = positive(p.time_scales, "plan.time_scales") if p.time_scales else None
+    planner = Planner(cfg)
     searches: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for budget in budgets:
         for seqs in seqs_list:
-            if args.search:
-                # Start at the trace's own rate (synthetic: 1 req/s) unless told; never above --search-max.
-                start = search_start(args, planner.ensure_workload(budget, seqs))
+            if p.search:
+                # Start at the trace's own rate (synthetic: 1 req/s) unless told; never above search_max.
+                start = search_start(p, planner.ensure_workload(budget, seqs))
 
                 def run_at(rate: float, b: int = budget, s: int = seqs) -> dict[str, Any]:
                     return planner.run(b, s, rate)
 
-                result = find_max_rate(run_at, planner.slo, start=start, rate_limit=args.search_max,
-                                       rel_tol=args.search_tol)  # fmt: skip
+                result = find_max_rate(run_at, planner.slo, start=start, rate_limit=p.search_max,
+                                       rel_tol=p.search_tol)  # fmt: skip
                 searches.append({"max_num_batched_tokens": budget, "max_num_seqs": seqs,
                                  "max_rate": result.max_rate,
                                  "curve": [(e.rate, e.ok) for e in result.evaluations]})  # fmt: skip
                 continue
-            if args.rates:
-                rates = _csv(float, args.rates, "--rates")
+            if rates is None:
+                natural = planner.ensure_workload(budget, seqs).natural_rate
+                rates_here = [k * natural for k in scales or []]
             else:
-                scales = _csv(float, args.time_scales, "--time-scales")
-                rates = [k * planner.ensure_workload(budget, seqs).natural_rate for k in scales]
-            for rate in rates:
+                rates_here = rates
+            for rate in rates_here:
                 planner.run(budget, seqs, rate)
     rows = sorted(planner.rows, key=lambda r: (r["max_num_batched_tokens"], r["max_num_seqs"], r["rate"]))
     best = best_row(rows)
     out: dict[str, Any] = {
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": settings_of(cfg),
         "slo": {"max": dict(planner.slo.max), "min": dict(planner.slo.min)},
         "rows": rows, "best": best, "searches": searches, "wall_s": time.perf_counter() - t0,
     }  # fmt: skip
-    if args.target_rate is not None:
-        out["replicas"] = replicas_for_rate(args.target_rate, best["rate"]) if best else None
-    render(rows, best, args.plain)
-    if args.target_rate is not None:
+    if p.target_rate is not None:
+        out["replicas"] = replicas_for_rate(p.target_rate, best["rate"]) if best else None
+    render(rows, best, p.plain)
+    if p.target_rate is not None:
         msg = (
-            f"{out['replicas']} replica(s) of the best configuration serve {args.target_rate:.4g} req/s"
+            f"{out['replicas']} replica(s) of the best configuration serve {p.target_rate:.4g} req/s"
             if best
             else "no replica count: no configuration met the SLOs"
         )
         print(f"replicas: {msg}")
-    if args.out is not None:
-        write(args.out, rows, out)
-        print(f"wrote plan.csv, plan.json and plan.html to {args.out}")
+    if p.out is not None:
+        write(Path(p.out), rows, out)
+        print(f"wrote plan.csv, plan.json and plan.html to {p.out}")
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+# ---- the command line: Hydra overrides, the old flags as aliases ----------------------
+def _csv(kind: type, text: str, flag: str) -> str:
+    """An old flag's comma-separated values as a Hydra list literal (`2,4` -> `[2.0,4.0]`)."""
     try:
-        plan(args)
+        vals = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise PlanError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise PlanError(f"{flag}: values must be > 0, got {text!r}")
+    return "[" + ",".join(repr(v) for v in vals) + "]"
+
+
+_CSV_FLAGS = {"plan.rates": ("--rates", float), "plan.time_scales": ("--time-scales", float),
+              "plan.max_num_batched_tokens": ("--max-num-batched-tokens", int),
+              "plan.max_num_seqs": ("--max-num-seqs", int)}  # fmt: skip
+
+
+# old flag -> (the override key it sets, argparse options); a flag without a value sets `value`.
+FLAG_ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "--model": ("model", {}),  # a conf/model option, else model.model (a shape name or path)
+    "--hardware": ("sim.hardware", {}),
+    "--tp": ("sim.tp", {"type": int}),
+    "--dtype": ("sim.dtype", {}),
+    "--step-model": ("sim.step_model", {}),
+    "--num-blocks": ("cache.num_blocks", {"type": int}),
+    "--gpu-memory-utilization": ("sim.gpu_memory_utilization", {"type": float}),
+    "--no-prefix-caching": ("cache.enable_prefix_caching", {"action": "store_const", "const": "false"}),
+    "--trace": ("workload.trace.path", {}),  # also sets workload.kind=trace
+    "--first-n": ("workload.trace.max_requests", {"type": int}),
+    "--start-s": ("workload.trace.start_s", {"type": float}),
+    "--end-s": ("workload.trace.end_s", {"type": float}),
+    "--num-requests": ("workload.num_requests", {"type": int}),
+    "--prompt-len": ("workload.prompt_len.value", {"type": int}),
+    "--output-len": ("workload.output_len.value", {"type": int}),
+    "--seed": ("workload.seed", {"type": int}),
+    "--rates": ("plan.rates", {}),
+    "--time-scales": ("plan.time_scales", {}),
+    "--search": ("plan.search", {"action": "store_const", "const": "true"}),
+    "--search-start": ("plan.search_start", {"type": float}),
+    "--search-tol": ("plan.search_tol", {"type": float}),
+    "--search-max": ("plan.search_max", {"type": float}),
+    "--target-rate": ("plan.target_rate", {"type": float}),
+    "--slo-ttft-ms": ("slo.ttft_ms", {"type": float}),
+    "--slo-tpot-ms": ("slo.tpot_ms", {"type": float}),
+    "--slo-stat": ("plan.slo_stat", {"choices": STATS}),
+    "--max-num-batched-tokens": ("plan.max_num_batched_tokens", {}),
+    "--max-num-seqs": ("plan.max_num_seqs", {}),
+    "--out": ("plan.out", {}),
+    "--plain": ("plan.plain", {"action": "store_const", "const": "true"}),
+    "--progress": ("plan.progress", {"action": "store_const", "const": "true"}),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="servelab-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides (key=value), as servelab-run takes")
+    for flag, (key, opts) in FLAG_ALIASES.items():
+        ap.add_argument(flag, dest=key, help=f"alias of {key}=...", **opts)
+    return ap
+
+
+def to_overrides(argv: Sequence[str]) -> list[str]:
+    """The command line as Hydra overrides: `key=value` as given, each old flag as its key."""
+    ns = vars(build_parser().parse_args(list(argv)))
+    out: list[str] = []
+    for key, value in ns.items():
+        if key == "overrides":
+            continue
+        if key == "model":
+            out.append(f"model={value}" if _is_model_option(value) else f"model.model={value}")
+            continue
+        if key == "workload.trace.path":
+            out.append("workload.kind=trace")
+        if key in _CSV_FLAGS:
+            flag, kind = _CSV_FLAGS[key]
+            value = _csv(kind, value, flag)
+        out.append(f"{key}={value}")
+    return out + list(ns.get("overrides", []))
+
+
+def _is_model_option(name: str) -> bool:
+    from conf.schema import config_groups
+
+    return name in config_groups().get("model", [])
+
+
+def load_config(overrides: list[str]) -> PlanConfig:
+    """Compose conf/plan.yaml with `overrides` into the typed PlanConfig; PlanError (one line)."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from conf.schema import check_overrides, one_line, register_schemas
+
+    problem = check_overrides(PlanConfig, overrides)
+    if problem:
+        raise PlanError(problem)
+    register_schemas()
+    try:
+        with initialize_config_module(config_module="conf", version_base=None):
+            composed = compose(config_name="plan", overrides=overrides)
+        cfg = OmegaConf.to_object(composed)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise PlanError(one_line(exc)) from None
+    assert isinstance(cfg, PlanConfig)
+    return cfg
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = load_config(to_overrides(sys.argv[1:] if argv is None else argv))
+        plan(cfg)
     except PlanError as e:
         print(f"servelab-plan: error: {e}", file=sys.stderr)
         return 2

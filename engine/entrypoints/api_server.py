@@ -41,7 +41,7 @@ PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
 @dataclass
 class ServerSettings:
-    """The `server:` section of conf/serve.yaml."""
+    """The `server:` section of a servelab-serve config (conf/serve.yaml, or the `--config` file)."""
 
     host: str = "127.0.0.1"
     port: int = 8000

@@ -1,12 +1,18 @@
-"""`servelab-serve`: start the EngineCore and the OpenAI-compatible HTTP server.
+"""The engine's serve entry: start the EngineCore and the OpenAI-compatible HTTP server.
 
-    servelab-serve [--host H] [--port P] [--api-key K] [--served-model-name N] [hydra overrides...]
-    servelab-serve model=smollm2 scheduler.max_num_seqs=8 server.port=8001
+    python -m engine.entrypoints.serve [--config FILE] [--port P] [--api-key K] [section.key=value ...]
+    python -m engine.entrypoints.serve --config run/serve_config.yaml --port 8001
+    python -m engine.entrypoints.serve model=llama-3-8b model.num_layers_override=2 server.port=8001
 
-The config is conf/serve.yaml (model / scheduler / cache / attention / device groups plus
-`server:`); `--flag value` style options are translated to `server.flag=value`
-overrides before Hydra composes. SIGTERM and SIGINT shut down cleanly: stop accepting,
-end in-flight streams, stop the engine process.
+Needs nothing outside `engine/` (no Hydra, no `conf/`). The configuration is one YAML file
+(`--config`) with the sections `model`, `cache`, `scheduler`, `attention`, `device` (the
+fields of `engine.config`) and `server` (`ServerSettings`), then `section.key=value`
+overrides (values read as YAML; `model=X` is short for `model.model=X`), then `--flag value`
+options for the server section (`--port 8001` = `server.port=8001`). An unknown section,
+key or option stops start-up with one line naming it. `servelab-serve` (workloads/serve.py)
+is the workbench's front door to the same server: it composes conf/serve.yaml with Hydra.
+SIGTERM and SIGINT shut down cleanly: stop accepting, end in-flight streams, stop the engine
+process.
 """
 
 from __future__ import annotations
@@ -17,34 +23,29 @@ import os
 import signal
 import sys
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
+import yaml
 from aiohttp import web
 
-from engine.config import (
-    AttentionConfig,
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-)
+from engine.config import EngineConfig
 from engine.entrypoints.api_server import ServerSettings, build_app
 
 logger = logging.getLogger("servelab.serve")
 
-_SECTIONS = {
-    "model": ModelConfig,
-    "cache": CacheConfig,
-    "scheduler": SchedulerConfig,
-    "attention": AttentionConfig,
-    "device": DeviceConfig,
-}
 _FLAG_KEYS = {f.name for f in fields(ServerSettings)}
 
 
+class ConfigError(ValueError):
+    """A configuration the server cannot start with; its message is one line for the user."""
+
+
 def flags_to_overrides(argv: list[str]) -> list[str]:
-    """`--api-key k`, `--port=8001`, `--multiprocess` -> `server.api_key=k`, ... ; others pass through."""
+    """`--api-key k`, `--port=8001`, `--multiprocess` -> `server.api_key=k`, ... ; others pass through.
+
+    `--config FILE` passes through unchanged (as the pair `--config`, `FILE`).
+    """
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -55,8 +56,16 @@ def flags_to_overrides(argv: list[str]) -> list[str]:
             continue
         name, eq, value = arg[2:].partition("=")
         key = name.replace("-", "_")
+        if key == "config":
+            if not eq:
+                if i >= len(argv):
+                    raise ConfigError("--config needs a file")
+                value, i = argv[i], i + 1
+            out += ["--config", value]
+            continue
         if key not in _FLAG_KEYS:
-            raise SystemExit(f"servelab-serve: unknown option --{name} (known: {sorted(_FLAG_KEYS)})")
+            raise ConfigError(f"unknown option --{name} (known: --config, "
+                              f"{', '.join('--' + k.replace('_', '-') for k in sorted(_FLAG_KEYS))})")  # fmt: skip
         if not eq:
             if i < len(argv) and not argv[i].startswith("--"):
                 value = argv[i]
@@ -67,19 +76,71 @@ def flags_to_overrides(argv: list[str]) -> list[str]:
     return out
 
 
-def load_config(overrides: list[str]) -> tuple[EngineConfig, ServerSettings]:
-    """Compose conf/serve.yaml with Hydra and split it into the engine and server configs."""
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-
-    with initialize_config_module(config_module="conf", version_base=None):
-        cfg = compose(config_name="serve", overrides=overrides)
-    data: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-    engine = EngineConfig(**{name: _build(cls, data.get(name) or {}) for name, cls in _SECTIONS.items()})
-    engine.validate()
-    settings = _build(ServerSettings, data.get("server") or {})
+def load_config(args: list[str]) -> tuple[EngineConfig, ServerSettings]:
+    """The engine and server configs from `--config FILE`, `section.key=value` and `--flag`
+    arguments (in that order of precedence, lowest first); ConfigError names what is wrong."""
+    args = flags_to_overrides(args)
+    data: dict[str, Any] = {}
+    overrides: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] == "--config":
+            data = read_config_file(Path(args[i + 1]))
+            i += 2
+            continue
+        overrides.append(args[i])
+        i += 1
+    for item in overrides:
+        apply_override(data, item)
+    server = data.pop("server", None) or {}
+    try:
+        engine = EngineConfig.from_sections(data)
+        settings = _server_settings(server)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
     reserve_api_core(engine, settings)
     return engine, settings
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"--config: cannot read {str(path)!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config: {str(path)!r} is not valid YAML ({type(exc).__name__})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(v, dict | None) for v in data.values()):
+        raise ConfigError(f"--config: {str(path)!r} must map section names to mappings of keys")
+    return {k: dict(v or {}) for k, v in data.items()}
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """`section.key=value` (value read as YAML) into `data`; `model=X` sets `model.model`."""
+    dotted, eq, text = item.partition("=")
+    if not eq:
+        raise ConfigError(f"expected section.key=value, got {item!r}")
+    if dotted == "model":
+        dotted = "model.model"
+    section, dot, key = dotted.partition(".")
+    if not dot or not key or "." in key:
+        raise ConfigError(f"expected section.key=value (e.g. scheduler.max_num_seqs=8), got {item!r}")
+    try:
+        value = yaml.safe_load(text) if text else None
+    except yaml.YAMLError:
+        value = text
+    if section == "model" and key == "model":
+        value = text  # a model name or path stays a string ("1.5b" is not a number)
+    data.setdefault(section, {})[key] = value
+
+
+def _server_settings(values: dict[str, Any]) -> ServerSettings:
+    known = [f.name for f in fields(ServerSettings)]
+    for key in values:
+        if key not in known:
+            raise ValueError(f"unknown key 'server.{key}' (known: {', '.join(known)})")
+    return ServerSettings(**values)
 
 
 def reserve_api_core(engine: EngineConfig, settings: ServerSettings) -> None:
@@ -97,12 +158,6 @@ def reserve_api_core(engine: EngineConfig, settings: ServerSettings) -> None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     engine.device.num_threads = max(1, cores - 1)
-
-
-def _build(cls: type, values: dict[str, Any]) -> Any:
-    """Dataclass from the keys it knows (group files may carry extra keys, e.g. model.arch)."""
-    known = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in values.items() if k in known})
 
 
 async def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
@@ -134,12 +189,19 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
         print(__doc__)
-        print("options: " + " ".join(f"--{k.replace('_', '-')}" for k in sorted(_FLAG_KEYS)))
+        print("options: --config " + " ".join(f"--{k.replace('_', '-')}" for k in sorted(_FLAG_KEYS)))
         print("see docs/serving.md for every option")
         return
+    try:
+        engine_config, settings = load_config(args)
+    except ConfigError as exc:
+        raise SystemExit(f"servelab-serve: {exc}") from None
+    run(engine_config, settings)
+
+
+def run(engine_config: EngineConfig, settings: ServerSettings) -> None:
+    """Log to stderr and serve until told to stop (both front doors end here)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = flags_to_overrides(args)
-    engine_config, settings = load_config(overrides)
     asyncio.run(serve(engine_config, settings))
 
 

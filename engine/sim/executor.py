@@ -20,6 +20,7 @@ import itertools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from engine.dtypes import canonical_dtype
 from engine.executor.base import Executor
 from engine.model.arch import ModelArch
 from engine.sim.calibrated import CalibratedStepModel
@@ -32,8 +33,6 @@ from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-
-_TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def build_step_model(
@@ -75,14 +74,14 @@ class SimulatedExecutor(Executor):
     ) -> None:
         super().__init__(config)
         self.step_model, self.arch, self.hardware, self.tp = step_model, arch, hardware, tp
-        self.dtype = dtype or _TORCH_DTYPES.get(config.model.dtype, config.model.dtype)
+        self.dtype = dtype or canonical_dtype(config.model.dtype)
         cache_dtype = config.cache.cache_dtype
         self.kv_dtype = kv_dtype or (self.dtype if cache_dtype == "auto" else cache_dtype)
         self.gpu_memory_utilization = gpu_memory_utilization
         self.eos_token_id = arch.eos_token_id
         token = token_id % arch.vocab_size
         self.token_id = (token + 1) % arch.vocab_size if token == arch.eos_token_id else token
-        self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        self.max_model_len = arch.max_model_len(config.model.max_model_len)
         self.record_breakdown = record_breakdown
         self._now = start_time
         self._known: dict[str, int] = {}  # req_id -> tokens the runner knows
@@ -102,7 +101,8 @@ class SimulatedExecutor(Executor):
         dtype: str = "bf16",
         **kwargs: object,
     ) -> SimulatedExecutor:
-        """Build from names: conf/model/<model>.yaml, conf/hardware/<hardware>.yaml, 'roofline' or a fit's path."""
+        """Build from names or paths: a model shape (`engine.sim.model_counts.load_arch`), a hardware
+        profile (`HardwareProfile.load`), 'roofline' or a fit's path."""
         arch = model if isinstance(model, ModelArch) else load_arch(model)
         hw = HardwareProfile.load(hardware)
         kv = kwargs.get("kv_dtype")

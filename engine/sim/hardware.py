@@ -1,6 +1,7 @@
 """Hardware profiles: the peak numbers a roofline needs, per device.
 
-Profiles live in `conf/hardware/<name>.yaml`. Datasheet profiles carry dense (no
+Packaged profiles live in `engine/sim/profiles/<name>.yaml`; `HardwareProfile.load` also takes
+a yaml path, or other folders to search first. Datasheet profiles carry dense (no
 sparsity) peaks plus efficiency factors (the achievable fraction of peak); the measured
 CPU profile carries achieved numbers with efficiency 1.0. `measure_cpu_profile()`
 produces such a profile for the machine it runs on.
@@ -9,35 +10,16 @@ produces such a profile for the machine it runs on.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-import conf
+from engine.dtypes import canonical_dtype, torch_dtype
 
-HARDWARE_CONF_DIR = Path(conf.__file__).parent / "hardware"
-
-# Bytes per element of the dtypes the cost models know, under their short and torch names.
-DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-_DTYPE_ALIASES = {
-    "float32": "fp32",
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "fp8_e4m3": "fp8",
-    "fp8_e5m2": "fp8",
-}
-
-
-def canonical_dtype(dtype: str) -> str:
-    """'bfloat16' -> 'bf16' etc.; raises on an unknown dtype."""
-    name = _DTYPE_ALIASES.get(dtype, dtype)
-    if name not in DTYPE_BYTES:
-        raise ValueError(
-            f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)} and {sorted(_DTYPE_ALIASES)}"
-        )
-    return name
+PROFILES_DIR = Path(__file__).parent / "profiles"
 
 
 @dataclass(frozen=True)
@@ -99,13 +81,15 @@ class HardwareProfile:
         return cls(**args, extra={**d.get("extra", {}), **extra})
 
     @classmethod
-    def load(cls, name_or_path: str) -> HardwareProfile:
-        """From `conf/hardware/<name>.yaml` or a yaml path."""
+    def load(cls, name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> HardwareProfile:
+        """From a yaml path, or `<name>.yaml` in `search_dirs` then in the packaged `profiles/`."""
         path = Path(name_or_path)
+        dirs = [*map(Path, search_dirs), PROFILES_DIR]
         if not path.is_file():
-            path = HARDWARE_CONF_DIR / f"{name_or_path}.yaml"
+            path = next((d / f"{name_or_path}.yaml" for d in dirs if (d / f"{name_or_path}.yaml").is_file()), path)
         if not path.is_file():
-            raise FileNotFoundError(f"no hardware profile {name_or_path!r} (looked in {HARDWARE_CONF_DIR})")
+            known = ", ".join(sorted({p.stem for d in dirs for p in d.glob("*.yaml")}))
+            raise FileNotFoundError(f"no hardware profile {name_or_path!r} (known: {known})")
         return cls.from_dict(yaml.safe_load(path.read_text()))
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,7 +123,7 @@ def measure_gemm_tflops(dtype: str, n: int = 1024, repeats: int = 5) -> float:
     """Achieved TFLOP/s of an n x n x n torch matmul on the CPU (best of `repeats`)."""
     import torch
 
-    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[canonical_dtype(dtype)]
+    tdtype = torch_dtype(canonical_dtype(dtype))
     a = torch.randn(n, n).to(tdtype)  # [n, n]
     b = torch.randn(n, n).to(tdtype)  # [n, n]
     seconds = _best_time(lambda: torch.mm(a, b), repeats)

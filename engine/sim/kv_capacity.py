@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.dtypes import DTYPE_BYTES, canonical_dtype
 from engine.model.arch import ModelArch
-from engine.sim.hardware import DTYPE_BYTES, HardwareProfile, canonical_dtype
+from engine.sim.hardware import HardwareProfile
 
 
 def kv_bytes_per_token(arch: ModelArch, tp: int, kv_dtype: str) -> float:

@@ -7,26 +7,23 @@ down), per-expert MLPs plus a router for MoE. Totals come from `ModelArch.num_pa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-import conf
 from engine.model.arch import ModelArch
+from engine.model.loader import find_shape, known_shapes, read_shape
 
-MODEL_CONF_DIR = Path(conf.__file__).parent / "model"
 
-
-def load_arch(name_or_path: str) -> ModelArch:
-    """From `conf/model/<name>.yaml` (its `arch:` section), another yaml, or a HF config.json."""
+def load_arch(name_or_path: str, shape_dirs: Sequence[str | Path] = ()) -> ModelArch:
+    """A model shape by path (yaml, or a HF config.json), or by name in `shape_dirs` then in
+    the packaged `engine/model/shapes/`."""
     path = Path(name_or_path)
-    if not path.is_file():
-        path = MODEL_CONF_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"no model config {name_or_path!r} (looked in {MODEL_CONF_DIR})")
-    data = yaml.safe_load(path.read_text())  # JSON is valid YAML
-    return ModelArch.from_hf_config(data.get("arch", data), name=path.stem)
+    found = path if path.is_file() else find_shape(name_or_path, shape_dirs)
+    if found is None:
+        known = ", ".join(known_shapes(shape_dirs))
+        raise FileNotFoundError(f"no model config {name_or_path!r} (known shapes: {known})")
+    return read_shape(found)
 
 
 @dataclass(frozen=True, slots=True)

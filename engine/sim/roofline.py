@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from engine.dtypes import DTYPE_BYTES, canonical_dtype
 from engine.model.arch import ModelArch
-from engine.sim.hardware import DTYPE_BYTES, HardwareProfile, canonical_dtype
+from engine.sim.hardware import HardwareProfile
 from engine.sim.model_counts import ParamCounts
 from engine.sim.step_batch import StepBatch
 

@@ -12,7 +12,7 @@ def get_tokenizer(model_config: ModelConfig) -> Tokenizer:
     """The tokenizer that goes with `model_config.model` (see engine/model/loader.py).
 
     GGUF -> its embedded vocabulary; HF folder -> its tokenizer.json (byte-level
-    fallback if it has none); a conf/model name (dummy weights) -> byte-level fallback.
+    fallback if it has none); a model shape (dummy weights) -> byte-level fallback.
     """
     from engine.model.loader import resolve_source
 

@@ -8,13 +8,11 @@ import torch
 
 from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
+from engine.dtypes import torch_dtype
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -35,9 +33,9 @@ class Worker:
         self.device = resolve_device(config.device.device)
         if config.device.num_threads > 0 and self.device.type == "cpu":
             torch.set_num_threads(config.device.num_threads)
-        self.dtype = _DTYPES[config.model.dtype]
+        self.dtype = torch_dtype(config.model.dtype)
         cache_dtype = config.cache.cache_dtype
-        self.kv_dtype = self.dtype if cache_dtype == "auto" else _DTYPES[cache_dtype]
+        self.kv_dtype = self.dtype if cache_dtype == "auto" else torch_dtype(cache_dtype)
         self.model_runner: ModelRunner | None = None
 
     def load_and_allocate(self) -> int:
@@ -49,9 +47,7 @@ class Worker:
         self.model = load_model(self.config.model, backend, self.device)
         arch = self.model.arch
         self.arch = arch
-        self.max_model_len = min(
-            self.config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
-        )
+        self.max_model_len = arch.max_model_len(self.config.model.max_model_len)
         cache = self.config.cache
         per_block = kv_bytes_per_block(arch.num_layers, cache.block_size, arch.num_kv_heads, arch.head_dim, self.kv_dtype)
         num_blocks = cache.num_blocks or max(2, int(cache.kv_cache_memory_gb * (1 << 30) // per_block))

@@ -4,9 +4,9 @@
   this process). Token times come from the engine (the end of the step that made each
   token), not from chunk arrival, and each request carries the engine's queued /
   prefill / decode split. Every engine step's `StepStats` is kept.
-- `ServerTarget`: a `servelab-serve` process the harness starts on a free local port
-  and stops itself; requests go over HTTP through `OpenAITarget`, engine state comes
-  from scraping `/metrics`.
+- `ServerTarget`: a server process (`engine.entrypoints.serve --config <file>`) the
+  harness starts on a free local port and stops itself; requests go over HTTP through
+  `OpenAITarget`, engine state comes from scraping `/metrics`.
 """
 
 from __future__ import annotations
@@ -130,19 +130,20 @@ def free_port() -> int:
 
 
 class ServerTarget(OpenAITarget):
-    """A `servelab-serve` process started and stopped by the harness."""
+    """A server process started and stopped by the harness; its whole configuration is the one
+    YAML file `config_path` (sections of `engine.config` plus `server:`), the port a flag."""
 
     name = "server"
 
     def __init__(
-        self, overrides: list[str], startup_timeout_s: float = 180.0, log_path: str | None = None,
+        self, config_path: str | os.PathLike[str], startup_timeout_s: float = 180.0, log_path: str | None = None,
         endpoint: str = "completions", timeout_s: float | None = None,
     ) -> None:
         self.port = free_port()
         # model "": OpenAITarget.start asks the server's /v1/models for its served name
         super().__init__(f"http://127.0.0.1:{self.port}", model="", endpoint=endpoint,
                          extra_body={"temperature": 0.0}, timeout_s=timeout_s)
-        self.overrides = overrides
+        self.config_path = os.fspath(config_path)
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
@@ -153,7 +154,8 @@ class ServerTarget(OpenAITarget):
         await super().start()
 
     async def _launch(self) -> None:
-        cmd = [sys.executable, "-m", "engine.entrypoints.serve", "--port", str(self.port), *self.overrides]
+        cmd = [sys.executable, "-m", "engine.entrypoints.serve", "--config", self.config_path,
+               "--port", str(self.port)]
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
         deadline = time.monotonic() + self.startup_timeout_s
