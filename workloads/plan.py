@@ -11,7 +11,7 @@ completed. The best point is the highest rate that meets the SLOs (ties: higher 
 Load: `--rates` lists request rates (req/s). A trace is replayed with its timestamps
 rescaled to each mean rate (its burst shape kept); `--time-scales` gives multipliers of the
 trace's own rate instead. `--search` finds, per configuration, the highest rate that meets
-the SLOs (doubling, then bisection: `engine.sim.plan.find_max_rate`), starting at
+the SLOs (doubling, then bisection: `workloads.rate_search.find_max_rate`), starting at
 `--search-start` (default: the trace's own rate, synthetic 1 req/s) and never above
 `--search-max`; a start outside (0, --search-max] is an error. `--target-rate` adds
 the number of replicas of the best configuration needed for that total rate.
@@ -43,8 +43,8 @@ from engine.config import EngineConfig
 from engine.sim.executor import SimulatedExecutor
 from engine.sim.hardware import HardwareProfile
 from engine.sim.model_counts import load_arch
-from engine.sim.plan import SLO, find_max_rate, replicas_for_rate
 from workloads.plan_output import render, write
+from workloads.rate_search import SLO, find_max_rate, replicas_for_rate
 from workloads.simulate import simulate, trace_token_specs
 from workloads.spec import RequestSpec
 from workloads.traces import TraceRow, fit_to_context, load_trace, scale_time, slice_rows
