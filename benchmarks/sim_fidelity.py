@@ -10,7 +10,7 @@ timestamps rescaled) and token budget (`max_num_batched_tokens`).
 1. real runs: the calibration set and the held-out set (other rates and budgets), each
    `--repeats` times (default 2, round-robin); a run's measured metrics are the median over
    its repeats (with two, the mean of the two), and the table notes how far repeats differ;
-2. `CalibratedStepModel.fit` on the per-step rows (steps.csv) of every repeat of the
+2. `workloads.calibration.fit_step_model` on the per-step rows (steps.csv) of every repeat of the
    calibration runs only: by default (`--fit table`) an interpolated cost table in the step's
    token count plus linear per-request and KV-read terms, Huber-weighted (`--robust`);
    `--fit linear` is the plain linear fit;
@@ -57,6 +57,7 @@ from engine.executor.inprocess import InProcessExecutor
 from engine.sim.calibrated import CalibratedStepModel
 from engine.sim.executor import SimulatedExecutor
 from engine.sim.model_counts import load_arch
+from workloads.calibration import fit_step_model
 from workloads.metrics import summarize
 from workloads.simulate import Clock, SimResult, WallClock, replay, simulate, trace_token_specs
 from workloads.spec import RequestSpec
@@ -162,9 +163,9 @@ def parse_tables(text: str) -> dict[str, list[float]]:
 def fit_model(steps: pd.DataFrame, args: argparse.Namespace) -> CalibratedStepModel:
     """The step model of `--fit`: `linear` (the plain NNLS fit) or `table` (piecewise-linear cost tables)."""
     if args.fit == "linear":
-        return CalibratedStepModel.fit(steps, robust=args.robust)
+        return fit_step_model(steps, robust=args.robust)
     features = args.features.split(",") if args.features else None
-    return CalibratedStepModel.fit(
+    return fit_step_model(
         steps, features=features, tables=parse_tables(args.tables), robust=args.robust, monotone=args.monotone
     )
 
@@ -301,7 +302,7 @@ def main() -> None:
     )
     print_table(df)
     if args.fit != "linear":
-        base = evaluate(CalibratedStepModel.fit(fit_df), runs, rows, num_blocks, args.max_num_seqs)
+        base = evaluate(fit_step_model(fit_df), runs, rows, num_blocks, args.max_num_seqs)
         held = base[base["set"] == "held-out"]
         worst = max(held[f"{k}_err_pct"].abs().max() for k, _ in METRICS) if len(held) else float("nan")
         print(f"(for comparison, the plain linear fit: held-out worst |error| {worst:.1f}%)")

@@ -8,8 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from engine.sim.calibrated import CalibratedStepModel, CostTable, auto_knots, nnls
+from engine.sim.calibrated import CalibratedStepModel, CostTable
 from engine.sim.step_batch import StepBatch
+from workloads.calibration import auto_knots, fit_step_model, nnls, segment_basis, table_from_slopes
 
 TRUE = {
     "num_prefill_tokens": 2e-4,
@@ -49,7 +50,7 @@ def test_nnls_matches_unconstrained_when_positive_and_clips_otherwise() -> None:
 
 
 def test_fit_recovers_known_coefficients() -> None:
-    model = CalibratedStepModel.fit(_synthetic_steps())
+    model = fit_step_model(_synthetic_steps())
     assert model.intercept == pytest.approx(INTERCEPT, rel=1e-6)
     for name, c in TRUE.items():
         assert model.coefs[name] == pytest.approx(c, rel=1e-6)
@@ -60,7 +61,7 @@ def test_fit_with_noise_the_kv_tokens_column_and_no_speculation() -> None:
     df = _synthetic_steps(noise=2e-4, kv_column="num_kv_tokens_read")
     df["step_time"] += TRUE["num_decode_reqs"] * (df["num_decode_tokens"] - df["num_decode_reqs"])
     df["num_decode_reqs"] = df["num_decode_tokens"]  # one token per decode request
-    model = CalibratedStepModel.fit(df)
+    model = fit_step_model(df)
     assert set(model.coefs) == {"num_prefill_tokens", "num_decode_tokens", "num_kv_tokens_read"}
     assert model.coefs["num_decode_tokens"] == pytest.approx(6e-4, rel=0.05)
     assert 0.95 < model.r2 < 1.0
@@ -70,10 +71,10 @@ def test_fit_with_noise_the_kv_tokens_column_and_no_speculation() -> None:
 def test_idle_rows_dropped_and_missing_columns_reported() -> None:
     df = _synthetic_steps(50)
     idle = df.iloc[:5].assign(num_prefill_tokens=0, num_decode_tokens=0, step_time=9.0)
-    model = CalibratedStepModel.fit(pd.concat([df, idle]))
+    model = fit_step_model(pd.concat([df, idle]))
     assert model.num_samples == (df["num_prefill_tokens"] + df["num_decode_tokens"] > 0).sum()
     with pytest.raises(ValueError, match="lacks"):
-        CalibratedStepModel.fit(df.drop(columns=["num_decode_reqs"]))
+        fit_step_model(df.drop(columns=["num_decode_reqs"]))
 
 
 def test_predict_from_a_batch() -> None:
@@ -100,7 +101,7 @@ def test_prefill_requests_feature() -> None:
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_save_load_roundtrip(tmp_path, suffix: str) -> None:
-    model = CalibratedStepModel.fit(_synthetic_steps(60))
+    model = fit_step_model(_synthetic_steps(60))
     model.meta["run"] = "synthetic"
     path = tmp_path / f"fit{suffix}"
     model.save(path)
@@ -129,8 +130,8 @@ def test_cost_table_interpolates_and_extrapolates_by_hand() -> None:
     assert table(2) == pytest.approx(0.050 + 0.060 / 3)  # a third of the way from 1 to 4
     assert table(4) == pytest.approx(0.110) and table(10) == pytest.approx(0.110 + 6 * 0.015)
     # The same table from segment slopes: 50 ms/unit on (0, 1], 20 ms/unit on (1, 4], then 15.
-    assert CostTable.from_slopes([1, 4], [0.050, 0.020, 0.015]) == table
-    np.testing.assert_allclose(CostTable.basis(np.array([0.5, 3.0, 10.0]), [1, 4]),
+    assert table_from_slopes([1, 4], [0.050, 0.020, 0.015]) == table
+    np.testing.assert_allclose(segment_basis(np.array([0.5, 3.0, 10.0]), [1, 4]),
                                [[0.5, 0, 0], [1, 2, 0], [1, 3, 6]])  # fmt: skip
     with pytest.raises(ValueError, match="increasing"):
         CostTable((4.0, 1.0), (0.1, 0.2))
@@ -162,7 +163,7 @@ def _stepwise_decode_steps(n: int = 600) -> tuple[pd.DataFrame, CostTable]:
 
 def test_table_fit_recovers_a_stepwise_decode_cost() -> None:
     df, true = _stepwise_decode_steps()
-    model = CalibratedStepModel.fit(
+    model = fit_step_model(
         df, features=["num_prefill_tokens", "is_mixed", "num_kv_tokens_read"],
         tables={"num_decode_reqs": [1, 3, 4, 8]},
     )  # fmt: skip
@@ -174,7 +175,7 @@ def test_table_fit_recovers_a_stepwise_decode_cost() -> None:
     assert fitted.slope_after == pytest.approx(true.slope_after, rel=1e-6)
     assert model.r2 == pytest.approx(1.0)
     # A linear fit cannot follow the jumps.
-    assert CalibratedStepModel.fit(df).r2 < 0.999
+    assert fit_step_model(df).r2 < 0.999
     # Predicting from a StepBatch: 2 decodes of contexts 40 and 7 plus a 100-token prompt chunk.
     batch = StepBatch.from_requests([(100, 0, True, False), (1, 40, True, True), (1, 7, True, True)])
     expected = 0.040 + 0.100 + 47 * 2e-6 + 0.025 + true(2)
@@ -188,8 +189,8 @@ def test_automatic_knots_and_robust_fit_ignore_outlier_steps() -> None:
     slow = df.index[::50]
     df.loc[slow, "step_time"] += 0.5  # 2% of the steps stalled by something else
     features = ["num_prefill_tokens", "is_mixed", "num_kv_tokens_read"]
-    robust = CalibratedStepModel.fit(df, features=features, tables={"num_decode_reqs": []}, robust=True)
-    plain = CalibratedStepModel.fit(df, features=features, tables={"num_decode_reqs": []})
+    robust = fit_step_model(df, features=features, tables={"num_decode_reqs": []}, robust=True)
+    plain = fit_step_model(df, features=features, tables={"num_decode_reqs": []})
     table = robust.tables["num_decode_reqs"]
     assert set(true.xs) <= set(table.xs) and max(table.xs) < 12
     clean = df.drop(index=slow)
@@ -208,7 +209,7 @@ def _batch_of(row) -> StepBatch:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_table_model_roundtrip_and_old_files_load(tmp_path, suffix: str) -> None:
     df, _ = _stepwise_decode_steps(200)
-    model = CalibratedStepModel.fit(df, features=["num_prefill_tokens"], tables={"num_decode_reqs": [1, 4]})
+    model = fit_step_model(df, features=["num_prefill_tokens"], tables={"num_decode_reqs": [1, 4]})
     path = tmp_path / f"fit{suffix}"
     model.save(path)
     loaded = CalibratedStepModel.load(path)
@@ -230,14 +231,14 @@ def test_non_monotone_table_follows_a_faster_kernel_at_larger_sizes() -> None:
     n = np.arange(1, 13).repeat(10)
     df = pd.DataFrame({"num_prefill_tokens": 0 * n, "num_decode_tokens": n, "num_decode_reqs": n})
     df["step_time"] = 0.050 + np.array([true(x) for x in n])
-    free = CalibratedStepModel.fit(df, features=[], tables={"num_tokens": [4, 8]}, monotone=False)
+    free = fit_step_model(df, features=[], tables={"num_tokens": [4, 8]}, monotone=False)
     np.testing.assert_allclose(free.tables["num_tokens"].ys, true.ys, rtol=1e-6)
     assert free.tables["num_tokens"].slope_after == pytest.approx(0.005, rel=1e-6)
     assert free.intercept == pytest.approx(0.050, rel=1e-6) and free.r2 == pytest.approx(1.0)
     # Monotone (the default), the table cannot fall: it stays flat after the peak instead.
-    mono = CalibratedStepModel.fit(df, features=[], tables={"num_tokens": [4, 8]})
+    mono = fit_step_model(df, features=[], tables={"num_tokens": [4, 8]})
     ys = mono.tables["num_tokens"].ys
     assert ys[1] >= ys[0] and mono.r2 < 0.99
     # Beyond the last knot a table never falls, even where the data does (no negative extrapolation).
-    tail = CalibratedStepModel.fit(df, features=[], tables={"num_tokens": [4]}, monotone=False)
+    tail = fit_step_model(df, features=[], tables={"num_tokens": [4]}, monotone=False)
     assert tail.tables["num_tokens"].slope_after == 0.0

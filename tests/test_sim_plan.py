@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sim.plan import SLO, find_max_rate, replicas_for_rate
+from workloads.rate_search import SLO, find_max_rate, replicas_for_rate
 
 
 def _queue_like(rate: float) -> dict[str, float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -94,6 +95,49 @@ def test_max_duration_records_the_unfinished_as_interrupted() -> None:
     assert res.stop_reason == "max_duration"
     (a,) = res.records  # b was never sent
     assert a.error and a.finish_reason == "abort" and len(a.token_times) == 10
+
+
+def test_closed_loop_users_send_the_next_spec_when_theirs_finished() -> None:
+    cfg, ex = _setup()
+    specs = [_spec("a", 0.0, 4, 2), _spec("b", 0.0, 4, 3), _spec("c", 5.0, 4, 2)]
+    res = simulate(specs, cfg, ex, closed_loop=True, concurrency=2)
+    a, b, c = sorted(res.records, key=lambda r: r.request_id)
+    # a and b start at 0 (c's arrival time is ignored); a finishes at 20 ms, so its user sends c then.
+    assert a.start_s == b.start_s == 0.0 and a.token_times == pytest.approx([0.01, 0.02])
+    assert c.scheduled_s == pytest.approx(0.02) and c.start_s == pytest.approx(0.02)
+    assert c.token_times == pytest.approx([0.03, 0.04]) and b.token_times == pytest.approx([0.01, 0.02, 0.03])
+    with pytest.raises(ValueError, match="closed loop needs concurrency"):
+        simulate(specs, *_setup(), closed_loop=True)
+
+
+def _next_turn(spec: RequestSpec, record) -> RequestSpec | None:  # type: ignore[no-untyped-def]
+    if spec.turn >= 1:
+        return None
+    ids = [*(spec.prompt_token_ids or []), *(record.output_token_ids or []), 11]
+    return replace(spec, request_id=f"{spec.session_id}-t1", arrival_s=record.done_s + 0.5,
+                   prompt_token_ids=ids, prompt_len=len(ids), turn=1)  # fmt: skip
+
+
+def test_a_closed_loop_user_finishes_its_session_before_the_next_spec() -> None:
+    cfg, ex = _setup()
+    first = replace(_spec("s-t0", 0.0, 4, 2), session_id="s", follow_up=_next_turn)
+    res = simulate([first, _spec("x", 0.0, 4, 1)], cfg, ex, closed_loop=True, concurrency=1)
+    t0, t1, x = res.records
+    assert (t0.request_id, t1.request_id, x.request_id) == ("s-t0", "s-t1", "x")
+    # The follow-up is sent at its own time (finish + 0.5 s think time), by the same user;
+    # the next spec of the workload only once the session ended.
+    assert t1.scheduled_s == pytest.approx(0.52) and t1.prompt_tokens == 4 + 2 + 1 and t1.turn == 1
+    assert x.start_s == pytest.approx(t1.done_s)
+
+
+def test_open_loop_concurrency_slots_and_follow_ups() -> None:
+    cfg, ex = _setup()
+    first = replace(_spec("s-t0", 0.0, 4, 2), session_id="s", follow_up=_next_turn)
+    res = simulate([first, _spec("x", 0.0, 4, 1)], cfg, ex, concurrency=1)
+    t0, x, t1 = res.records
+    # x waits for the slot (client queue, not lateness); the follow-up comes at its own time.
+    assert x.scheduled_s == 0.0 and x.start_s == pytest.approx(t0.done_s) and x.client_queue_s > 0
+    assert t1.request_id == "s-t1" and t1.scheduled_s == pytest.approx(t0.done_s + 0.5)
 
 
 def test_wall_clock_waits() -> None:

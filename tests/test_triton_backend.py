@@ -150,3 +150,27 @@ def test_flash_adapters_build_their_page_tables_from_the_block_table() -> None:
     assert fa._cu_seqlens_k.tolist() == [0, 9, 13, 19]
     expected_slots = [bt[i][p // bs] * bs + p % bs for i, s in enumerate([9, 4, 6]) for p in range(s)]
     assert fa._gather_slots.tolist() == expected_slots
+
+
+@pytest.mark.parametrize("backend_cls", [FlashAttnBackend, FlashInferBackend])
+def test_flash_adapters_share_one_forward_around_the_library_call(backend_cls) -> None:  # type: ignore[no-untyped-def]
+    """Dtype check, cache write before the library call, real rows only, padding rows zero: the part of
+    forward that is not the library (whose call a stand-in replaces, so this runs on a CPU)."""
+
+    class StandIn(backend_cls):  # type: ignore[misc, valid-type]
+        def _attend(self, q, kv_cache, metadata, scale):  # type: ignore[no-untyped-def]
+            self.seen = (q.clone(), kv_cache.clone(), scale)
+            return 2 * q
+
+    b = PagedBatch([9, 5], [4, 1], pad_tokens=3, dtype=torch.bfloat16)
+    _, expected_cache = b.reference()
+    backend = StandIn()
+    out, cache = run_backend(backend, b)
+    n = b.metadata.num_tokens
+    q_seen, cache_seen, scale_seen = backend.seen
+    assert torch.equal(q_seen, b.q[:n]) and scale_seen == b.scale  # the step's real tokens only
+    assert torch.equal(cache_seen, expected_cache)  # K/V written before the library reads them
+    assert torch.equal(out[:n], 2 * b.q[:n]) and torch.count_nonzero(out[n:]) == 0
+    assert torch.equal(cache, expected_cache)
+    with pytest.raises(ValueError, match=f"{backend_cls.name} supports float16/bfloat16 only"):
+        run_backend(StandIn(), PagedBatch([3], [3]))

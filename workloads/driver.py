@@ -1,11 +1,13 @@
 """The asyncio load driver: open loop (sends at planned times) or closed loop (N users).
 
-Open loop: a dispatcher sleeps until each request's planned time and starts a task for it;
-it never waits for responses, so a slow response cannot delay the next send. With
+What is sent when follows `workloads.send_schedule.SendSchedule` (the rules the simulator
+shares). Open loop: a dispatcher sleeps until each request's planned time and starts a task
+for it; it never waits for responses, so a slow response cannot delay the next send. With
 `concurrency` set, a started request first waits for a slot (vLLM's `--max-concurrency`); that
 wait is client queue time, not driver lateness.
 
-Closed loop: `concurrency` users; each takes the next spec when its previous request ended.
+Closed loop: `concurrency` users, one coroutine each; each sends its next spec when its
+previous request ended.
 
 Times are `time.perf_counter()` seconds since the run start `t0`. Per request the driver
 records its planned time, the actual send, every content chunk (via `on_token`, so a cancelled
@@ -25,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from tqdm import tqdm
 
 from engine.outputs import StepStats
 from workloads.record import RequestRecord, TargetResult, record_from_result
+from workloads.send_schedule import Send, SendSchedule
 from workloads.spec import RequestSpec
 from workloads.targets.base import Target
 
@@ -76,11 +78,8 @@ class Driver:
         max_duration_s: float | None = None, progress: bool = False, on_progress: ProgressFn | None = None,
         scrape_interval_s: float | None = None,
     ) -> None:
-        if closed_loop and not concurrency:
-            raise ValueError("closed loop needs concurrency >= 1")
+        self.schedule = SendSchedule(closed_loop=closed_loop, concurrency=concurrency)
         self.target = target
-        self.closed_loop = closed_loop
-        self.concurrency = concurrency
         self.max_duration_s = max_duration_s
         self.progress, self.on_progress = progress, on_progress
         self.scrape_interval_s = scrape_interval_s
@@ -111,7 +110,8 @@ class Driver:
     async def _run(self, specs: list[RequestSpec]) -> RunResult:
         self._t0, t0_wall = time.perf_counter(), time.time()
         self._bar = tqdm(total=len(specs), unit="req", disable=not self.progress, smoothing=0.1)
-        main = asyncio.ensure_future(self._closed(specs) if self.closed_loop else self._open(specs))
+        first = self.schedule.first(specs)
+        main = asyncio.ensure_future(self._closed(first) if self.schedule.closed_loop else self._open(first))
         scraper = asyncio.ensure_future(self._scrape()) if self.scrape_interval_s else None
         stop_reason = ""
         try:
@@ -139,31 +139,39 @@ class Driver:
         if self._bar is not None:
             self._bar.close()
 
-    async def _open(self, specs: list[RequestSpec]) -> None:
-        if self.concurrency:
-            self._sem = asyncio.Semaphore(self.concurrency)
-        for spec in specs:
-            await self._sleep_until(spec.arrival_s)
-            self._spawn(self._send(spec, spec.arrival_s))
+    async def _open(self, first: list[Send]) -> None:
+        if self.schedule.slots:
+            self._sem = asyncio.Semaphore(self.schedule.slots)
+        for send in first:
+            await self._sleep_until(send.at_s or 0.0)
+            self._spawn(self._open_send(send))
         while self._tasks:  # follow-ups may add tasks while we wait
             await asyncio.wait(set(self._tasks))
 
-    async def _closed(self, specs: list[RequestSpec]) -> None:
-        queue = deque(specs)
-        await asyncio.gather(*(self._user(queue) for _ in range(self.concurrency or 1)))
+    async def _open_send(self, send: Send) -> None:
+        """Send a due open-loop request; its follow-up, if any, becomes a task of its own."""
+        record = await self._send(send.spec, send.at_s or 0.0)
+        nxt = self._after(send, record)
+        if nxt is not None:
+            self._spawn(self._delayed(nxt))
 
-    async def _user(self, queue: deque[RequestSpec]) -> None:
-        follow: RequestSpec | None = None
-        while not self._stopping:
-            if follow is not None:
-                spec, scheduled = follow, follow.arrival_s
+    async def _delayed(self, send: Send) -> None:
+        await self._sleep_until(send.at_s or 0.0)
+        await self._open_send(send)
+
+    async def _closed(self, first: list[Send]) -> None:
+        await asyncio.gather(*(self._user(send) for send in first))
+
+    async def _user(self, send: Send | None) -> None:
+        """One closed-loop user: send, wait for the end, send what the schedule says next."""
+        while send is not None and not self._stopping:
+            if send.at_s is None:
+                scheduled = self.now()
+            else:  # a follow-up turn, at its planned time
+                scheduled = send.at_s
                 await self._sleep_until(scheduled)
-            elif queue:
-                spec, scheduled = queue.popleft(), self.now()
-            else:
-                return
-            record = await self._send(spec, scheduled)
-            follow = self._next_turn(spec, record)
+            record = await self._send(send.spec, scheduled)
+            send = self._after(send, record)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -190,36 +198,21 @@ class Driver:
         finally:
             if self._sem is not None:
                 self._sem.release()
-        record = self._store(spec, result, scheduled, start, start - ready)
-        if not self.closed_loop:
-            nxt = self._next_turn(spec, record)
-            if nxt is not None:
-                self._spawn(self._delayed(nxt))
-        return record
+        return self._store(spec, result, scheduled, start, start - ready)
 
-    async def _delayed(self, spec: RequestSpec) -> None:
-        await self._sleep_until(spec.arrival_s)
-        await self._send(spec, spec.arrival_s)
-
-    def _next_turn(self, spec: RequestSpec, record: RequestRecord) -> RequestSpec | None:
-        if spec.follow_up is None or self._stopping:
+    def _after(self, send: Send, record: RequestRecord) -> Send | None:
+        if self._stopping:
             return None
-        nxt = spec.follow_up(spec, record)
-        if nxt is not None and self._bar is not None:
+        nxt = self.schedule.after(send, record)
+        if nxt is not None and nxt.is_follow_up and self._bar is not None:
             self._bar.total += 1
         return nxt
 
     def _store(
         self, spec: RequestSpec, result: TargetResult, scheduled: float, start: float, lateness: float
     ) -> RequestRecord:
-        rec = record_from_result(spec.request_id, result, t0=self._t0, scheduled_s=scheduled,
-                                 start_s=start, lateness_s=max(0.0, lateness))
-        if not result.done_time:
-            rec.done_s = self.now()
-        rec.is_warmup, rec.group = spec.is_warmup, spec.group
-        rec.session_id, rec.turn = spec.session_id, spec.turn
-        if not rec.prompt_tokens:
-            rec.prompt_tokens = spec.prompt_len
+        rec = record_from_result(spec, result, t0=self._t0, scheduled_s=scheduled, start_s=start,
+                                 lateness_s=max(0.0, lateness), now_s=self.now())
         self.records.append(rec)
         self._report_progress()
         return rec

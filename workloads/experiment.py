@@ -274,7 +274,7 @@ def _run_offline(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> 
     gate compares (steps, tokens per step, prefix hits, preemptions).
     """
     from engine.llm import LLM
-    from workloads.record import RequestRecord
+    from workloads.record import build_record
     from workloads.targets.engine import sampling_params_for
 
     llm = LLM(config=engine_config)
@@ -298,11 +298,10 @@ def _run_offline(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> 
     for spec, out in zip(specs, outs, strict=True):
         comp = out.outputs[0]
         m = out.metrics
-        records.append(RequestRecord(
-            request_id=spec.request_id, scheduled_s=0.0, start_s=0.0,
-            token_times=[t - t0_wall for t in m.token_times], done_s=done,
+        records.append(build_record(
+            spec, scheduled_s=0.0, start_s=0.0, token_times=[t - t0_wall for t in m.token_times], done_s=done,
             prompt_tokens=len(out.prompt_token_ids), output_tokens=len(comp.token_ids),
-            finish_reason=comp.finish_reason or "", is_warmup=spec.is_warmup, group=spec.group,
+            finish_reason=comp.finish_reason or "",
             server_queued_s=m.queued_time, server_prefill_s=m.prefill_time, server_decode_s=m.decode_time,
         ))
     result = RunResult(records=records, t0_wall=t0_wall, wall_s=done, steps=llm.step_stats)

@@ -19,7 +19,7 @@ It takes the same Hydra overrides as servelab-run (conf/plan.yaml, typed by
 Load: `plan.rates` lists request rates (req/s). A trace is replayed with its timestamps
 rescaled to each mean rate (its burst shape kept); `plan.time_scales` gives multipliers of the
 trace's own rate instead. `plan.search=true` finds, per configuration, the highest rate that
-meets the SLOs (doubling, then bisection: `engine.sim.plan.find_max_rate`), starting at
+meets the SLOs (doubling, then bisection: `workloads.rate_search.find_max_rate`), starting at
 `plan.search_start` (default: the trace's own rate, synthetic 1 req/s) and never above
 `plan.search_max`. `plan.target_rate` adds the number of replicas of the best configuration
 needed for that total rate. The old `--flag` options still work as aliases (`FLAG_ALIASES`,
@@ -49,9 +49,9 @@ from engine.config import EngineConfig
 from engine.sim.executor import SimulatedExecutor
 from engine.sim.hardware import HardwareProfile
 from engine.sim.model_counts import load_arch
-from engine.sim.plan import SLO, find_max_rate, replicas_for_rate
 from workloads.factory import resolve_path
 from workloads.plan_output import render, write
+from workloads.rate_search import SLO, find_max_rate, replicas_for_rate
 from workloads.simulate import simulate, trace_token_specs
 from workloads.spec import RequestSpec
 from workloads.traces import TraceRow, fit_to_context, load_trace, scale_time, slice_rows

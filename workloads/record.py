@@ -2,7 +2,8 @@
 
 Clock: every time here is `time.perf_counter()` based. A `TargetResult` holds raw
 `perf_counter()` values; the driver turns it into a `RequestRecord` whose times are seconds
-since the run start (the driver's `t0`).
+since the run start (the driver's `t0`). Every record of a run is made by `build_record`,
+whatever made the request happen (driver, simulator, offline `LLM.generate`).
 
 Tokens per chunk: a stream chunk may carry several tokens (speculative decoding, coalesced
 streams). `token_times_from_chunks` spreads the gap before a chunk evenly over its tokens, so
@@ -14,6 +15,8 @@ always sum to E2EL - TTFT and their mean equals its TPOT.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from workloads.spec import RequestSpec
 
 
 @dataclass(slots=True)
@@ -128,32 +131,81 @@ class RequestRecord:
         return [b - a for a, b in zip(tt[:-1], tt[1:], strict=True)]
 
 
+def build_record(
+    spec: RequestSpec,
+    *,
+    scheduled_s: float,
+    start_s: float,
+    token_times: list[float],
+    done_s: float,
+    prompt_tokens: int | None = None,
+    output_tokens: int | None = None,
+    finish_reason: str = "",
+    error: str = "",
+    lateness_s: float = 0.0,
+    output_text: str = "",
+    output_token_ids: list[int] | None = None,
+    server_queued_s: float | None = None,
+    server_prefill_s: float | None = None,
+    server_decode_s: float | None = None,
+) -> RequestRecord:
+    """The one builder of a run's records (driver, simulator, offline runs, scripted ideals).
+
+    Times are seconds since the run start. The spec gives the identity fields (id, warm-up
+    flag, group, session, turn). Rules every target shares: `prompt_tokens` falls back to the
+    spec's `prompt_len` when not known (None or 0); `output_tokens` to one per token time; a
+    request that received no token and has no error gets "no content chunk received".
+    """
+    if not error and not token_times:
+        error = "no content chunk received"
+    return RequestRecord(
+        request_id=spec.request_id,
+        scheduled_s=scheduled_s,
+        start_s=start_s,
+        token_times=token_times,
+        done_s=done_s,
+        prompt_tokens=prompt_tokens or spec.prompt_len,
+        output_tokens=len(token_times) if output_tokens is None else output_tokens,
+        finish_reason=finish_reason,
+        error=error,
+        lateness_s=lateness_s,
+        is_warmup=spec.is_warmup,
+        group=spec.group,
+        session_id=spec.session_id,
+        turn=spec.turn,
+        output_text=output_text,
+        output_token_ids=output_token_ids,
+        server_queued_s=server_queued_s,
+        server_prefill_s=server_prefill_s,
+        server_decode_s=server_decode_s,
+    )
+
+
 def record_from_result(
-    request_id: str,
+    spec: RequestSpec,
     result: TargetResult,
     *,
     t0: float,
     scheduled_s: float,
     start_s: float,
     lateness_s: float,
+    now_s: float,
 ) -> RequestRecord:
-    """Turn a target's raw result into a run-relative record (the driver's one conversion)."""
-    chunk_times = [t - t0 for t in result.chunk_times]
-    tokens = token_times_from_chunks(chunk_times, result.chunk_tokens)
-    n_out = result.output_tokens if result.output_tokens is not None else len(tokens)
-    error = result.error
-    if not error and not tokens:
-        error = "no content chunk received"
-    return RequestRecord(
-        request_id=request_id,
+    """A target's raw result as a run-relative record (`t0`: the run start in perf_counter time).
+
+    `now_s` (when the driver stores it) is the done time of a result that has none.
+    """
+    tokens = token_times_from_chunks([t - t0 for t in result.chunk_times], result.chunk_tokens)
+    return build_record(
+        spec,
         scheduled_s=scheduled_s,
         start_s=start_s,
         token_times=tokens,
-        done_s=(result.done_time - t0) if result.done_time else (tokens[-1] if tokens else start_s),
-        prompt_tokens=result.prompt_tokens or 0,
-        output_tokens=n_out,
+        done_s=(result.done_time - t0) if result.done_time else now_s,
+        prompt_tokens=result.prompt_tokens,
+        output_tokens=result.output_tokens,
         finish_reason=result.finish_reason,
-        error=error,
+        error=result.error,
         lateness_s=lateness_s,
         output_text=result.output_text,
         output_token_ids=result.output_token_ids,

@@ -8,11 +8,12 @@ driver produces (times in seconds since the run start, one time per output token
 the step that produced it), so `workloads.metrics.summarize`, the run folder and the reports
 work unchanged.
 
-Send times follow the driver's rules: open loop sends each spec at `arrival_s` (with
-`concurrency`, a spec waits for a free slot); closed loop (`closed_loop=True`) keeps
-`concurrency` users, each sending its next spec when its previous one finished; a finished
-spec's `follow_up` (multi-turn) is sent at the follow-up's `arrival_s`. There is no client
-or network: lateness is 0 and TTFT is measured from the send.
+Send times follow the driver's rules, from the same `SendSchedule`
+(`workloads/send_schedule.py`): open loop sends each spec at `arrival_s` (with `concurrency`,
+a spec waits for a free slot); closed loop (`closed_loop=True`) keeps `concurrency` users,
+each sending its next spec when its previous one finished; a finished spec's `follow_up`
+(multi-turn) is sent at the follow-up's `arrival_s`. There is no client or network: lateness
+is 0 and TTFT is measured from the send.
 
 Prompt tokens: `spec.prompt_token_ids` when present (their values matter for prefix
 caching); otherwise `tokenize(spec.prompt)` when a tokenizer is given; otherwise
@@ -45,8 +46,9 @@ from engine.outputs import EngineCoreOutput, FinishReason, StepStats
 from engine.sampling_params import SamplingParams
 from engine.sim.executor import SimulatedExecutor
 from workloads.metrics import summarize
-from workloads.record import RequestRecord
+from workloads.record import RequestRecord, build_record
 from workloads.runfolder import steps_frame
+from workloads.send_schedule import Send, SendSchedule
 from workloads.spec import RequestSpec
 from workloads.trace_workload import BlockTokens
 from workloads.traces import TraceRow
@@ -108,13 +110,13 @@ class SimResult:
 
 @dataclass(slots=True)
 class _Live:
-    """A request in the engine: its spec and what the client has seen so far (relative times)."""
+    """A request in the engine: its send and what the client has seen so far (relative times)."""
 
-    spec: RequestSpec
+    send: Send
+    spec: RequestSpec  # send.spec, read per output token
     scheduled_s: float
     start_s: float
     prompt_tokens: int
-    user: int = -1  # closed-loop user slot, -1 in open loop
     token_times: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
 
@@ -126,22 +128,20 @@ class _Loop:
         self,
         core: EngineCore,
         executor: Clock,
+        schedule: SendSchedule,
         *,
-        closed_loop: bool,
-        concurrency: int | None,
         tokenize: Tokenize | None,
         max_duration_s: float | None,
         bar: tqdm | None,
     ) -> None:
         self.core, self.ex = core, executor
-        self.closed_loop, self.concurrency = closed_loop, concurrency
+        self.schedule = schedule
         self.tokenize, self.max_duration_s, self.bar = tokenize, max_duration_s, bar
         self.t0 = executor.clock()
-        self.sends: list[tuple[float, int, RequestSpec, int]] = []  # (time, seq, spec, user) heap
+        self.sends: list[tuple[float, int, Send]] = []  # (time, seq, send) heap
         self.seq = itertools.count()
-        self.slot_queue: deque[tuple[RequestSpec, float]] = deque()  # open loop, waiting for a slot
-        self.free_slots = concurrency or 0
-        self.queue: deque[RequestSpec] = deque()  # closed loop: specs not yet sent
+        self.slot_queue: deque[tuple[Send, float]] = deque()  # open loop, waiting for a slot
+        self.free_slots = schedule.slots
         self.live: dict[str, _Live] = {}
         self.records: list[RequestRecord] = []
         self.steps: list[StepStats] = []
@@ -149,43 +149,37 @@ class _Loop:
 
     # ---- sends ----------------------------------------------------------------------
     def start(self, specs: list[RequestSpec]) -> None:
-        if self.closed_loop:
-            self.queue.extend(specs)
-            for user in range(self.concurrency or 1):
-                self._next_from_queue(user, self.t0)
-        else:
-            for spec in specs:
-                self._push(self.t0 + spec.arrival_s, spec, -1)
+        for send in self.schedule.first(specs):
+            self._push(send, self.t0)
 
-    def _push(self, t: float, spec: RequestSpec, user: int) -> None:
-        heapq.heappush(self.sends, (t, next(self.seq), spec, user))
-
-    def _next_from_queue(self, user: int, now: float) -> None:
-        if self.queue:
-            self._push(now, self.queue.popleft(), user)
+    def _push(self, send: Send, now: float) -> None:
+        """Plan `send`: at its time since the run start, or at `now` when it has none."""
+        t = now if send.at_s is None else self.t0 + send.at_s
+        heapq.heappush(self.sends, (t, next(self.seq), send))
 
     def release_due(self, now: float) -> None:
         """Send every spec whose time has come (open loop with concurrency: once a slot is free)."""
         sends = self.sends
         while sends and sends[0][0] <= now:
-            t, _, spec, user = heapq.heappop(sends)
-            if self.concurrency and not self.closed_loop:
-                self.slot_queue.append((spec, t))
+            t, _, send = heapq.heappop(sends)
+            if self.schedule.slots:
+                self.slot_queue.append((send, t))
             else:
-                self._send(spec, t, now, user)
+                self._send(send, t, now)
         while self.slot_queue and self.free_slots > 0:
-            spec, t = self.slot_queue.popleft()
+            send, t = self.slot_queue.popleft()
             self.free_slots -= 1
-            self._send(spec, t, now, -1)
+            self._send(send, t, now)
 
-    def _send(self, spec: RequestSpec, scheduled: float, now: float, user: int) -> None:
+    def _send(self, send: Send, scheduled: float, now: float) -> None:
+        spec = send.spec
         ids = self._prompt_ids(spec)
         self.core.add_request(EngineCoreRequest(
             request_id=spec.request_id, prompt_token_ids=ids, sampling_params=self.sampling,
             eos_token_id=self.core.eos_token_id, arrival_time=now, max_tokens=spec.max_tokens,
             priority=spec.priority,
         ))  # fmt: skip
-        self.live[spec.request_id] = _Live(spec, scheduled - self.t0, now - self.t0, len(ids), user)
+        self.live[spec.request_id] = _Live(send, spec, scheduled - self.t0, now - self.t0, len(ids))
 
     def _prompt_ids(self, spec: RequestSpec) -> list[int]:
         if spec.prompt_token_ids is not None:
@@ -232,62 +226,50 @@ class _Loop:
                 self._finish(live.pop(o.request_id), o, t_rel)
 
     def _finish(self, req: _Live, o: EngineCoreOutput, t_rel: float) -> None:
-        record = _record(req, o, t_rel, self.t0)
+        record = _record(req, o, t_rel)
         self.records.append(record)
         if self.bar is not None:
             self.bar.update(1)
-        now = self.t0 + t_rel
-        nxt = req.spec.follow_up(req.spec, record) if req.spec.follow_up is not None else None
-        if nxt is not None and self.bar is not None:
-            self.bar.total += 1
-        if self.closed_loop:
-            if nxt is not None:
-                self._push(self.t0 + nxt.arrival_s, nxt, req.user)
-            else:
-                self._next_from_queue(req.user, now)
-            return
-        if self.concurrency:
+        if self.schedule.slots:
             self.free_slots += 1
+        nxt = self.schedule.after(req.send, record)
         if nxt is not None:
-            self._push(self.t0 + nxt.arrival_s, nxt, -1)
+            if nxt.is_follow_up and self.bar is not None:
+                self.bar.total += 1
+            self._push(nxt, self.t0 + t_rel)
 
     def interrupted_records(self) -> list[RequestRecord]:
-        """Records of requests still in flight or never sent (a max_duration stop)."""
-        out = []
-        for req in self.live.values():
-            rec = _base_record(req)
-            rec.error, rec.finish_reason, rec.done_s = (
-                "interrupted before completion",
-                "abort",
-                self.ex.clock() - self.t0,
-            )
-            out.append(rec)
-        return out
+        """Records of requests still in flight (a max_duration stop)."""
+        done_s = self.ex.clock() - self.t0
+        return [
+            _client_record(req, done_s=done_s, finish_reason="abort", error="interrupted before completion")
+            for req in self.live.values()
+        ]
 
 
-def _base_record(req: _Live) -> RequestRecord:
-    spec = req.spec
-    return RequestRecord(
-        request_id=spec.request_id, scheduled_s=req.scheduled_s, start_s=req.start_s,
-        token_times=req.token_times, prompt_tokens=req.prompt_tokens, output_tokens=len(req.token_times),
-        is_warmup=spec.is_warmup, group=spec.group, session_id=spec.session_id, turn=spec.turn,
-    )  # fmt: skip
+def _client_record(req: _Live, **fields: Any) -> RequestRecord:
+    """`build_record` with what the client saw of `req` (send, first-token and token times)."""
+    return build_record(req.spec, scheduled_s=req.scheduled_s, start_s=req.start_s, token_times=req.token_times,
+                        prompt_tokens=req.prompt_tokens, **fields)  # fmt: skip
 
 
-def _record(req: _Live, o: EngineCoreOutput, t_rel: float, t0: float) -> RequestRecord:
+def _record(req: _Live, o: EngineCoreOutput, t_rel: float) -> RequestRecord:
     """The finished request's record; server times from the engine's (virtual) timestamps."""
-    rec = _base_record(req)
-    rec.done_s = req.token_times[-1] if req.token_times else t_rel
-    rec.finish_reason = str(FinishReason(o.finish_reason)) if o.finish_reason is not None else ""
-    rec.error = o.error or ("" if req.token_times else "no content chunk received")
-    rec.output_token_ids = req.token_ids if req.spec.follow_up is not None else None
+    queued = prefill = decode = None
     arrival, first = o.arrival_time, o.first_scheduled_time
     if first:
-        rec.server_queued_s = first - arrival
+        queued = first - arrival
         if o.first_token_time:
-            rec.server_prefill_s = o.first_token_time - first
-            rec.server_decode_s = o.finished_time - o.first_token_time
-    return rec
+            prefill = o.first_token_time - first
+            decode = o.finished_time - o.first_token_time
+    return _client_record(
+        req,
+        done_s=req.token_times[-1] if req.token_times else t_rel,
+        finish_reason=str(FinishReason(o.finish_reason)) if o.finish_reason is not None else "",
+        error=o.error or "",
+        output_token_ids=req.token_ids if req.spec.follow_up is not None else None,
+        server_queued_s=queued, server_prefill_s=prefill, server_decode_s=decode,
+    )
 
 
 def simulate(
@@ -327,14 +309,12 @@ def replay(
     With a `SimulatedExecutor` as both core executor and clock this is `simulate`; with the
     real executor and `WallClock` it replays the workload in real time.
     """
-    if closed_loop and not concurrency:
-        raise ValueError("closed loop needs concurrency >= 1")
+    schedule = SendSchedule(closed_loop=closed_loop, concurrency=concurrency)
     if core.has_unfinished_requests():
         raise ValueError("replay() needs an idle engine")
     wall0 = time.perf_counter()
     bar = tqdm(total=len(specs), unit="req", disable=not progress, smoothing=0.1) if progress else None
-    loop = _Loop(core, clock, closed_loop=closed_loop, concurrency=concurrency, tokenize=tokenize,
-                 max_duration_s=max_duration_s, bar=bar)  # fmt: skip
+    loop = _Loop(core, clock, schedule, tokenize=tokenize, max_duration_s=max_duration_s, bar=bar)
     loop.start(specs)
     stop_reason = loop.run()
     records = loop.records

@@ -15,6 +15,7 @@ query_len tokens of the sequence).
 from __future__ import annotations
 
 import importlib.util
+from abc import abstractmethod
 from typing import Any
 
 import torch
@@ -55,12 +56,36 @@ def write_kv_cache(
     flat[1][slots[keep]] = v[:num_tokens][keep].to(kv_cache.dtype)
 
 
-def _check_half(q: torch.Tensor, library: str) -> None:
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"{library} supports float16/bfloat16 only, got {q.dtype}; use dtype='bfloat16'")
+class _LibraryBackend(AttentionBackend):
+    """The forward both adapters share: check the dtype, write the step's K/V, attend over the
+    real tokens only (rows past metadata.num_tokens come back zero). `name` is the library's."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k/v into kv_cache, then attend with the library (fp16/bf16 only)."""
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"{self.name} supports float16/bfloat16 only, got {q.dtype}; use dtype='bfloat16'")
+        n = metadata.num_tokens
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, n)
+        out = torch.zeros_like(q)
+        out[:n] = self._attend(q[:n], kv_cache, metadata, scale)
+        return out
+
+    @abstractmethod
+    def _attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q: [num_tokens, Hq, D], the step's real tokens -> [num_tokens, Hq, D]."""
 
 
-class FlashAttnBackend(AttentionBackend):
+class FlashAttnBackend(_LibraryBackend):
     """`flash_attn` (FlashAttention 2) over the paged cache.
 
     Pages that are a multiple of 256 tokens go straight to the kernels through the
@@ -95,30 +120,13 @@ class FlashAttnBackend(AttentionBackend):
             blocks = metadata.block_table[req, pos // metadata.block_size].long()
             self._gather_slots = blocks * metadata.block_size + pos % metadata.block_size
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """Write k/v into kv_cache, then attend with flash_attn (fp16/bf16 only)."""
-        _check_half(q, "flash_attn")
-        n = metadata.num_tokens
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, n)
-        if self._cu_seqlens_k is None:
-            self.begin_step(metadata)
-        out = torch.zeros_like(q)
-        out[:n] = self._attend(q[:n], kv_cache, metadata, scale)
-        return out
-
     def _attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
+        if self._cu_seqlens_k is None:
+            self.begin_step(metadata)
         nr = metadata.num_reqs
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if self._gather_slots is None and metadata.is_pure_decode:
@@ -143,7 +151,7 @@ class FlashAttnBackend(AttentionBackend):
         return flash_attn_varlen_func(q, keys, values, **common)
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(_LibraryBackend):
     """`flashinfer` BatchPrefillWithPagedKVCacheWrapper over the paged cache (NHD layout).
 
     The page table (CSR indptr / indices / last-page lengths) is built in
@@ -202,22 +210,10 @@ class FlashInferBackend(AttentionBackend):
         )  # fmt: skip
         self._planned = True
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-        metadata: AttentionMetadata,
-        scale: float,
+    def _attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        """Write k/v into kv_cache, then attend with flashinfer (fp16/bf16 only)."""
-        _check_half(q, "flashinfer")
-        n = metadata.num_tokens
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, n)
         if not self._planned or self._metadata is not metadata:
             self._plan(q, kv_cache, metadata, scale)
         run = getattr(self._wrapper, "run", None) or self._wrapper.forward
-        out = torch.zeros_like(q)
-        out[:n] = run(q[:n], (kv_cache[0], kv_cache[1]))
-        return out
+        return run(q, (kv_cache[0], kv_cache[1]))

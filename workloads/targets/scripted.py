@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.outputs import StepStats
-from workloads.record import RequestRecord, TargetResult, token_times_from_chunks
+from workloads.record import RequestRecord, TargetResult, build_record, token_times_from_chunks
 from workloads.spec import RequestSpec
 from workloads.targets.base import OnToken
 
@@ -108,11 +108,10 @@ class ScriptedTarget:
             times = token_times_from_chunks([spec.arrival_s + o for o in offsets], counts)
             done = times[-1] if times else spec.arrival_s + script.ttft_s
             out.append(
-                RequestRecord(
-                    request_id=spec.request_id, scheduled_s=spec.arrival_s, start_s=spec.arrival_s,
-                    token_times=times, done_s=done, prompt_tokens=script.prompt_tokens or spec.prompt_len,
-                    output_tokens=sum(counts), finish_reason="error" if script.error else "length",
-                    error=script.error, is_warmup=spec.is_warmup, group=spec.group,
+                build_record(
+                    spec, scheduled_s=spec.arrival_s, start_s=spec.arrival_s, token_times=times, done_s=done,
+                    prompt_tokens=script.prompt_tokens, output_tokens=sum(counts),
+                    finish_reason="error" if script.error else "length", error=script.error,
                 )
             )
         return out

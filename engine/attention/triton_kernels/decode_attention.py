@@ -24,6 +24,7 @@ from engine.attention.triton_kernels.common import (
     is_interpreting,
     next_pow2,
 )
+from engine.attention.triton_kernels.paged_softmax import paged_online_softmax
 
 # A split shorter than this costs more in the reduce than it wins in parallelism.
 MIN_TOKENS_PER_SPLIT = 256
@@ -76,36 +77,18 @@ def _decode_split_kernel(
     d = tl.arange(0, BLOCK_D)
     head = kv_head * GROUP + g  # [BLOCK_G]
     g_mask = g < GROUP
-    d_mask = d < HEAD_DIM
-    q_mask = g_mask[:, None] & d_mask[None, :]
+    q_mask = g_mask[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)  # [BLOCK_G, BLOCK_D]
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
-        n_mask = n < end
-        blk = tl.load(block_table_ptr + seq * stride_bt + n // block_size, mask=n_mask, other=0).to(tl.int64)
-        kv_off = blk * stride_cb + (n % block_size) * stride_cs + kv_head * stride_ch  # [BLOCK_N]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            key_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0
-        )  # [BLOCK_N, BLOCK_D]
-        v = tl.load(value_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every iteration has a valid position
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Not causal (q_pos, given g, is not read): the decode token sees its whole context.
+    acc, m_i, l_i = paged_online_softmax(
+        q, g, key_cache_ptr, value_cache_ptr, block_table_ptr + seq * stride_bt, kv_head * stride_ch,
+        start, end, qk_scale, stride_cb, stride_cs, block_size,
+        ROWS=BLOCK_G, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=False, UPCAST=UPCAST,
+        DOT_PRECISION=DOT_PRECISION,
+    )  # fmt: skip
 
     if SINGLE_SPLIT:
         o = acc / l_i[:, None]

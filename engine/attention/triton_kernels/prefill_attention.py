@@ -8,6 +8,8 @@ step's own chunk, is read from the paged cache (the caller writes it first), so 
 cached prefix (context_len = seq_len - query_len > 0) needs no special path: query
 token j sits at position context_len + j and sees positions <= context_len + j.
 Requests with query_len == 1 (decodes in a mixed batch) are handled the same way.
+The loop over the context is the causal form of the paged online softmax
+(`paged_softmax.py`) that the decode kernel runs too.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from engine.attention.triton_kernels.common import (
     is_interpreting,
     next_pow2,
 )
+from engine.attention.triton_kernels.paged_softmax import paged_online_softmax
 
 
 @triton.jit
@@ -81,33 +84,12 @@ def _prefill_kernel(
     tile_end = tl.minimum(context_len + (q_tile + 1) * BLOCK_Q, seq_len)
     kv_end = tl.where(q_tile * BLOCK_Q < q_len, tile_end, 0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
-        n_mask = n < kv_end
-        blk = tl.load(block_table_ptr + req * stride_bt + n // block_size, mask=n_mask, other=0).to(tl.int64)
-        kv_off = blk * stride_cb + (n % block_size) * stride_cs + kv_head * stride_ch  # [BLOCK_N]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            key_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0
-        )  # [BLOCK_N, BLOCK_D]
-        v = tl.load(value_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        # Every row sees position 0 in the first iteration, so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
+    acc, _, l_i = paged_online_softmax(
+        q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr + req * stride_bt, kv_head * stride_ch,
+        0, kv_end, qk_scale, stride_cb, stride_cs, block_size,
+        ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=True, UPCAST=UPCAST,
+        DOT_PRECISION=DOT_PRECISION,
+    )  # fmt: skip
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     o_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
