@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 GATE_RUN := runs/ci_gate/latest
 GATE_BASELINE := benchmarks/baselines/ci_gate.json
 
-.PHONY: setup bench test lint typecheck gate gate-baseline clean
+.PHONY: setup bench test lint typecheck gate gate-baseline soak clean
 
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -41,6 +41,13 @@ gate: $(TEST_STAMP)
 	rm -rf $(GATE_RUN)
 	$(VENV)/bin/servelab-run experiment=ci_gate hydra.run.dir=$(GATE_RUN)
 	$(VENV)/bin/servelab-gate --config conf/gate/ci.yaml --baseline $(GATE_BASELINE) $(GATE_RUN)
+
+# The long checks of reliability (docs/reliability.md): the scheduler/KV-cache state machine with
+# thousands of examples, the API fuzzed with 1,000 cases per route, 10 minutes at 3x capacity.
+soak: $(TEST_STAMP)
+	HYPOTHESIS_PROFILE=soak $(PY) -m pytest -q -s tests/test_scheduler_properties.py
+	FUZZ_CASES=1000 $(PY) -m pytest -q -s tests/test_server_fuzz.py
+	$(PY) benchmarks/soak.py --duration-s 600 --overload 3 --json runs/soak.json
 
 # Re-make the baseline (on a quiet machine) after an intended change of behaviour.
 gate-baseline: $(TEST_STAMP)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from reports import sections_engine as eng
 from reports import sections_requests as rq
+from reports import sections_slo as slo
 from reports.page import Section, guarded, render_page
 from reports.run_data import RunData, load_run
 
@@ -23,6 +24,7 @@ SECTIONS = (
     (eng.telemetry, "telemetry", "GPU and host telemetry"),
     (rq.client_lateness, "client-lateness", "Client lateness check"),
     (rq.goodput, "goodput", "Goodput vs SLOs"),
+    (slo.slo_misses, "slo-misses", "SLO misses by cause"),
     (rq.server_split, "server-split", "Server-side split"),
     (rq.errors, "errors", "Errors"),
 )

@@ -5,7 +5,9 @@ overrides, e.g. `workload.arrival.rate`, `attention.backend` or
 `attention` when the group is swept), the job's summary.json
 scalars, and `run_dir`. Swept columns are those that are neither summary keys nor
 `run_dir`; a column whose name ends in `request_rate` (or `rate`) is the load axis.
-SLOs come from the first job's config.yaml, else `fallback_slo` in conf/report.
+SLOs come from the first job's config.yaml, else `fallback_slo` of the report options.
+The report options (`report:`) are the sweep's own: passed in by the sweep collector, else
+read from the first job's config.yaml, else the packaged conf/report/default.yaml.
 """
 
 from __future__ import annotations
@@ -128,13 +130,27 @@ def best(df: pd.DataFrame, swept: list[str], cfg: dict[str, Any]) -> Section:
     return s
 
 
+def report_options(df: pd.DataFrame) -> dict[str, Any]:
+    """The `report:` section of the first job's config.yaml, else the packaged defaults."""
+    if "run_dir" in df and len(df):
+        cfg_path = Path(str(df["run_dir"].iloc[0])) / "config.yaml"
+        if cfg_path.exists():
+            section = (yaml.safe_load(cfg_path.read_text()) or {}).get("report")
+            if isinstance(section, dict) and section:
+                return section
+    return yaml.safe_load(REPORT_CONFIG.read_text())
+
+
 def build_sweep_report(sweep_dir: str | Path, config: dict[str, Any] | None = None) -> Path:
-    """Writes <sweep>/report.html; raises RunFolderError when sweep.csv is missing."""
+    """Writes <sweep>/report.html; raises RunFolderError when sweep.csv is missing.
+
+    `config`: the sweep's `report:` options (see the module docstring when None).
+    """
     root = Path(sweep_dir)
     if not (root / "sweep.csv").exists():
         raise RunFolderError(f"no sweep.csv in {root}")
-    cfg = config or yaml.safe_load(REPORT_CONFIG.read_text())
     df = pd.read_csv(root / "sweep.csv")
+    cfg = config or report_options(df)
     swept = swept_columns(df)
     jobs = Section("jobs", "Jobs", intro=f"{len(df)} jobs; swept: {', '.join(swept) or 'nothing'}.",
                    tables=[html_table(df[[*swept, *[c for c in ("output_throughput", "request_goodput", "p99_ttft_ms", "p99_tpot_ms") if c in df]]])])  # fmt: skip

@@ -184,3 +184,26 @@ def test_unknown_keys_fail_in_one_line(argv: list[str], message: str, capsys) ->
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("servelab-plan: error: ") and message in err and err.count("\n") == 1
+
+
+def test_table_without_rich_falls_back_to_plain_text() -> None:
+    """The default (rich) table must not fail where rich cannot be imported (issue 13, defect 9)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'rich' or name.startswith('rich.'):\n"
+        "            raise ImportError('rich blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from workloads.plan_output import render\n"
+        "from workloads.plan_output import COLUMNS\n"
+        "row = {c: 1.0 for c in COLUMNS}\n"
+        "row.update(max_num_batched_tokens=256, max_num_seqs=8, num_preemptions=0, meets_slo=True)\n"
+        "render([row], row, plain=False)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "best: max_num_batched_tokens=256" in out.stdout

@@ -69,3 +69,21 @@ def test_report_cli_missing_folder_exits_2(tmp_path, capsys):
     assert report_main([str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a run folder" in err
+
+
+def test_sweep_report_reads_the_sweeps_own_report_options(tmp_path):
+    """report.sweep.* set for the sweep's runs is used, not the packaged default (issue 13, defect 8)."""
+    import yaml
+
+    root = make_sweep(tmp_path / "sweep")
+    first = root / "jobs" / "0" / "config.yaml"
+    cfg = yaml.safe_load(first.read_text()) if first.exists() else {}
+    cfg["report"] = {
+        "fallback_slo": {"ttft_ms": None, "tpot_ms": None, "e2el_ms": None},
+        "sweep": {"throughput_metric": "output_throughput", "latency_metrics": ["p99_ttft_ms"],
+                  "best_by": "output_throughput"},
+    }
+    first.write_text(yaml.safe_dump(cfg))
+    assert report_main([str(root)]) == 0
+    html = (root / "report.html").read_text()
+    assert "(output_throughput = " in html and "(request_goodput = " not in html

@@ -116,3 +116,16 @@ def test_reconcile_counts_and_gauges():
     assert reconcile_counts([1, None], None) == [1, 1]
     assert reconcile_counts([1, 2], 4, leftover=1) == [1, 3]
     assert parse_gauges("servelab:num_requests_waiting 2\n") == {"num_waiting": 2.0}
+
+
+def test_parse_gauges_never_adds_aliases_of_one_figure() -> None:
+    """vLLM exports the KV usage under two names; reading both must not double it (issue 13, defect 5)."""
+    text = (
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage\n"
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        'vllm:num_requests_running{engine="0"} 3\n'
+        'vllm:num_requests_running{engine="1"} 2\n'
+    )
+    assert parse_gauges(text) == {"kv_usage": 0.25, "num_running": 5.0}
+    assert parse_gauges('vllm:gpu_cache_usage_perc{engine="0"} 0.5\n') == {"kv_usage": 0.5}

@@ -43,6 +43,8 @@ DEFINITIONS = {
     "prefix_cache_hit_rate": "prefix-cache hit tokens / queried tokens over all engine steps",
     "mean_tokens_per_step": "(prefill + decode tokens scheduled) / engine steps",
     "failed": "requests without a content chunk or with an error; excluded from latency statistics",
+    "slo_miss_causes": "per SLO metric, requests missing it by dominant cause (workloads/attribution.py): queueing, "
+    "prefill_interference, prefill, preemption, batch_size, front_end, harness_lateness, unknown",
 }
 
 
@@ -119,9 +121,20 @@ def summarize(
     out |= _client_side(measured)
     out |= _server_side(done)
     out |= step_summary(steps)
+    out |= _miss_causes(measured, steps, slo)
     out["errors"] = list(dict.fromkeys(r.error for r in failed))[:MAX_ERRORS]
     out["definitions"] = dict(DEFINITIONS)
     return out
+
+
+def _miss_causes(
+    measured: list[RequestRecord], steps: pd.DataFrame | None, slo: dict[str, float | None] | None
+) -> dict[str, Any]:
+    from workloads.attribution import attribute, miss_summary
+
+    if not slo or all(v is None for v in slo.values()):
+        return {}
+    return miss_summary(attribute(measured, steps, slo))
 
 
 def _goodput(done: list[RequestRecord], slo: dict[str, float | None] | None, per_s) -> float | None:

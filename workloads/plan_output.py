@@ -38,6 +38,11 @@ def render(rows: Sequence[dict[str, Any]], best: dict[str, Any] | None, plain: b
         return fmt.format(int(v) if fmt == "{:d}" else v)
 
     body = [[cell(r, k, f) for k, _, f in cols] for r in rows]
+    if not plain:
+        try:
+            import rich  # noqa: F401 - a declared dependency, but the plain table must not depend on it
+        except ImportError:
+            plain = True
     if plain:
         widths = [max(len(h), *(len(b[i]) for b in body)) for i, (_, h, _) in enumerate(cols)]
         print("  ".join(h.rjust(w) for (_, h, _), w in zip(cols, widths, strict=True)))

@@ -80,7 +80,7 @@ def records_from_frame(df: pd.DataFrame) -> list[RequestRecord]:
     for row in df.to_dict("records"):
         out.append(RequestRecord(
             request_id=row["request_id"], scheduled_s=float(row["scheduled_s"]), start_s=float(row["start_s"]),
-            token_times=json.loads(row["token_times"]), done_s=float(row["done_s"]),
+            token_times=json.loads(row["token_times"]) if isinstance(row["token_times"], str) else [], done_s=float(row.get("done_s", row.get("end_s")) or 0.0),
             prompt_tokens=int(row["prompt_tokens"]), output_tokens=int(row["output_tokens"]),
             finish_reason=row["finish_reason"], error=row["error"], lateness_s=float(row["lateness_ms"]) / 1000.0,
             is_warmup=bool(row["is_warmup"]), group=row["group"],

@@ -8,7 +8,7 @@ from typing import Any
 
 import pandas as pd
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 SCALAR = (int, float, str, bool, type(None))
 
@@ -69,6 +69,8 @@ class SweepCollector(Callback):
         try:
             from reports.sweep import build_sweep_report
 
-            print(f"sweep report: {build_sweep_report(sweep_dir)}")
+            options = config.get("report")
+            report_cfg = OmegaConf.to_container(options, resolve=True) if options is not None else None
+            print(f"sweep report: {build_sweep_report(sweep_dir, report_cfg)}")  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - the table is written; say why the page is not
             print(f"sweep report failed: {type(exc).__name__}: {exc}")

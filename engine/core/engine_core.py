@@ -110,7 +110,14 @@ class EngineCore:
             so = self.scheduler.schedule()
         t1 = time.perf_counter()
         if so.total_num_scheduled_tokens > 0 or so.finished_req_ids:
-            runner_out = self.executor.execute_model(so)
+            try:
+                runner_out = self.executor.execute_model(so)
+            except Exception as exc:
+                # The scheduler must not wait for an answer to this step: its requests fail
+                # and the blocks it held back are freed (the caller fails the others).
+                self.scheduler.fail_step(so, f"engine step failed: {type(exc).__name__}: {exc}")
+                self.hooks.step_end()
+                raise
         else:
             runner_out = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         t2 = time.perf_counter()

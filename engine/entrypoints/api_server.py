@@ -23,6 +23,7 @@ from engine.async_llm import AsyncLLM
 from engine.entrypoints.errors import ApiError, from_validation_error, from_value_error, status_error
 from engine.entrypoints.formatting import now_s
 from engine.entrypoints.openai_serving import OpenAIServing
+from engine.entrypoints.openapi import openapi_document
 from engine.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 M = TypeVar("M", bound=BaseModel)
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("state")
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 @dataclass
@@ -52,6 +53,9 @@ class ServerSettings:
     log_requests: bool = False
     multiprocess: bool = True
     ready_timeout_s: float = 600.0
+    # Generation requests admitted but unfinished, at most (0: no bound); past it a new one
+    # is answered 429 with Retry-After at once, so overload never grows an unbounded queue.
+    max_pending_requests: int = 0
 
 
 @dataclass
@@ -81,6 +85,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings, model_name: str) -> web.A
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     return app
 
 
@@ -92,7 +97,7 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         return await handler(request)
     except ApiError as exc:
-        return exc.response()
+        return exc.response({"Retry-After": "1"} if exc.status == 429 else None)
     except web.HTTPException as exc:  # 404 route, 405 method, 413 body...
         if exc.status < 400:
             raise
@@ -164,10 +169,21 @@ def _require_engine(state: ServerState) -> None:
 # ---- handlers -------------------------------------------------------------------------
 
 
+def _admit(state: ServerState) -> None:
+    """429 when `server.max_pending_requests` generation requests are already unfinished."""
+    limit = state.settings.max_pending_requests
+    if limit > 0 and state.llm.num_in_flight >= limit:
+        raise ApiError(
+            429, f"server busy: {limit} requests in flight (server.max_pending_requests); retry later",
+            code="too_many_requests",
+        )
+
+
 async def _completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     body = await _parse(request, CompletionRequest)
     _require_engine(state)
+    _admit(state)
     return await state.serving.completions(body, request)
 
 
@@ -175,6 +191,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     body = await _parse(request, ChatCompletionRequest)
     _require_engine(state)
+    _admit(state)
     return await state.serving.chat(body, request)
 
 
@@ -221,6 +238,10 @@ async def _detokenize(request: web.Request) -> web.Response:
     if bad is not None:
         raise ApiError(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
     return web.json_response({"prompt": state.llm.tokenizer.decode(body.tokens)})
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
 
 
 async def _metrics(request: web.Request) -> web.Response:

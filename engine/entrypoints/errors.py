@@ -22,6 +22,7 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     501: "not_implemented_error",
     503: "server_error",

@@ -86,7 +86,7 @@ class OpenAIServing:
         self.check_model(body.model)
         name = body.unsupported()
         if name is not None:
-            raise ApiError(501, f"{name}: not implemented by this server", param=name)
+            raise ApiError(400, f"{name}: not implemented by this server", param=name, code="unsupported_parameter")
         chat = isinstance(body, ChatCompletionRequest)
         if isinstance(body, ChatCompletionRequest):
             k = (body.top_logprobs or 0) if body.logprobs else None

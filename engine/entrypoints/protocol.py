@@ -4,7 +4,7 @@ Unknown fields are rejected (400), types are strict (no "1" for 1, no true for 1
 Range checks that SamplingParams also makes are repeated here only where the OpenAI
 API names the field differently; the rest surface as SamplingParams' ValueError.
 Fields OpenAI defines but this server does not implement are accepted by name and
-answered with 501 when set (`unsupported()`).
+answered with 400 (code "unsupported_parameter") when set (`unsupported()`).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class _SamplingFields(_Strict):
         )
 
     def unsupported(self) -> str | None:
-        """Name of a set field this server does not implement (answered with 501)."""
+        """Name of a set field this server does not implement (answered with 400, code "unsupported_parameter")."""
         return "logit_bias" if self.logit_bias else None
 
 

@@ -230,13 +230,22 @@ async def _read_sse(resp: aiohttp.ClientResponse, stream: _Stream) -> None:
 
 
 def parse_gauges(text: str) -> dict[str, float]:
-    """Known queue / KV gauges from Prometheus text (summed over label sets)."""
-    out: dict[str, float] = {}
+    """Known queue / KV gauges from Prometheus text.
+
+    One metric's label sets are summed (several engines behind one server); when several
+    names mean the same figure (vLLM exports `kv_cache_usage_perc` and its deprecated alias
+    `gpu_cache_usage_perc` side by side), the first name in `_GAUGES` order that is present
+    wins: aliases are never added together.
+    """
+    per_name: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = _GAUGES.get(name)
-        if key is not None:
-            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[-1])
+        if name in _GAUGES:
+            per_name[name] = per_name.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
+    out: dict[str, float] = {}
+    for name, key in _GAUGES.items():
+        if name in per_name and key not in out:
+            out[key] = per_name[name]
     return out

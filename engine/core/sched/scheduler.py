@@ -290,6 +290,19 @@ class Scheduler:
             request.first_token_time = now
         return kept
 
+    def fail_step(self, scheduler_output: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
+        """The step `scheduler_output` planned never ran (the executor raised).
+
+        Every request it scheduled that is still live finishes with FINISHED_ERROR (its
+        `num_computed_tokens` counted KV that was never written), and the step is answered,
+        so blocks held back for it (aborted requests) are freed now rather than by an
+        `update_from_output` that will never come. Returns the failed requests' outputs.
+        """
+        live = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self.requests]
+        outputs = self.finish_requests(live, RequestStatus.FINISHED_ERROR, error)
+        self._release_inflight(scheduler_output)
+        return outputs
+
     def _release_inflight(self, scheduler_output: SchedulerOutput) -> None:
         inflight, deferred = self._inflight, self._deferred_free
         for rid in scheduler_output.num_scheduled_tokens:
