@@ -150,3 +150,16 @@ def test_check_run_folder_wants_kernels_telemetry_and_a_report(tmp_path: Path) -
     assert f["max_gpu_power_w"] == 650.0 and f["max_gpu_util_pct"] == 90.0
     (run / "telemetry.json").write_text(json.dumps({"gpu": False, "reason": "NVML unavailable"}))
     assert not gpu_check.check_run_folder(run)["ok"]
+
+
+def test_parse_verbose_counts_a_run_stopped_before_its_junit_file() -> None:
+    text = (
+        "tests/test_gpu.py::test_a[16] PASSED     [ 10%]\n"
+        "tests/test_gpu.py::test_b FAILED          [ 20%]\n"
+        "tests/test_sampler_device.py::test_c[cuda] SKIPPED (no CUDA GPU) [ 30%]\n"
+        "tests/test_triton_kernels.py::test_d PASSED [ 40%]\n"
+        "random line PASSED\n"
+    )
+    res = gpu_check.parse_verbose(text)
+    assert (res["passed"], res["failed"], res["skipped"]) == (2, 1, 1)
+    assert res["failures"] == ["test_gpu.py::test_b: FAILED"]
