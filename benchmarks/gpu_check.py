@@ -196,6 +196,10 @@ def step_setup(ctx: Context, r: StepResult) -> None:
         r.notes.append(
             "would use: --python, else .venv if it sees the GPU, else scripts/setup.sh, else python3"
         )
+        wheels = len(list((ROOT / ".whl").glob("*.whl")))
+        r.notes.append(
+            f"{wheels} carried wheels in .whl/" if wheels else "no .whl/ (--fetch-wheels makes it)"
+        )
         missing = missing_modules(ctx)
         r.figures["missing_modules"] = missing
         r.status = "ok" if ok and not missing else "failed"
