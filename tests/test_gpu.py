@@ -192,8 +192,10 @@ def test_cuda_graph_decode_generates_the_eager_tokens() -> None:
         pytest.skip(
             "enforce_eager is not an engine argument yet (CUDA-graph capture comes with branch perf-runner)"
         )
-    eager, _ = greedy_tokens(attention_backend="triton", dtype="bfloat16", enforce_eager=True)
-    graphs, _ = greedy_tokens(attention_backend="triton", dtype="bfloat16", enforce_eager=False)
+    # float32: a graph padded to a captured batch size runs GEMMs of another shape, and bf16
+    # rounding of those could flip a near-tie of random weights; fp32 keeps the comparison exact enough.
+    eager, _ = greedy_tokens(attention_backend="triton", dtype="float32", enforce_eager=True)
+    graphs, _ = greedy_tokens(attention_backend="triton", dtype="float32", enforce_eager=False)
     assert [len(t) for t in eager] == MAX_TOKENS
     assert graphs == eager
 
