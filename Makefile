@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 GATE_RUN := runs/ci_gate/latest
 GATE_BASELINE := benchmarks/baselines/ci_gate.json
 
-.PHONY: setup bench test lint typecheck gate gate-baseline soak clean
+.PHONY: setup bench test lint typecheck gate gate-baseline soak gpu-check clean
 
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -55,6 +55,12 @@ gate-baseline: $(TEST_STAMP)
 	for i in 1 2 3; do $(VENV)/bin/servelab-run experiment=ci_gate hydra.run.dir=runs/ci_gate/base-$$i || exit 1; done
 	mkdir -p $(dir $(GATE_BASELINE))
 	$(VENV)/bin/servelab-gate --make-baseline $(GATE_BASELINE) runs/ci_gate/base-1 runs/ci_gate/base-2 runs/ci_gate/base-3
+
+# GPU readiness (scripts/gpu_check.sh, docs/benchmarks.md): the full time-boxed check where nvidia-smi
+# finds a GPU (it sets up its own environment); elsewhere its dry run, under the test venv.
+gpu-check:
+	@if nvidia-smi -L >/dev/null 2>&1; then bash scripts/gpu_check.sh; \
+	else $(MAKE) --no-print-directory $(TEST_STAMP) && bash scripts/gpu_check.sh --dry-run --python $(PY); fi
 
 clean:
 	rm -rf runs outputs multirun test-output .pytest_cache .mypy_cache .ruff_cache

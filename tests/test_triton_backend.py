@@ -19,6 +19,8 @@ from engine.attention.flash_backend import FlashAttnBackend, FlashInferBackend  
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+# Part of the GPU check (`pytest -m gpu`): compiled kernels on a GPU, the Triton interpreter on a CPU.
+pytestmark = pytest.mark.gpu
 
 
 def run_backend(backend, b: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,8 @@ from engine.attention.triton_kernels import (  # noqa: E402
 from engine.attention.triton_kernels.paged_softmax import paged_online_softmax  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Part of the GPU check (`pytest -m gpu`): compiled kernels on a GPU, the Triton interpreter on a CPU.
+pytestmark = pytest.mark.gpu
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (3e-2, 3e-2)}
 
 

@@ -4,6 +4,11 @@ The runner builds a `SamplingBatch` (one row per request that samples this step)
 and calls `Sampler.sample`. All-greedy batches take the argmax fast path.
 Logprobs are those of the raw model distribution (log-softmax of the logits before
 penalties and temperature), as vLLM reports them by default.
+
+Devices: every tensor built from host data (temperatures, penalty token ids) is made on
+the logits' device. A seeded request's generator may live on another device than the
+logits (the runner keeps CPU generators): its noise row is drawn where the generator lives
+and copied over, so a seed gives the same noise whatever device samples.
 """
 
 from __future__ import annotations
@@ -54,26 +59,25 @@ class Sampler:
             sampled = logits.argmax(dim=-1)
         else:
             sampled = self._sample_random(logits, batch)
-        ids = sampled.tolist()
-        return ids, self._logprobs(raw, sampled, batch)
+        ids = sampled.tolist()  # the step's one device -> host sync
+        return ids, self._logprobs(raw, sampled, ids, batch)
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_ids = logits.argmax(dim=-1)
-        temps = torch.tensor([max(p.temperature, 1e-5) for p in batch.params], dtype=logits.dtype)
-        logits = logits / temps[:, None].to(logits.device)
+        temps = torch.tensor(
+            [max(p.temperature, 1e-5) for p in batch.params], dtype=logits.dtype, device=logits.device
+        )  # [N]
+        logits = logits / temps[:, None]
         logits = apply_top_k_top_p_min_p(logits, batch.params)
         probs = torch.softmax(logits, dim=-1)
         # Exponential race (Gumbel-max equivalent): argmax(p / E), E ~ Exp(1), per-row generators.
-        noise = torch.empty_like(probs)
-        for i, gen in enumerate(batch.generators):
-            noise[i].exponential_(generator=gen)
-        random_ids = (probs / noise).argmax(dim=-1)
+        random_ids = (probs / exponential_noise(probs, batch.generators)).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
         return torch.where(is_greedy, greedy_ids, random_ids)
 
     @staticmethod
     def _logprobs(
-        raw: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch
+        raw: torch.Tensor, sampled: torch.Tensor, ids: list[int], batch: SamplingBatch
     ) -> list[TokenLogprobs | None]:
         k = batch.max_logprobs
         if k is None:
@@ -88,19 +92,43 @@ class Sampler:
                 out.append(None)
                 continue
             tops = list(zip(top_ids_l[i][: p.logprobs], top_vals_l[i][: p.logprobs], strict=True))
-            out.append((int(sampled[i]), chosen[i], tops))
+            out.append((ids[i], chosen[i], tops))
         return out
 
 
+def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Exp(1) noise shaped like probs [N, V], on probs' device.
+
+    Row i comes from generators[i]; None rows share the default generator of probs' device.
+    A generator on another device than probs draws its row there, then the row is copied.
+    """
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_()  # seeded rows are overwritten below
+    for i, gen in enumerate(generators):
+        if gen is None:
+            continue
+        if gen.device == probs.device:
+            noise[i].exponential_(generator=gen)
+        else:
+            row = torch.empty(probs.shape[1], dtype=probs.dtype, device=gen.device)
+            noise[i] = row.exponential_(generator=gen).to(probs.device)
+    return noise
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Repetition (prompt + output, HF/vLLM style), presence and frequency (output only) penalties."""
+    """Repetition (prompt + output, HF/vLLM style), presence and frequency (output only) penalties.
+
+    Modifies and returns `logits` [N, V]; the token-id tensors are built on its device.
+    """
     assert batch.prompt_ids is not None and batch.output_ids is not None
-    vocab = logits.shape[1]
+    vocab, device = logits.shape[1], logits.device
     for i, p in enumerate(batch.params):
-        out_ids = torch.tensor(batch.output_ids[i], dtype=torch.long)
+        out_ids = torch.tensor(batch.output_ids[i], dtype=torch.long, device=device)
         out_ids = out_ids[(out_ids >= 0) & (out_ids < vocab)]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(batch.prompt_ids[i] + batch.output_ids[i], dtype=torch.long).unique()
+            seen = torch.tensor(batch.prompt_ids[i] + batch.output_ids[i], dtype=torch.long, device=device)
+            seen = seen.unique()
             seen = seen[(seen >= 0) & (seen < vocab)]
             row = logits[i, seen]
             logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
