@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -180,8 +181,14 @@ class AsyncLLM:
     def _abort_ids(self, ids: list[str]) -> None:
         if not ids:
             return
-        self.output_processor.abort_requests(ids)
+        self._notify_finished(self.output_processor.abort_requests(ids, "abort", time.time()))
         self.client.abort_requests(ids)
+
+    def _notify_finished(self, outputs: list[RequestOutput]) -> None:
+        """Finished requests reach every finish listener once (metrics count aborts too)."""
+        for out in outputs:
+            for listener in self.finish_listeners:
+                listener(out)
 
     # ---- outputs from the core ------------------------------------------------------
 
@@ -191,8 +198,7 @@ class AsyncLLM:
         for out in results:
             stream = self._streams.get(out.request_id)
             if out.finished:
-                for listener in self.finish_listeners:
-                    listener(out)
+                self._notify_finished([out])
             if stream is None:
                 continue
             error = errors.get(out.request_id)
@@ -205,9 +211,10 @@ class AsyncLLM:
                 step_listener(outputs.stats)
 
     def _on_dead(self, err: EngineDeadError) -> None:
+        now = time.time()
         for rid, stream in list(self._streams.items()):
             stream.queue.put_nowait(err)
-            self.output_processor.abort_requests([rid])
+            self._notify_finished(self.output_processor.abort_requests([rid], "error", now))
 
     # ---- state ----------------------------------------------------------------------
 

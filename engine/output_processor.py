@@ -66,9 +66,28 @@ class OutputProcessor:
             state.logprobs = []
         self._states[request_id] = state
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(
+        self, request_ids: list[str], finish_reason: str = "abort", now: float = 0.0
+    ) -> list[RequestOutput]:
+        """Forget these requests; returns a final output for each one still known (its text
+        and tokens so far, `finish_reason` "abort" or "error", no delta) so that what it
+        produced is still counted (metrics) even though it never finished in the core."""
+        finals = []
         for rid in request_ids:
-            self._states.pop(rid, None)
+            state = self._states.pop(rid, None)
+            if state is None:
+                continue
+            state.metrics.finished_time = now or state.metrics.finished_time
+            completion = CompletionOutput(
+                index=state.index, text=state.text, token_ids=list(state.token_ids), finish_reason=finish_reason,
+                stop_reason=None, logprobs=list(state.logprobs) if state.logprobs is not None else None,
+                text_delta="", token_ids_delta=[],
+            )  # fmt: skip
+            finals.append(RequestOutput(
+                request_id=rid, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids, outputs=[completion],
+                finished=True, num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
+            ))  # fmt: skip
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
