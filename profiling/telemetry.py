@@ -75,7 +75,9 @@ class _Nvml:
 class TelemetrySampler:
     """Samples every `interval_s` in a daemon thread between `start()` and `stop()`.
 
-    `pid` selects the process whose RSS is recorded (default: this one).
+    `pid` selects the process whose RSS is recorded (default: this one), summed with its
+    children's (looked up at every sample): for a server target that is the server and its
+    EngineCore process, not the harness.
     """
 
     def __init__(
@@ -119,10 +121,7 @@ class TelemetrySampler:
         assert self.t0 is not None
         t = round(time.time() - self.t0, 4)
         cpu = psutil.cpu_percent(interval=None)
-        try:
-            rss = self._proc.memory_info().rss / 2**20
-        except psutil.Error:
-            rss = None
+        rss = self._tree_rss_mib()
         host = [t, cpu, rss]
         if not self._nvml.handles:
             self._writer.writerow(host + [None] * 5)
@@ -130,6 +129,19 @@ class TelemetrySampler:
             self._writer.writerow(host + [i, *self._nvml.sample(i)])
         self._file.flush()
         self.num_samples += 1
+
+    def _tree_rss_mib(self) -> float | None:
+        try:
+            procs = [self._proc, *self._proc.children(recursive=True)]
+        except psutil.Error:
+            return None
+        total = 0
+        for proc in procs:
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                continue  # a child that just exited
+        return total / 2**20
 
     def stop(self) -> None:
         """Stops the thread (one last sample first) and closes the files."""

@@ -186,3 +186,39 @@ def test_telemetry_without_gpu_records_reason(tmp_path):
     else:
         assert info["reason"]
         assert df["gpu_util_pct"].isna().all()
+
+
+def test_telemetry_of_another_process_tree_counts_its_children(tmp_path):
+    """With `pid`, RSS is that process's tree (a server and its EngineCore), not the harness's (defect 6)."""
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    from profiling.telemetry import TelemetrySampler
+
+    # A parent holding ~50 MiB that starts a child holding ~150 MiB.
+    child = "b = b'x' * (150 * 2**20); import time; time.sleep(60)"  # written: resident
+    parent = (f"import subprocess, sys, time; b = b'x' * (50 * 2**20); "
+              f"p = subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        import psutil
+
+        for _ in range(600):  # up to 30 s on a busy machine
+            kids = psutil.Process(proc.pid).children()
+            if kids and kids[0].memory_info().rss > 140 * 2**20:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the child process never grew to 150 MiB")
+        sampler = TelemetrySampler(tmp_path, interval_s=0.05, pid=proc.pid).start()
+        time.sleep(0.2)
+        sampler.stop()
+    finally:
+        for kid in psutil.Process(proc.pid).children(recursive=True):
+            kid.kill()
+        proc.kill()
+        proc.wait()
+    df = pd.read_csv(tmp_path / "telemetry.csv")
+    assert (df["rss_mb"] > 190).all(), df["rss_mb"].tolist()

@@ -195,12 +195,15 @@ def _drive(cfg: RunConfig, target: Any, specs: list, run_dir: Path) -> RunResult
     scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai") else None
     driver = Driver(target, closed_loop=concurrency is not None, concurrency=concurrency,
                     max_duration_s=cfg.run.max_duration_s, progress=True, scrape_interval_s=scrape)
-    sampler = TelemetrySampler(run_dir, cfg.profiling.telemetry_interval_s) if cfg.profiling.telemetry else None
-
     async def go() -> RunResult:
         await target.start()
+        sampler = None
         try:
-            if sampler is not None:
+            if cfg.profiling.telemetry:
+                # A server target's own process tree (server + EngineCore), else the harness's.
+                server = getattr(target, "proc", None)
+                sampler = TelemetrySampler(run_dir, cfg.profiling.telemetry_interval_s,
+                                           pid=server.pid if server is not None else None)
                 sampler.start()
             return await driver.run(specs)
         finally:
