@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from sched_utils import EOS, SAMPLED, make_request, make_scheduler  # noqa: E402
 
 from engine.core.sched.scheduler import Scheduler  # noqa: E402
-from engine.outputs import ModelRunnerOutput  # noqa: E402
+from engine.step_io import ModelRunnerOutput  # noqa: E402
 from engine.request import RequestStatus  # noqa: E402
 
 settings.register_profile(
