@@ -26,8 +26,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from sched_utils import EOS, SAMPLED, make_request, make_scheduler  # noqa: E402
 
 from engine.core.sched.scheduler import Scheduler  # noqa: E402
-from engine.step_io import ModelRunnerOutput  # noqa: E402
 from engine.request import RequestStatus  # noqa: E402
+from engine.step_io import ModelRunnerOutput  # noqa: E402
 
 settings.register_profile(
     "ci", max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
