@@ -110,3 +110,16 @@ def test_engine_serve_reads_one_config_file_strictly(tmp_path) -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(args)
+
+
+def test_servelab_run_precheck_is_one_line() -> None:
+    from workloads.cli import precheck
+
+    assert precheck(["experiment=ci_gate", "hydra.run.dir=/tmp/x", "--cfg", "job"]) is None
+    assert precheck(["-m", "attention=torch,triton"]) is None  # a sweep is Hydra's to expand
+    assert precheck(["workload.num_requests=abc"]) == (
+        "Error merging override workload.num_requests=abc; Value 'abc' of type 'str' could not be converted "
+        "to Integer")
+    assert precheck(["workload.prompt_len={dist: fixed, valu: 3}"]) == (
+        "Could not override 'workload.prompt_len'.; Key 'valu' not in 'LengthSection'")
+    assert precheck(["scheduler.max_num_seq=3"]).startswith("unknown key 'scheduler.max_num_seq'")  # type: ignore[union-attr]
