@@ -30,7 +30,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from server_utils import start_server  # noqa: E402
 
-from engine.entrypoints.serve import load_config  # noqa: E402
+from workloads.serve import load_config  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

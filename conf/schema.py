@@ -312,6 +312,8 @@ def _unknown_key(schema: type, dotted: str) -> str | None:
 
 def one_line(exc: BaseException) -> str:
     """A Hydra / OmegaConf error as one line (their messages span several, with a full_key line)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type="))]
-    return "; ".join(keep) or type(exc).__name__
+    texts = [str(exc)] + ([str(exc.__cause__)] if exc.__cause__ is not None else [])
+    lines = [ln.strip() for text in texts for ln in text.splitlines() if ln.strip()]
+    skip = ("full_key:", "object_type=", "reference_type=", "To append to your config use")
+    keep = [ln for ln in lines if not ln.startswith(skip)]
+    return "; ".join(dict.fromkeys(keep)) or type(exc).__name__

@@ -99,14 +99,28 @@ def test_engine_serve_reads_one_config_file_strictly(tmp_path) -> None:
     assert (engine.model.model, engine.model.num_layers_override, engine.scheduler.max_num_seqs) == (
         "llama-3-8b", 2, 4)
     assert (settings.api_key, settings.port) == ("k", 9000)  # flags win over the file
-    engine, _ = load_config(["model=mixtral-8x7b", "model.max_model_len=null"])
+    engine, _ = load_config(["model=mixtral-8x7b", "model.max_model_len=null", "attention=triton"])
     assert engine.model.model == "mixtral-8x7b" and engine.model.max_model_len is None
+    assert engine.attention.backend == "triton"
     for args, message in [
         (["scheduler.max_num_seq=4"], "unknown key 'scheduler.max_num_seq'"),
         (["server.prot=1"], "unknown key 'server.prot'"),
         (["--prot", "1"], "unknown option --prot"),
         (["--config", str(tmp_path / "none.yaml")], "--config: cannot read"),
-        (["attention=triton"], "expected section.key=value"),
+        (["scheduler=default"], "expected section.key=value"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(args)
+
+
+def test_servelab_run_precheck_is_one_line() -> None:
+    from workloads.cli import precheck
+
+    assert precheck(["experiment=ci_gate", "hydra.run.dir=/tmp/x", "--cfg", "job"]) is None
+    assert precheck(["-m", "attention=torch,triton"]) is None  # a sweep is Hydra's to expand
+    assert precheck(["workload.num_requests=abc"]) == (
+        "Error merging override workload.num_requests=abc; Value 'abc' of type 'str' could not be converted "
+        "to Integer")
+    assert precheck(["workload.prompt_len={dist: fixed, valu: 3}"]) == (
+        "Could not override 'workload.prompt_len'.; Key 'valu' not in 'LengthSection'")
+    assert precheck(["scheduler.max_num_seq=3"]).startswith("unknown key 'scheduler.max_num_seq'")  # type: ignore[union-attr]

@@ -20,7 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from conf.schema import RunConfig, check_overrides, register_schemas
+from conf.schema import RunConfig, check_overrides, one_line, register_schemas
 
 register_schemas()
 _FAILED: list[str] = []  # run folders whose experiment failed (Hydra drops the task's return value)
@@ -67,11 +67,36 @@ def hydra_overrides(argv: list[str]) -> list[str]:
     return out
 
 
+def precheck(argv: list[str]) -> str | None:
+    """Why this command line cannot compose (one line), or None.
+
+    Unknown keys and group options are named first (`check_overrides`). A single run is then
+    composed once and typed, so an unknown key in a yaml file or a value of the wrong type is
+    also one line rather than Hydra's multi-line report; a sweep (`-m`) is left to Hydra.
+    """
+    overrides = hydra_overrides(argv)
+    problem = check_overrides(RunConfig, overrides)
+    if problem or "-m" in argv or "--multirun" in argv:
+        return problem
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_module(config_module="conf", version_base=None):
+            composed = compose(config_name="run", overrides=[o for o in overrides if not o.startswith("hydra")])
+        OmegaConf.to_object(composed)
+    except (HydraException, OmegaConfBaseException) as exc:
+        return one_line(exc)
+    return None
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Hydra's own logging stays out of the way unless the user asks for it.
     argv = sys.argv[1:]
-    problem = check_overrides(RunConfig, hydra_overrides(argv))
+    problem = precheck(argv)
     if problem:
         print(f"servelab-run: {problem}", file=sys.stderr)
         sys.exit(2)

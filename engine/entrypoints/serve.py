@@ -7,7 +7,8 @@
 Needs nothing outside `engine/` (no Hydra, no `conf/`). The configuration is one YAML file
 (`--config`) with the sections `model`, `cache`, `scheduler`, `attention`, `device` (the
 fields of `engine.config`) and `server` (`ServerSettings`), then `section.key=value`
-overrides (values read as YAML; `model=X` is short for `model.model=X`), then `--flag value`
+overrides (values read as YAML; `model=X` is short for `model.model=X`, `attention=X` for
+`attention.backend=X`), then `--flag value`
 options for the server section (`--port 8001` = `server.port=8001`). An unknown section,
 key or option stops start-up with one line naming it. `servelab-serve` (workloads/serve.py)
 is the workbench's front door to the same server: it composes conf/serve.yaml with Hydra.
@@ -35,6 +36,7 @@ from engine.entrypoints.api_server import ServerSettings, build_app
 logger = logging.getLogger("servelab.serve")
 
 _FLAG_KEYS = {f.name for f in fields(ServerSettings)}
+_SHORTHANDS = {"model": "model.model", "attention": "attention.backend"}
 
 
 class ConfigError(ValueError):
@@ -117,12 +119,12 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
-    """`section.key=value` (value read as YAML) into `data`; `model=X` sets `model.model`."""
+    """`section.key=value` (value read as YAML) into `data`; `model=X` and `attention=X` are short
+    for `model.model=X` and `attention.backend=X` (what servelab-serve's groups of those names set)."""
     dotted, eq, text = item.partition("=")
     if not eq:
         raise ConfigError(f"expected section.key=value, got {item!r}")
-    if dotted == "model":
-        dotted = "model.model"
+    dotted = _SHORTHANDS.get(dotted, dotted)
     section, dot, key = dotted.partition(".")
     if not dot or not key or "." in key:
         raise ConfigError(f"expected section.key=value (e.g. scheduler.max_num_seqs=8), got {item!r}")
