@@ -15,9 +15,9 @@ from pathlib import Path
 from reports.compare import compare, format_table, write_html
 from reports.gate import check, load_gate_config, load_summary, make_baseline, write_verdicts
 from reports.run_data import RunFolderError
-from workloads.runfolder import JOURNAL, recover_partial
 from reports.run_report import build_report
 from reports.sweep import build_sweep_report
+from workloads.runfolder import JOURNAL, recover_partial
 
 USAGE_ERRORS = (RunFolderError, FileNotFoundError, NotADirectoryError, ValueError, KeyError)
 
