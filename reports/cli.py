@@ -17,6 +17,7 @@ from reports.gate import check, load_gate_config, load_summary, make_baseline, w
 from reports.run_data import RunFolderError
 from reports.run_report import build_report
 from reports.sweep import build_sweep_report
+from workloads.runfolder import JOURNAL, recover_partial
 
 USAGE_ERRORS = (RunFolderError, FileNotFoundError, NotADirectoryError, ValueError, KeyError)
 
@@ -32,10 +33,22 @@ def _guard(
         return 2
 
 
+def _slo_of_run(run_dir: Path) -> dict[str, float | None]:
+    import yaml
+
+    cfg_path = run_dir / "config.yaml"
+    slo = ((yaml.safe_load(cfg_path.read_text()) or {}).get("slo") if cfg_path.exists() else None) or {}
+    return {k: slo.get(k) for k in ("ttft_ms", "tpot_ms", "e2el_ms")}
+
+
 def _report(args: argparse.Namespace) -> int:
     for p in map(Path, args.runs):
         if not p.is_dir():
             raise RunFolderError(f"not a run folder: {p}")
+        if (p / JOURNAL).exists() and not (p / "summary.json").exists():
+            # A killed run: its finished requests are in the journal; keep them, marked partial.
+            recover_partial(p, _slo_of_run(p), "the harness stopped before writing its results")
+            print(f"{p}: recovered the finished requests of an interrupted run (summary marked partial)")
         out = build_sweep_report(p) if (p / "sweep.csv").exists() else build_report(p)
         print(out)
     return 0

@@ -76,9 +76,12 @@ class Driver:
     def __init__(
         self, target: Target, *, closed_loop: bool = False, concurrency: int | None = None,
         max_duration_s: float | None = None, progress: bool = False, on_progress: ProgressFn | None = None,
-        scrape_interval_s: float | None = None,
+        scrape_interval_s: float | None = None, on_record: Callable[[RequestRecord], None] | None = None,
     ) -> None:
+        """`on_record` sees each request's record as soon as it is complete (the run folder's
+        journal, so an interrupted or killed harness keeps every finished request)."""
         self.schedule = SendSchedule(closed_loop=closed_loop, concurrency=concurrency)
+        self.on_record = on_record
         self.target = target
         self.max_duration_s = max_duration_s
         self.progress, self.on_progress = progress, on_progress
@@ -214,6 +217,8 @@ class Driver:
         rec = record_from_result(spec, result, t0=self._t0, scheduled_s=scheduled, start_s=start,
                                  lateness_s=max(0.0, lateness), now_s=self.now())
         self.records.append(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
         self._report_progress()
         return rec
 

@@ -92,6 +92,8 @@ def run_experiment(cfg: RunConfig, run_dir: str | Path) -> Outcome:
     outcome = Outcome(run_dir)
     try:
         outcome.summary = _run(cfg, run_dir)
+        if outcome.summary.get("stop_reason") == "cancelled":  # Ctrl-C while the driver ran
+            outcome.error = "interrupted (Ctrl-C); the summary covers the requests finished before (partial)"
     except KeyboardInterrupt:
         outcome.error = "interrupted (Ctrl-C)"
     except Exception as exc:  # noqa: BLE001 - recorded in error.txt, shown as one line
@@ -99,6 +101,8 @@ def run_experiment(cfg: RunConfig, run_dir: str | Path) -> Outcome:
         (run_dir / "traceback.txt").write_text(traceback.format_exc())
     if outcome.error:
         runfolder.write_error(run_dir, outcome.error)
+        if outcome.summary is None:  # what finished before the stop is kept, marked partial
+            outcome.summary = runfolder.recover_partial(run_dir, slo_of(cfg), outcome.error)
     if cfg.report.html:
         outcome.report = _report(run_dir)
     return outcome
@@ -193,8 +197,11 @@ def _drive(cfg: RunConfig, target: Any, specs: list, run_dir: Path) -> RunResult
 
     concurrency = closed_loop_concurrency(cfg)
     scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai") else None
+    journal = runfolder.RequestJournal(run_dir)
     driver = Driver(target, closed_loop=concurrency is not None, concurrency=concurrency,
-                    max_duration_s=cfg.run.max_duration_s, progress=True, scrape_interval_s=scrape)
+                    max_duration_s=cfg.run.max_duration_s, progress=True, scrape_interval_s=scrape,
+                    on_record=journal)
+
     async def go() -> RunResult:
         await target.start()
         sampler = None
@@ -211,7 +218,10 @@ def _drive(cfg: RunConfig, target: Any, specs: list, run_dir: Path) -> RunResult
                 sampler.stop()
             await target.stop()
 
-    return asyncio.run(go())
+    try:
+        return asyncio.run(go())
+    finally:
+        journal.close()
 
 
 def _shutdown(target: Any) -> None:
@@ -235,6 +245,7 @@ def _write_results(cfg: RunConfig, run_dir: Path, result: RunResult, reference: 
     summary["target"] = cfg.target.kind
     if result.interrupted:
         summary["stop_reason"] = result.stop_reason
+        summary["partial"] = True
         runfolder.write_error(run_dir, f"run stopped early: {result.stop_reason}")
     runfolder.write_summary(run_dir, summary)
     return summary

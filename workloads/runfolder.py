@@ -50,6 +50,45 @@ def request_row(r: RequestRecord) -> dict[str, Any]:
     }
 
 
+JOURNAL = "requests.partial.jsonl"
+
+
+class RequestJournal:
+    """Appends each finished request's requests.csv row to <run>/requests.partial.jsonl as it
+    completes (one JSON line, flushed), so a harness killed mid-run loses no finished request.
+    `write_requests` removes the journal once requests.csv holds the same rows."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / JOURNAL
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def __call__(self, record: RequestRecord) -> None:
+        self._file.write(json.dumps(request_row(record), default=_json_default) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _json_default(v: Any) -> Any:
+    return v.item() if isinstance(v, np.generic) else str(v)
+
+
+def read_journal(run_dir: str | Path) -> pd.DataFrame | None:
+    """The journal's rows as a requests.csv frame (a torn last line is skipped), or None."""
+    path = Path(run_dir) / JOURNAL
+    if not path.exists():
+        return None
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # the line being written when the process died
+    return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
+
+
 def requests_frame(records: Sequence[RequestRecord]) -> pd.DataFrame:
     return pd.DataFrame([request_row(r) for r in records], columns=REQUEST_COLUMNS)
 
@@ -58,6 +97,7 @@ def write_requests(run_dir: str | Path, records: Sequence[RequestRecord]) -> Pat
     path = Path(run_dir) / "requests.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     requests_frame(records).to_csv(path, index=False)
+    (Path(run_dir) / JOURNAL).unlink(missing_ok=True)
     return path
 
 
@@ -140,3 +180,27 @@ def write_error(run_dir: str | Path, message: str) -> Path:
     with path.open("a", encoding="utf-8") as f:
         f.write(message.rstrip() + "\n")
     return path
+
+
+def recover_partial(run_dir: str | Path, slo: dict[str, float | None] | None, reason: str) -> dict[str, Any] | None:
+    """After an interrupted or killed run: requests.csv and summary.json (`partial: true`)
+    from the journal of finished requests (and steps.csv when it was written). None when
+    there is no journal, or a summary already exists."""
+    from workloads.metrics import summarize
+
+    run_dir = Path(run_dir)
+    if (run_dir / "summary.json").exists():
+        return None
+    frame = read_journal(run_dir)
+    if frame is None:
+        return None
+    for col in ("group", "error", "finish_reason"):
+        frame[col] = frame[col].fillna("").astype(str)
+    records = records_from_frame(frame)
+    frame.to_csv(run_dir / "requests.csv", index=False)
+    (run_dir / JOURNAL).unlink(missing_ok=True)
+    summary = summarize(records, slo=slo, steps=read_steps(run_dir))
+    summary["partial"] = True
+    summary["stop_reason"] = reason
+    write_summary(run_dir, summary)
+    return summary
