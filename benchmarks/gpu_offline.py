@@ -87,13 +87,13 @@ def run_batch(llm: Any, batch: int, args: argparse.Namespace, arch: Any, peak: f
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from engine.model.loader import read_conf_arch, resolve_source
+    from engine.model.loader import read_shape, resolve_source
 
     source = resolve_source(args.model)
-    if source.kind != "conf":
-        print(f"gpu_offline: --model must name a conf/model yaml (dummy weights), got {args.model!r}")
+    if source.kind != "shape":
+        print(f"gpu_offline: --model must name a model shape (engine/model/shapes, dummy weights), got {args.model!r}")
         return 2
-    arch = read_conf_arch(source.path)
+    arch = read_shape(source.path)
     batches = [int(b) for b in args.batches.split(",")]
     weights_gb = decode_read_bytes(arch, 0, 0) / 1e9
     print(
