@@ -3,7 +3,7 @@
     python benchmarks/gpu_offline.py [--model llama-3-8b] [--backend triton] [--batches 1,64,256]
         [--prompt-len 128] [--output-len 128] [--peak-bw-gbs 4800] [--json OUT] [--dry-run]
 
-Model: `conf/model/<model>.yaml` with dummy (random) weights in bfloat16 on `cuda`.
+Model: a packaged model shape (`engine/model/shapes/<model>.yaml`) with dummy (random) weights in bfloat16 on `cuda`.
 For each batch size B, B prompts of `prompt_len` token ids, greedy, ignore_eos,
 `output_len` tokens each, all given to `LLM.generate` at once (after a short warm-up
 that compiles the kernels). Figures per batch:
@@ -37,7 +37,7 @@ PEAK_BW_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-3-8b", help="a conf/model name (dummy weights)")
+    p.add_argument("--model", default="llama-3-8b", help="a model shape name (engine/model/shapes; dummy weights)")
     p.add_argument("--backend", default="triton", help="attention backend")
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--prompt-len", type=int, default=128)
