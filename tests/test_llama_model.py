@@ -211,8 +211,8 @@ def test_torch_backend_matches_dense_reference(seq_lens, q_lens, decode_path, mo
     from engine.attention.torch_backend import TorchAttentionBackend
 
     if decode_path == "torch-ops":
-        monkeypatch.setattr(torch_backend, "cpu_decode_kernel", lambda: None)
-    elif torch_backend.cpu_decode_kernel() is None:
+        monkeypatch.setattr(torch_backend, "paged_attention_op", lambda: None)
+    elif torch_backend.paged_attention_op() is None:
         pytest.skip("no C++ toolchain: the decode kernel is not built")
 
     torch.manual_seed(0)
