@@ -22,7 +22,7 @@ class ModelSection:
 
     model: str = "smollm2"
     load_format: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
     num_layers_override: int | None = None

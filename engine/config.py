@@ -25,7 +25,9 @@ class ModelConfig:
 
     model: str = DEFAULT_MODEL
     load_format: str = "auto"  # auto | gguf | hf | dummy
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # auto | float32 | bfloat16 | float16. auto: the checkpoint's dtype on a GPU, the faster of
+    # bfloat16 / float32 on a CPU (engine/platform.py); `validate()` resolves it.
+    dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     # Override of the architecture's layer count (dummy shapes run faster with fewer).
@@ -123,5 +125,8 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if c.num_blocks is not None and c.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2")
-        if self.model.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.model.dtype!r}")
+        if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.model.dtype!r}")
+        from engine.platform import resolve_engine_dtype
+
+        self.model.dtype = resolve_engine_dtype(self.model.dtype, self.device.device, self.model.model)

@@ -235,6 +235,8 @@ def _write_results(cfg: DictConfig, run_dir: Path, result: RunResult, reference:
     if reference is not None:
         summary["time_reference_s"] = reference
     summary["target"] = cfg.target.kind
+    if cfg.target.kind != "simulated":  # the dtype that ran ("auto" resolved, engine/platform.py)
+        summary["dtype"] = engine_config_of(cfg).model.dtype
     if result.interrupted:
         summary["stop_reason"] = result.stop_reason
         runfolder.write_error(run_dir, f"run stopped early: {result.stop_reason}")

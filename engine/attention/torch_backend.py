@@ -24,12 +24,14 @@ This backend is the correctness oracle for the Triton and FlashAttention backend
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.attention.cpu_paged_attention import paged_attention_op
+
 
 @dataclass
 class _DecodeGroup:

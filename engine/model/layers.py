@@ -18,7 +18,6 @@ from torch import nn
 
 from engine.model.cpu_kernels import kernels
 
-
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 

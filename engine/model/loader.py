@@ -29,6 +29,7 @@ from engine.model.dummy import init_dummy_weights
 from engine.model.gguf_loader import load_gguf_state_dict, open_gguf
 from engine.model.hf_loader import is_hf_folder, load_hf_state_dict, read_hf_arch
 from engine.model.llama import LlamaForCausalLM
+from engine.platform import resolve_dtype
 
 MODEL_CONF_DIR = Path(conf.__file__).parent / "model"
 EMBEDDED_NAMES = ("smollm2", "default")
@@ -95,8 +96,8 @@ def resolve_model(model_config: ModelConfig) -> tuple[ModelArch, WeightsFn | Non
     fmt = model_config.load_format
     if fmt not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {fmt!r}")
-    dtype = _dtype(model_config.dtype)
     source = resolve_source(model_config.model)
+    dtype = _dtype(model_config.dtype, source)
     if fmt in ("gguf", "hf") and source.kind != fmt:
         raise ValueError(f"load_format: {fmt!r} does not match model {model_config.model!r} ({source.kind})")
     if source.kind == "gguf":
@@ -121,7 +122,8 @@ def load_model(
     initialisation that the weights overwrite anyway.
     """
     arch, weights_fn, _ = resolve_model(model_config)
-    dtype, device = _dtype(model_config.dtype), torch.device(device)
+    device = torch.device(device)
+    dtype = _dtype(model_config.dtype, resolve_source(model_config.model), device)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, attn_backend)
     model = model.to(dtype).to_empty(device=device)
@@ -133,7 +135,9 @@ def load_model(
     return model.eval()
 
 
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {name!r}")
-    return DTYPES[name]
+def _dtype(name: str, source: ModelSource, device: torch.device | None = None) -> torch.dtype:
+    """The torch dtype of a config's `dtype`; "auto" resolved by `engine.platform.resolve_dtype`
+    for `device` (default: the GPU if there is one, else the CPU)."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return DTYPES[resolve_dtype(name, device, source.kind, source.path)]

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.core.sched.output import SchedulerOutput
 
-_TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# "auto" on simulated (GPU) hardware: the checkpoint dtype, bf16 (engine/platform.py).
+_TORCH_DTYPES = {"auto": "bf16", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def build_step_model(
