@@ -1,16 +1,17 @@
 """One model step of the default model on the CPU, timed and profiled, per dtype (a micro-benchmark).
 
     python benchmarks/cpu_decode_step.py [--dtype bfloat16,float32] [--batch 64] [--context 192]
-        [--prefill-query 0] [--iters 20] [--profile] [--threads N] [--attention cpp|sdpa]
+        [--prefill-query 0] [--iters 20] [--profile] [--threads N] [--attention cpp,sdpa]
 
 Builds SmolLM2-135M (the real GGUF weights) with `engine.model.loader.load_model`, a paged KV
 cache, and a step of `--batch` requests, each with `--context` tokens in the cache: a decode
 step (one query token each), or with `--prefill-query Q` a step of prefill chunks of Q tokens
 over that context. Times `forward` + `compute_logits` of the sampled rows (the model's share of
 an engine step; no scheduler, no sampler) and prints ms / step, tokens/s and GEMM FLOP/s
-reached. `--profile` prints torch.profiler's top ops (self CPU time) of the timed steps: the
-fused kernels show as `servelab::*`. `--attention sdpa` disables the C++ paged-attention op
-(A/B against the gather + SDPA path). The CPU flags that decide the fast dtype are printed.
+reached, and the process CPU time per step (on a shared machine, with `--threads 1`, the
+steadier figure for A/B comparisons). `--profile` prints torch.profiler's top ops (self CPU time) of the timed steps: the
+fused kernels show as `servelab::*`. `--attention cpp,sdpa` alternates steps with and without the
+C++ paged-attention op (A/B against the gather + SDPA path, same process). The CPU flags that decide the fast dtype are printed.
 """
 
 from __future__ import annotations
@@ -67,19 +68,35 @@ def run(dtype: str, args: argparse.Namespace) -> None:
         hidden = model(ids, positions, caches, md)
         return model.compute_logits(hidden[last])
 
+    real_op = torch_backend.paged_attention_op
+    modes = args.attention.split(",")
+
+    def use(mode: str) -> None:
+        torch_backend.paged_attention_op = real_op if mode == "cpp" else (lambda: None)  # type: ignore[assignment]
+
     with torch.inference_mode():
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        best, med = min(times), sorted(times)[len(times) // 2]
+        for mode in modes:
+            use(mode)
+            for _ in range(2):
+                step()
+        wall: dict[str, list[float]] = {m: [] for m in modes}
+        cpu: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(args.iters):  # modes alternate, so load changes hit each alike
+            for mode in modes:
+                use(mode)
+                t0, c0 = time.perf_counter(), time.process_time()
+                step()
+                wall[mode].append(time.perf_counter() - t0)
+                cpu[mode].append(time.process_time() - c0)
         params = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n)  # tied head = embed
         flops = 2 * params * md.num_tokens - 2 * arch.vocab_size * arch.hidden_size * (md.num_tokens - args.batch)
-        print(f"{dtype:9s} batch {args.batch} x q {q} over {args.context}: median {med * 1e3:7.2f} ms, best "
-              f"{best * 1e3:7.2f} ms/step, {md.num_tokens / med:8.1f} tok/s, {flops / med / 1e9:6.1f} GFLOP/s")
+        for mode in modes:
+            med = sorted(wall[mode])[len(wall[mode]) // 2]
+            cpu_med = sorted(cpu[mode])[len(cpu[mode]) // 2]
+            print(f"{dtype:9s} attention {mode:4s} batch {args.batch} x q {q} over {args.context}: wall median "
+                  f"{med * 1e3:8.2f} ms/step ({md.num_tokens / med:7.1f} tok/s, {flops / med / 1e9:6.1f} GFLOP/s); "
+                  f"CPU time median {cpu_med * 1e3:8.2f} ms/step ({flops / cpu_med / 1e9:6.1f} GFLOP per CPU-s)")
+        use(modes[0])
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -99,12 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--top", type=int, default=15)
-    p.add_argument("--attention", choices=["cpp", "sdpa"], default="cpp")
+    p.add_argument("--attention", default="cpp", help="cpp | sdpa | cpp,sdpa (A/B, alternating steps)")
     args = p.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    if args.attention == "sdpa":
-        torch_backend.paged_attention_op = lambda: None  # type: ignore[assignment]
     flags = sorted(cpu_flags() & {*BF16_CPU_FLAGS, "avx512f", "avx2", "amx_tile"})
     print(f"CPU flags: {' '.join(flags) or '(none of interest)'}; threads {torch.get_num_threads()}")
     for dtype in args.dtype.split(","):

@@ -1,5 +1,7 @@
-"""Attention straight from the paged KV cache on a CPU: one C++ kernel for decode and for
-prefill over a cached context (prefix hits, later chunks), float32 or bfloat16.
+"""Attention straight from the paged KV cache on a CPU: one C++ kernel for any query rows
+(decode, and prefill over a cached context), float32 or bfloat16. The torch backend uses it
+for decode, where it beat gather + SDPA 4.6x in bfloat16 and 1.6x in float32; for prefill
+rows SDPA's GEMM-based kernel is faster (benchmarks/cpu_paged_attention.py).
 
     torch.ops.servelab.paged_attention(Tensor q, Tensor kv_cache, Tensor block_table,
                                        Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor

@@ -13,9 +13,11 @@ attends, so a layer costs a handful of torch ops whatever the batch holds):
 - Fresh prefills (no cached context: the whole sequence is in this step's query) attend
   over this step's own keys/values with `is_causal=True`, never touching the cache;
   consecutive fresh prefills of equal length run as one batched call.
-- Prefills over a cached context (prefix hit, later chunks): on a CPU the same C++ op
-  (causal with offset, straight from the cache); elsewhere they gather their context
-  block-wise and attend with an explicit causal-with-offset mask.
+- Prefills over a cached context (prefix hit, later chunks) gather their context
+  block-wise and attend with an explicit causal-with-offset mask, in either dtype. The C++
+  op handles these rows too (and is tested on them), but SDPA's GEMM-based kernel ran them
+  ~3x faster on a CPU (4 x 64-token chunks after 128 cached tokens, float32 and bfloat16:
+  benchmarks/cpu_paged_attention.py), as it does fresh prefills (~2.4x), so they stay on SDPA.
 - Grouped-query attention goes through SDPA's `enable_gqa`, never `repeat_interleave`.
 
 This backend is the correctness oracle for the Triton and FlashAttention backends.
@@ -52,8 +54,6 @@ class _PrefillGroup:
     blocks: torch.Tensor | None  # [nblk] context blocks; None: fresh prefill (attend to this step's k/v)
     seq_len: int
     mask: torch.Tensor | None  # [q_len, seq_len] bool for a prefill over a cached context
-    # For the C++ op (prefill over a cached context): [1, nblk] table, [0, q_len], [seq_len].
-    op_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def write_kv(
@@ -159,8 +159,7 @@ class TorchAttentionBackend(AttentionBackend):
             # Query j sits at position ctx + j and may see positions <= ctx + j.
             pos = torch.arange(seq_len, device=device)
             mask = pos[None, :] <= torch.arange(ctx, seq_len, device=device)[:, None]
-            op_args = (blocks[None], torch.tensor([0, q_len], device=device), torch.tensor([seq_len], device=device))
-            groups.append(_PrefillGroup(start, end, 1, blocks, seq_len, mask, op_args))
+            groups.append(_PrefillGroup(start, end, 1, blocks, seq_len, mask))
         return groups
 
     # ---- per layer ---------------------------------------------------------------------
@@ -207,8 +206,6 @@ class TorchAttentionBackend(AttentionBackend):
             kg = k[g.start : g.end].view(g.num_reqs, n // g.num_reqs, *k.shape[1:])
             vg = v[g.start : g.end].view(g.num_reqs, n // g.num_reqs, *v.shape[1:])
             o = _sdpa(qg, kg, vg, scale, is_causal=True)
-        elif g.op_args is not None and (op := _cpu_op(qg, kv_cache)) is not None:
-            return op(q[g.start : g.end], kv_cache, *g.op_args, scale)
         else:
             kv = gather_context(kv_cache, g.blocks, 1, g.seq_len)
             o = _sdpa(qg, kv[0], kv[1], scale, attn_mask=g.mask)
