@@ -48,6 +48,28 @@ static inline void st(bf16* p, int64_t i, float v) {
   reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(u >> 16);
 }
 
+// exp(x) as 2^n * 2^f (n = round(x log2 e), |f| <= 1/2, 2^f by its degree-7 Taylor polynomial:
+// relative error < 1e-7): plain arithmetic and bit moves, so the loop below vectorises (std::exp
+// does not: it made SiLU*mul 4x slower than torch's silu).
+static inline float exp_approx(float x) {
+  x = std::fmin(std::fmax(x, -87.f), 88.f);
+  const float t = x * 1.4426950408889634f;
+  const float n = std::floor(t + 0.5f);
+  const float f = t - n;
+  float p = 1.5252733804059840e-5f;
+  p = p * f + 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
 static inline void check_cpu(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), what, ": a CPU tensor");
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, what,
