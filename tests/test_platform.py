@@ -18,6 +18,7 @@ CPU, GPU = torch.device("cpu"), torch.device("cuda")
 def fresh(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     """Forget the cached CPU decision; returns a setter for the CPU flags seen."""
     platform.fastest_cpu_dtype.cache_clear()
+    monkeypatch.setattr(platform, "_logged", set())
     yield lambda flags: monkeypatch.setattr(platform, "cpu_flags", lambda: set(flags))
     platform.fastest_cpu_dtype.cache_clear()
 
