@@ -30,7 +30,9 @@ class ModelConfig:
 
     model: str = DEFAULT_MODEL
     load_format: str = "auto"  # auto | gguf | hf | dummy
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # auto | float32 | bfloat16 | float16. auto: the checkpoint's dtype on a GPU, the faster of
+    # bfloat16 / float32 on a CPU (engine/platform.py); `validate()` resolves it.
+    dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     # Override of the architecture's layer count (dummy shapes run faster with fewer).
@@ -147,5 +149,8 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if c.num_blocks is not None and c.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2")
-        if self.model.dtype not in MODEL_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.model.dtype!r}")
+        if self.model.dtype != "auto" and self.model.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(MODEL_DTYPES)}, got {self.model.dtype!r}")
+        from engine.platform import resolve_engine_dtype
+
+        self.model.dtype = resolve_engine_dtype(self.model.dtype, self.device.device, self.model.model)

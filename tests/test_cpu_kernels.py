@@ -1,14 +1,27 @@
-"""The fused C++ CPU kernels of the Llama layer equal the torch-ops fallback they replace."""
+"""The fused C++ CPU ops (`torch.ops.servelab.*`) against float32 torch references, in float32 and bfloat16.
+
+Tolerances: float32 1e-5 (same arithmetic, other summation order). bfloat16: the kernels compute
+in float32 and round once per output, the reference computes in float32 from the same bfloat16
+inputs and rounds once, so they differ by at most ~1 bfloat16 ulp (2^-8 relative): rtol 1e-2,
+atol 1e-2. The layers' torch-ops fallback is checked against the same references.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from engine.attention.cpu_paged_attention import paged_attention_op
 from engine.model import layers
 from engine.model.cpu_kernels import kernels
 
-pytestmark = pytest.mark.skipif(kernels() is None, reason="no C++ toolchain: the fused kernels are not built")
+pytestmark = pytest.mark.skipif(
+    kernels() is None or paged_attention_op() is None, reason="no C++ toolchain: the CPU ops are not built"
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
 
 
 @pytest.fixture
@@ -23,34 +36,139 @@ def torch_ops(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     return run
 
 
+def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @torch.inference_mode()
-def test_rms_norm_and_fused_residual_add(torch_ops) -> None:  # type: ignore[no-untyped-def]
+def test_rms_norm_and_fused_residual_add(dtype, torch_ops) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
-    norm = layers.RMSNorm(96, 1e-5)
-    norm.weight.data = torch.randn(96)
-    x, res = torch.randn(7, 96), torch.randn(7, 96)
-    torch.testing.assert_close(norm(x), torch_ops(lambda: norm(x)), rtol=1e-5, atol=1e-5)
-    want_out, want_res = torch_ops(lambda: norm(x, res))
+    norm = layers.RMSNorm(96, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(96).to(dtype)
+    x, res = torch.randn(7, 96).to(dtype), torch.randn(7, 96).to(dtype)
+    torch.testing.assert_close(norm(x), _rms_ref(x, norm.weight, 1e-5), **TOL[dtype])
+    want_res = (x.float() + res.float()).to(dtype)
+    want_out = _rms_ref(want_res, norm.weight, 1e-5)
     got_out, got_res = norm.add_norm_(x.clone(), res.clone())
-    torch.testing.assert_close(got_res, want_res)
-    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)  # one rounding of an exact sum
+    torch.testing.assert_close(got_out, want_out, **TOL[dtype])
+    fb_out, fb_res = torch_ops(lambda: norm(x, res))
+    torch.testing.assert_close(fb_out, want_out, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @torch.inference_mode()
-def test_rope_in_place_on_the_first_heads(torch_ops) -> None:  # type: ignore[no-untyped-def]
+def test_rope_in_place_on_the_first_heads(dtype, torch_ops) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     rope = layers.RotaryEmbedding(64, 256, 10000.0)
-    qkv = torch.randn(5, 9 + 3 + 3, 64)  # q heads, k heads, v heads of a fused projection
+    rope.rebuild(dtype=dtype)
+    qkv = torch.randn(5, 9 + 3 + 3, 64).to(dtype)  # q heads, k heads, v heads of a fused projection
     cos, sin = rope.cos_sin(torch.tensor([0, 3, 17, 100, 255]))
-    want = torch_ops(lambda: layers.RotaryEmbedding.rotate_heads_(qkv.clone(), 12, cos, sin))
+    x = qkv[:, :12].float()
+    swapped = torch.cat((x[..., 32:], x[..., :32]), dim=-1)
+    want = (x * cos.float() + swapped * sin.float()).to(dtype)
     got = layers.RotaryEmbedding.rotate_heads_(qkv.clone(), 12, cos, sin)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:, :12], want, **TOL[dtype])
     assert torch.equal(got[:, 12:], qkv[:, 12:])  # v heads untouched
+    fallback = torch_ops(lambda: layers.RotaryEmbedding.rotate_heads_(qkv.clone(), 12, cos, sin))
+    torch.testing.assert_close(fallback[:, :12], want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_silu_mul(dtype, torch_ops) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    gate_up = (torch.randn(6, 160) * 3).to(dtype)
+    gate, up = gate_up.float().split(80, dim=-1)
+    want = (F.silu(gate) * up).to(dtype)
+    torch.testing.assert_close(kernels().silu_mul(gate_up), want, **TOL[dtype])
+    mlp = layers.GatedMLP(32, 80).to(dtype)
+    x = torch.randn(6, 32).to(dtype)
+    torch.testing.assert_close(mlp(x), torch_ops(lambda: mlp(x)), **TOL[dtype])
+
+
+def _dense_attention(q, cache, tables, qsl, seq_lens, scale) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Float32 reference: each request's context gathered densely, causal with offset."""
+    bs = cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b, (table, seq_len) in enumerate(zip(tables, seq_lens, strict=True)):
+        a, e = qsl[b], qsl[b + 1]
+        slots = torch.tensor([table[t // bs] * bs + t % bs for t in range(seq_len)])
+        k = cache[0].flatten(0, 1)[slots].float()  # [L, Hkv, D]
+        v = cache[1].flatten(0, 1)[slots].float()
+        pos = torch.arange(seq_len - (e - a), seq_len)
+        mask = torch.arange(seq_len)[None, :] <= pos[:, None]  # [q_len, L]
+        o = F.scaled_dot_product_attention(
+            q[a:e].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )
+        out[a:e] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "seq_lens,q_lens",
+    [
+        ([37, 5, 16, 17], [1, 1, 1, 1]),  # decode, lengths differ
+        ([40, 20], [15, 20]),  # prefill over a cached context (chunk / prefix hit), fresh prefill
+        ([33, 12, 7], [1, 5, 7]),  # mixed
+    ],
+)
+@torch.inference_mode()
+def test_paged_attention_matches_dense_reference(dtype, seq_lens, q_lens) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    hq, hkv, d, bs, scale = 6, 2, 64, 16, 0.125
+    needed = [-(-s // bs) for s in seq_lens]
+    perm = torch.randperm(sum(needed) + 3).tolist()  # scattered blocks
+    tables, at = [], 0
+    for n in needed:
+        tables.append(perm[at : at + n])
+        at += n
+    cache = torch.randn(2, len(perm), bs, hkv, d).to(dtype)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    qkv = torch.randn(qsl[-1], hq + 2 * hkv, d).to(dtype)
+    q = qkv[:, :hq]  # a strided view, as the model passes it
+    width = max(needed)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    got = paged_attention_op()(q, cache, table, torch.tensor(qsl, dtype=torch.int32),
+                               torch.tensor(seq_lens, dtype=torch.int32), scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), _dense_attention(q, cache, tables, qsl, seq_lens, scale), **TOL[dtype])
 
 
 @torch.inference_mode()
-def test_silu_mul(torch_ops) -> None:  # type: ignore[no-untyped-def]
+def test_ops_carry_schemas_and_fake_kernels_for_compile() -> None:
+    """Each op passes torch.library.opcheck (schema, fake/meta implementation, dispatch)."""
+    k = kernels()
+    x, res, w = torch.randn(3, 32), torch.randn(3, 32), torch.randn(32)
+    for dtype in DTYPES:
+        xd, rd, wd = x.to(dtype), res.to(dtype), w.to(dtype)
+        torch.library.opcheck(k.rms_norm, (xd, wd, 1e-5))
+        torch.library.opcheck(k.add_rms_norm_, (xd.clone(), rd.clone(), wd, 1e-5))
+        torch.library.opcheck(k.silu_mul, (torch.randn(3, 64).to(dtype),))
+        qkv, cs = torch.randn(3, 5, 16).to(dtype), torch.randn(3, 16).to(dtype)
+        torch.library.opcheck(k.rope_, (qkv, cs, cs, 4))
+        cache = torch.randn(2, 4, 16, 1, 16).to(dtype)
+        args = (torch.randn(2, 3, 16).to(dtype), cache, torch.tensor([[0, 1], [2, 3]]), torch.tensor([0, 1, 2]),
+                torch.tensor([20, 9]), 0.25)
+        torch.library.opcheck(torch.ops.servelab.paged_attention, args)
+
+
+def test_layers_trace_without_graph_breaks() -> None:
+    """torch.compile (dynamo, fullgraph) traces a layer calling the ops, for a compiled model runner."""
     torch.manual_seed(0)
-    mlp = layers.GatedMLP(32, 80)
-    x = torch.randn(6, 32)
-    torch.testing.assert_close(mlp(x), torch_ops(lambda: mlp(x)), rtol=1e-5, atol=1e-5)
+    norm, mlp = layers.RMSNorm(32, 1e-5).to(torch.bfloat16), layers.GatedMLP(32, 48).to(torch.bfloat16)
+
+    def f(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        y, r = norm.add_norm_(x, res)
+        return mlp(y) + r
+
+    x, res = torch.randn(4, 32).to(torch.bfloat16), torch.randn(4, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = f(x.clone(), res.clone())
+        got = torch.compile(f, backend="eager", fullgraph=True)(x.clone(), res.clone())
+    torch.testing.assert_close(got, want)

@@ -83,7 +83,7 @@ PROMPT_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520,
 @pytest.fixture(scope="module")
 def smollm2():
     torch.manual_seed(0)
-    return load_model(ModelConfig(), DenseReferenceBackend(), "cpu")
+    return load_model(ModelConfig(dtype="float32"), DenseReferenceBackend(), "cpu")  # HF compares in fp32
 
 
 @needs_smollm2
@@ -137,7 +137,7 @@ def _tiny_hf_folder(tmp_path, moe: bool):
 @pytest.mark.parametrize("moe", [False, True], ids=["llama", "mixtral"])
 def test_tiny_hf_folder_matches_transformers(tmp_path, moe):
     hf = _tiny_hf_folder(tmp_path, moe)
-    ours = load_model(ModelConfig(model=str(tmp_path)), DenseReferenceBackend(), "cpu")
+    ours = load_model(ModelConfig(model=str(tmp_path), dtype="float32"), DenseReferenceBackend(), "cpu")
     assert ours.arch.is_moe == moe and ours.arch.num_layers == 2
     ids = [3, 17, 99, 5, 42, 8, 127, 0, 64]
     with torch.inference_mode():
@@ -211,8 +211,8 @@ def test_torch_backend_matches_dense_reference(seq_lens, q_lens, decode_path, mo
     from engine.attention.torch_backend import TorchAttentionBackend
 
     if decode_path == "torch-ops":
-        monkeypatch.setattr(torch_backend, "cpu_decode_kernel", lambda: None)
-    elif torch_backend.cpu_decode_kernel() is None:
+        monkeypatch.setattr(torch_backend, "paged_attention_op", lambda: None)
+    elif torch_backend.paged_attention_op() is None:
         pytest.skip("no C++ toolchain: the decode kernel is not built")
 
     torch.manual_seed(0)

@@ -31,7 +31,7 @@ class NoAttention(AttentionBackend):
 # ---- the embedded SmolLM2 GGUF ------------------------------------------------------
 @needs_smollm2
 def test_smollm2_arch_from_gguf_metadata():
-    arch, weights_fn, path = resolve_model(ModelConfig(model="smollm2"))
+    arch, weights_fn, path = resolve_model(ModelConfig(model="smollm2", dtype="float32"))  # exact vs HF fp32
     assert path == embedded_gguf_path() and weights_fn is not None
     assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == (30, 576, 9, 3)
     assert (arch.head_dim, arch.intermediate_size, arch.vocab_size) == (64, 1536, 49152)
@@ -43,7 +43,7 @@ def test_smollm2_arch_from_gguf_metadata():
 
 @needs_smollm2
 def test_smollm2_weights_truncated_names_and_unpermuted_rows():
-    arch, weights_fn, path = resolve_model(ModelConfig(model="default", num_layers_override=1))
+    arch, weights_fn, path = resolve_model(ModelConfig(model="default", num_layers_override=1, dtype="float32"))  # exact vs HF
     assert arch.num_layers == 1
     state = weights_fn()
     assert "lm_head.weight" not in state  # tied
@@ -207,7 +207,7 @@ def test_bad_model_inputs_raise_value_errors_naming_the_field(tmp_path):
         (ModelConfig(model="llama-3-8b", load_format="pickle"), "load_format: must be one of"),
         (ModelConfig(model="llama-3-8b", load_format="gguf"), "load_format: 'gguf' does not match"),
         (ModelConfig(model="llama-3-8b", num_layers_override=0), "num_layers_override: must be >= 1"),
-        (ModelConfig(model="llama-3-8b", dtype="int8"), "dtype: must be one of"),
+        (ModelConfig(model="llama-3-8b", dtype="int8"), "dtype: must be auto or one of"),
     ]
     for cfg, message in cases:
         with pytest.raises(ValueError, match=message):

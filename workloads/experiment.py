@@ -243,6 +243,10 @@ def _write_results(cfg: RunConfig, run_dir: Path, result: RunResult, reference: 
     if reference is not None:
         summary["time_reference_s"] = reference
     summary["target"] = cfg.target.kind
+    if cfg.target.kind != "simulated":  # the dtype that ran ("auto" resolved, engine/platform.py)
+        from engine.platform import resolve_engine_dtype
+
+        summary["dtype"] = resolve_engine_dtype(cfg.model.dtype, cfg.device.device, cfg.model.model)
     if result.interrupted:
         summary["stop_reason"] = result.stop_reason
         summary["partial"] = True

@@ -1,126 +1,197 @@
-"""Fused float32 CPU kernels for the Llama layer's element-wise work (C++, compiled on first use).
+"""Fused CPU kernels for the Llama layer's element-wise work (C++, compiled on first use).
 
 On a CPU every element-wise torch op is one more pass over memory (and `F.rms_norm`
-is itself ~5 ops there). These fuse each step of the layer into one or two passes:
-- `add_rms_norm_(x, residual, weight, eps)`: residual += x; x = rms_norm(residual) * weight (in place);
-- `rms_norm(x, weight, eps)` -> new tensor;
-- `rope_(qkv, cos, sin, heads)`: rotate-half RoPE in place on the first `heads` heads of qkv [T, H, D]
-  with cos / signed-sin rows [T, D] (the tables of `RotaryEmbedding`);
-- `silu_mul(gate_up)` [T, 2I] -> silu(gate) * up [T, I].
-`kernels()` returns None where no C++ toolchain builds them; callers then use torch ops.
+is itself ~5 ops there; in bfloat16 each op also rounds). These fuse each step of the
+layer into one or two passes, for float32 and bfloat16 storage alike (computed in float32,
+rounded once on the store). They are torch ops, `torch.ops.servelab.<name>`:
+
+    add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()
+        residual += x; x = rms_norm(residual) * weight (both in place)
+    rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
+    rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> ()
+        rotate-half RoPE in place on the first `heads` heads of qkv [T, H, D], with cos /
+        signed-sin rows [T, D] (the tables of `RotaryEmbedding`)
+    silu_mul(Tensor gate_up) -> Tensor
+        [T, 2I] -> silu(gate) * up [T, I]
+
+All tensors contiguous, on the CPU, one dtype (float32 or bfloat16). `kernels()` returns
+`torch.ops.servelab` once they are loaded, or None where no C++ toolchain builds them
+(callers then use torch ops).
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+from typing import Any
 
-from engine.cpu_extension import load_cpu_extension
+import torch
+
+from engine.cpu_extension import load_cpu_ops
 
 _CPP_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
+namespace servelab {
 
-static void check(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(), what, ": contiguous cpu float32");
+static void check(const torch::Tensor& t, const torch::Tensor& like, const char* what) {
+  check_cpu(t, what);
+  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == like.scalar_type(), what, ": contiguous, dtype of x");
+}
+
+template <typename T>
+static void add_rms_norm_impl(T* xp, T* rp, const T* wp, int64_t T_, int64_t H, float e) {
+  at::parallel_for(0, T_, 16, [&](int64_t b, int64_t end) {
+    for (int64_t t = b; t < end; ++t) {
+      T* xr = xp + t * H;
+      T* rr = rp + t * H;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) {
+        const float v = ld(xr, i) + ld(rr, i);
+        st(rr, i, v);
+        const float vr = ld(rr, i);  // the residual as stored (rounded in bfloat16)
+        ss += vr * vr;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + e);
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) st(xr, i, ld(wp, i) * (ld(rr, i) * inv));
+    }
+  });
 }
 
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  check(x, "x"); check(residual, "residual"); check(weight, "weight");
-  const int64_t H = x.size(-1), T = x.numel() / H;
-  float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t end) {
+  check(x, x, "x"); check(residual, x, "residual"); check(weight, x, "weight");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual: one shape");
+  const int64_t H = x.size(-1), T_ = x.numel() / H;
+  SERVELAB_DISPATCH(x, [&] {
+    add_rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                                weight.data_ptr<scalar_t>(), T_, H, static_cast<float>(eps));
+  });
+}
+
+template <typename T>
+static void rms_norm_impl(const T* xp, T* op, const T* wp, int64_t T_, int64_t H, float e) {
+  at::parallel_for(0, T_, 16, [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
-      float* xr = xp + t * H;
-      float* rr = rp + t * H;
+      const T* xr = xp + t * H;
+      T* orow = op + t * H;
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) { const float v = xr[i] + rr[i]; rr[i] = v; ss += v * v; }
+      for (int64_t i = 0; i < H; ++i) { const float v = ld(xr, i); ss += v * v; }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + e);
 #pragma omp simd
-      for (int64_t i = 0; i < H; ++i) xr[i] = wp[i] * (rr[i] * inv);
+      for (int64_t i = 0; i < H; ++i) st(orow, i, ld(wp, i) * (ld(xr, i) * inv));
     }
   });
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  check(x, "x"); check(weight, "weight");
+  check(x, x, "x"); check(weight, x, "weight");
   auto out = torch::empty_like(x);
-  const int64_t H = x.size(-1), T = x.numel() / H;
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t end) {
-    for (int64_t t = b; t < end; ++t) {
-      const float* xr = xp + t * H;
-      float* orow = op + t * H;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + e);
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) orow[i] = wp[i] * (xr[i] * inv);
-    }
+  const int64_t H = x.size(-1), T_ = x.numel() / H;
+  SERVELAB_DISPATCH(x, [&] {
+    rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                            T_, H, static_cast<float>(eps));
   });
   return out;
 }
 
-void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
-  check(qkv, "qkv"); check(cos, "cos"); check(sin, "sin");
-  const int64_t T = qkv.size(0), HT = qkv.size(1), D = qkv.size(2), half = D / 2;
-  TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && heads <= HT, "rope shapes");
-  float* qp = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t end) {
+template <typename T>
+static void rope_impl(T* qp, const T* cp, const T* sp, int64_t T_, int64_t HT, int64_t D, int64_t heads) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, T_, 16, [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
-      const float* c = cp + t * D;
-      const float* s = sp + t * D;
+      const T* c = cp + t * D;
+      const T* s = sp + t * D;
       for (int64_t h = 0; h < heads; ++h) {
-        float* x = qp + (t * HT + h) * D;
+        T* x = qp + (t * HT + h) * D;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float a = x[i], bb = x[i + half];
-          x[i] = a * c[i] + bb * s[i];
-          x[i + half] = bb * c[i + half] + a * s[i + half];
+          const float a = ld(x, i), bb = ld(x, i + half);
+          st(x, i, a * ld(c, i) + bb * ld(s, i));
+          st(x, i + half, bb * ld(c, i + half) + a * ld(s, i + half));
         }
       }
     }
   });
 }
 
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
+  check(qkv, qkv, "qkv"); check(cos, qkv, "cos"); check(sin, qkv, "sin");
+  const int64_t T_ = qkv.size(0), HT = qkv.size(1), D = qkv.size(2);
+  TORCH_CHECK(cos.numel() == T_ * D && sin.numel() == T_ * D && heads <= HT, "rope shapes");
+  SERVELAB_DISPATCH(qkv, [&] {
+    rope_impl<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                        T_, HT, D, heads);
+  });
+}
+
+template <typename T>
+static void silu_mul_impl(const T* gp, T* op, int64_t T_, int64_t I) {
+  at::parallel_for(0, T_, 8, [&](int64_t b, int64_t end) {
+    for (int64_t t = b; t < end; ++t) {
+      const T* g = gp + t * 2 * I;
+      const T* u = g + I;
+      T* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float gv = ld(g, i);
+        st(o, i, gv / (1.f + exp_approx(-gv)) * ld(u, i));
+      }
+    }
+  });
+}
+
 torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check(gate_up, "gate_up");
-  const int64_t I2 = gate_up.size(-1), I = I2 / 2, T = gate_up.numel() / I2;
+  check(gate_up, gate_up, "gate_up");
+  const int64_t I = gate_up.size(-1) / 2, T_ = gate_up.numel() / (2 * I);
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
   auto out = torch::empty(sizes, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 8, [&](int64_t b, int64_t end) {
-    for (int64_t t = b; t < end; ++t) {
-      const float* g = gp + t * I2;
-      const float* u = g + I;
-      float* o = op + t * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
-  });
+  SERVELAB_DISPATCH(gate_up, [&] { silu_mul_impl<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), T_, I); });
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm_", &add_rms_norm_);
-  m.def("rms_norm", &rms_norm);
-  m.def("rope_", &rope_);
-  m.def("silu_mul", &silu_mul);
+}  // namespace servelab
+
+TORCH_LIBRARY_FRAGMENT(servelab, m) {
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(servelab, CPU, m) {
+  m.impl("add_rms_norm_", &servelab::add_rms_norm_);
+  m.impl("rms_norm", &servelab::rms_norm);
+  m.impl("rope_", &servelab::rope_);
+  m.impl("silu_mul", &servelab::silu_mul);
 }
 """
 
-def kernels() -> ModuleType | None:
-    """The compiled kernels, or None where they cannot be built (callers fall back to torch ops)."""
-    return load_cpu_extension("servelab_cpu_layer_kernels_v1", _CPP_SOURCE, "llama layers", ("-ffp-contract=off",))
+# Bump with every change of _CPP_SOURCE or KERNEL_HEADER (torch caches builds by name).
+_EXTENSION_NAME = "servelab_cpu_layer_ops_v5"
+
+
+def _register_fakes() -> None:
+    """Shapes only, for torch.compile / FakeTensor tracing (the in-place ops return nothing)."""
+
+    @torch.library.register_fake("servelab::add_rms_norm_")
+    def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        return None
+
+    @torch.library.register_fake("servelab::rms_norm")
+    def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("servelab::rope_")
+    def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
+        return None
+
+    @torch.library.register_fake("servelab::silu_mul")
+    def _(gate_up: torch.Tensor) -> torch.Tensor:
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+def kernels() -> Any | None:
+    """`torch.ops.servelab` with the layer ops loaded, or None where they cannot be built."""
+    if load_cpu_ops(_EXTENSION_NAME, _CPP_SOURCE, "llama layers", _register_fakes, ("-ffp-contract=off",)):
+        return torch.ops.servelab
+    return None

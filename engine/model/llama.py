@@ -183,14 +183,17 @@ class LlamaForCausalLM(nn.Module):
         self._column_major_linears()
 
     def _column_major_linears(self) -> None:
-        """On a CPU, store each Linear weight [N, K] as the transpose of a contiguous [K, N] tensor.
+        """On a CPU in float32, store each Linear weight [N, K] as the transpose of a contiguous [K, N] tensor.
 
         Same shape and values; `F.linear` then multiplies by a plain row-major [K, N] matrix,
-        which the CPU BLAS runs ~5-30% faster than the transposed operand at these sizes.
+        which the CPU BLAS runs ~5-30% faster than the transposed operand at these sizes in
+        float32. In bfloat16 (oneDNN's kernels) the plain [N, K] layout was as fast or faster at
+        every SmolLM2 shape, batch 64 (benchmarks/cpu_decode_step.py, avx512_bf16), so it stays.
         """
         for module in self.modules():
-            if isinstance(module, nn.Linear) and module.weight.device.type == "cpu" and module.weight.is_contiguous():
-                module.weight.data = module.weight.data.t().contiguous().t()
+            w = module.weight if isinstance(module, nn.Linear) else None
+            if w is not None and w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous():
+                module.weight.data = w.data.t().contiguous().t()
 
     def _destination(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor:
         """The parameter (or slice of a fused one) that HF weight `name` fills."""

@@ -31,6 +31,7 @@ from engine.model.dummy import init_dummy_weights
 from engine.model.gguf_loader import load_gguf_state_dict, open_gguf
 from engine.model.hf_loader import is_hf_folder, load_hf_state_dict, read_hf_arch
 from engine.model.llama import LlamaForCausalLM
+from engine.platform import resolve_dtype
 
 SHAPES_DIR = Path(__file__).parent / "shapes"
 SHAPE_SUFFIXES = (".yaml", ".yml")
@@ -118,8 +119,8 @@ def resolve_model(model_config: ModelConfig) -> tuple[ModelArch, WeightsFn | Non
     fmt = model_config.load_format
     if fmt not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {fmt!r}")
-    dtype = torch_dtype(model_config.dtype)
     source = resolve_source(model_config.model)
+    dtype = _dtype(model_config.dtype, source)
     if fmt in ("gguf", "hf") and source.kind != fmt:
         raise ValueError(f"load_format: {fmt!r} does not match model {model_config.model!r} ({source.kind})")
     if source.kind == "gguf":
@@ -144,7 +145,8 @@ def load_model(
     initialisation that the weights overwrite anyway.
     """
     arch, weights_fn, _ = resolve_model(model_config)
-    dtype, device = torch_dtype(model_config.dtype), torch.device(device)
+    device = torch.device(device)
+    dtype = _dtype(model_config.dtype, resolve_source(model_config.model), device)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, attn_backend)
     model = model.to(dtype).to_empty(device=device)
@@ -154,3 +156,11 @@ def load_model(
     else:
         model.load_weights(weights_fn())
     return model.eval()
+
+
+def _dtype(name: str, source: ModelSource, device: torch.device | None = None) -> torch.dtype:
+    """The torch dtype of a config's `dtype`; "auto" resolved by `engine.platform.resolve_dtype`
+    for `device` (default: the GPU if there is one, else the CPU)."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch_dtype(resolve_dtype(name, device, source.kind, source.path))

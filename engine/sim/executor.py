@@ -74,7 +74,9 @@ class SimulatedExecutor(Executor):
     ) -> None:
         super().__init__(config)
         self.step_model, self.arch, self.hardware, self.tp = step_model, arch, hardware, tp
-        self.dtype = dtype or canonical_dtype(config.model.dtype)
+        # "auto" on simulated (GPU) hardware is the checkpoint dtype: bf16 (engine/platform.py).
+        model_dtype = "bfloat16" if config.model.dtype == "auto" else config.model.dtype
+        self.dtype = dtype or canonical_dtype(model_dtype)
         cache_dtype = config.cache.cache_dtype
         self.kv_dtype = kv_dtype or (self.dtype if cache_dtype == "auto" else cache_dtype)
         self.gpu_memory_utilization = gpu_memory_utilization

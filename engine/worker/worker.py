@@ -9,6 +9,7 @@ import torch
 from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
 from engine.dtypes import torch_dtype
+from engine.platform import resolve_dtype
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 
@@ -33,6 +34,7 @@ class Worker:
         self.device = resolve_device(config.device.device)
         if config.device.num_threads > 0 and self.device.type == "cpu":
             torch.set_num_threads(config.device.num_threads)
+        config.model.dtype = resolve_dtype(config.model.dtype, self.device)
         self.dtype = torch_dtype(config.model.dtype)
         cache_dtype = config.cache.cache_dtype
         self.kv_dtype = self.dtype if cache_dtype == "auto" else torch_dtype(cache_dtype)

@@ -1,0 +1,88 @@
+"""The C++ paged-attention op against the torch (gather + SDPA) path, one layer, on the CPU.
+
+    python benchmarks/cpu_paged_attention.py [--threads 1] [--iters 20]
+
+SmolLM2 attention shape (9 query heads, 3 kv heads, head_dim 64, block 16), float32 and
+bfloat16, three cases: decode (64 requests x 1 query token over 192 cached tokens), prefill
+over a cached context (4 requests x 64-token chunks after 128 cached tokens: later chunks,
+prefix hits) and fresh prefills (4 x 128 tokens, no cached context: SDPA `is_causal` on this
+step's keys, against the op reading them back from the cache). Prints the median process CPU
+time per call of each (steadier than wall time on a shared machine) and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.attention.cpu_paged_attention import paged_attention_op  # noqa: E402
+from engine.attention.torch_backend import gather_context  # noqa: E402
+
+HQ, HKV, D, BS = 9, 3, 64, 16
+
+
+def cpu_time(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    ts = []
+    for _ in range(iters):
+        c0 = time.process_time()
+        fn()
+        ts.append(time.process_time() - c0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def case(name: str, dtype: torch.dtype, batch: int, q_len: int, ctx: int, iters: int) -> None:
+    seq = ctx + q_len
+    nblk = -(-seq // BS)
+    cache = torch.randn(2, batch * nblk, BS, HKV, D).to(dtype)
+    table = torch.randperm(batch * nblk).view(batch, nblk)
+    q = torch.randn(batch * q_len, HQ, D).to(dtype)
+    qsl = torch.arange(batch + 1) * q_len
+    lens = torch.full((batch,), seq)
+    op = paged_attention_op()
+    assert op is not None, "no C++ toolchain"
+    scale = D**-0.5
+    pos = torch.arange(seq)
+    mask = pos[None, :] <= torch.arange(ctx, seq)[:, None]  # [q_len, seq]
+    k_new = torch.randn(batch, q_len, HKV, D).to(dtype)
+    v_new = torch.randn(batch, q_len, HKV, D).to(dtype)
+
+    def torch_path() -> torch.Tensor:
+        if ctx == 0:  # fresh prefill: SDPA is_causal over this step's own keys / values
+            qb = q.view(batch, q_len, HQ, D).transpose(1, 2)
+            return F.scaled_dot_product_attention(qb, k_new.transpose(1, 2), v_new.transpose(1, 2),
+                                                  is_causal=True, scale=scale, enable_gqa=True)
+        kv = gather_context(cache, table.reshape(-1), batch, seq)  # [2, B, seq, Hkv, D]
+        qb = q.view(batch, q_len, HQ, D).transpose(1, 2)
+        m = mask if q_len > 1 else None
+        return F.scaled_dot_product_attention(qb, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=m,
+                                              scale=scale, enable_gqa=True)
+
+    t_op = cpu_time(lambda: op(q, cache, table, qsl, lens, scale), iters)
+    t_torch = cpu_time(torch_path, iters)
+    print(f"{str(dtype):15s} {name:26s} C++ op {t_op * 1e3:8.3f} ms   torch path {t_torch * 1e3:8.3f} ms   "
+          f"op/torch {t_op / t_torch:5.2f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    for dtype in (torch.bfloat16, torch.float32):
+        case("decode 64 x 1 over 192", dtype, 64, 1, 191, args.iters)
+        case("prefill 4 x 64 after 128", dtype, 4, 64, 128, args.iters)
+        case("fresh prefill 4 x 128", dtype, 4, 128, 0, args.iters)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""What this machine is good at: the model dtype that `dtype="auto"` resolves to.
+
+`dtype="auto"` (vLLM's name and meaning) is resolved once, here, and logged once:
+- on a GPU: the checkpoint's dtype (an HF folder's `config.json` `torch_dtype`; a GGUF or a
+  dummy / conf-only model: bfloat16, as vLLM loads a quantised GGUF);
+- on a CPU: the faster of bfloat16 and float32 on this CPU. x86 CPUs with `avx512_bf16` or
+  `amx_bf16` (/proc/cpuinfo) run bfloat16 GEMMs 2-5x faster than float32 at the model's
+  shapes; without them bfloat16 runs at about a third of float32's speed. Where the flags
+  cannot be read (not Linux x86), a short GEMM probe (< 0.5 s) at the default model's
+  shapes decides.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _gemm_seconds(dtype: torch.dtype, m: int = 64, k: int = 576, n: int = 1536, repeats: int = 20) -> float:
+    """Best time of one [m, k] x [k, n] GEMM (SmolLM2's MLP shape at a decode batch of 64)."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    torch.mm(a, b)  # warm-up (oneDNN picks its kernel on the first call)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.cache
+def fastest_cpu_dtype() -> tuple[str, str]:
+    """("bfloat16" | "float32", why) for this CPU; computed once per process."""
+    flags = cpu_flags()
+    found = [f for f in BF16_CPU_FLAGS if f in flags]
+    if found:
+        return "bfloat16", found[0]
+    if flags and platform.machine() in ("x86_64", "AMD64"):
+        return "float32", "no avx512_bf16 / amx_bf16"
+    t32, t16 = _gemm_seconds(torch.float32), _gemm_seconds(torch.bfloat16)
+    faster = "bfloat16" if t16 < t32 else "float32"
+    return faster, f"GEMM probe: bfloat16 {t32 / t16:.2f}x float32"
+
+
+def checkpoint_dtype(source_kind: str, path: Path) -> str:
+    """The dtype a checkpoint was saved in (an HF folder's `torch_dtype` / `dtype`); bfloat16 otherwise."""
+    if source_kind == "hf":
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            cfg = {}
+        name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+        return name if name in DTYPE_NAMES else "bfloat16"
+    return "bfloat16"  # GGUF (quantised: vLLM dequantises to bfloat16), dummy and conf-only models
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def resolve_dtype(dtype: str, device: torch.device, source_kind: str = "gguf", path: Path | None = None) -> str:
+    """The concrete dtype name for `dtype` on `device` ("auto" resolved; others returned as is).
+
+    ValueError for a name that is neither "auto" nor one of DTYPE_NAMES. The resolution of
+    "auto" is logged once per process ("dtype auto -> bfloat16 (avx512_bf16)").
+    """
+    if dtype in DTYPE_NAMES:
+        return dtype
+    if dtype != "auto":
+        raise ValueError(f"dtype: must be auto or one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+    if device.type == "cpu":
+        name, why = fastest_cpu_dtype()
+    else:
+        name, why = checkpoint_dtype(source_kind, path or Path()), f"checkpoint dtype on {device.type}"
+    if (name, why) not in _logged:
+        _logged.add((name, why))
+        logger.info("dtype auto -> %s (%s)", name, why)
+    return name
+
+
+def resolve_engine_dtype(dtype: str, device: str, model: str) -> str:
+    """`resolve_dtype` for a config's `model.dtype`, `device.device` ("auto" | "cpu" | "cuda..."), `model`."""
+    if dtype in DTYPE_NAMES:
+        return dtype
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
+    kind, path = "gguf", None
+    if dev.type != "cpu":
+        from engine.model.loader import resolve_source
+
+        try:
+            source = resolve_source(model)
+            kind, path = source.kind, source.path
+        except ValueError:  # reported by the loader, with its own message
+            pass
+    return resolve_dtype(dtype, dev, kind, path)

@@ -1,0 +1,66 @@
+"""dtype="auto" resolution (engine/platform.py): CPU flags / GEMM probe on a CPU, checkpoint dtype on a GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import platform
+from engine.config import EngineConfig
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Forget the cached CPU decision; returns a setter for the CPU flags seen."""
+    platform.fastest_cpu_dtype.cache_clear()
+    monkeypatch.setattr(platform, "_logged", set())
+    yield lambda flags: monkeypatch.setattr(platform, "cpu_flags", lambda: set(flags))
+    platform.fastest_cpu_dtype.cache_clear()
+
+
+def test_concrete_dtypes_pass_through_and_bad_names_fail() -> None:
+    for name in platform.DTYPE_NAMES:
+        assert platform.resolve_dtype(name, CPU) == name
+    with pytest.raises(ValueError, match="dtype: must be auto or one of"):
+        platform.resolve_dtype("int8", CPU)
+
+
+def test_cpu_auto_follows_the_bf16_flags(fresh, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(platform.platform, "machine", lambda: "x86_64")
+    fresh({"avx512f", "avx512_bf16"})
+    with caplog.at_level("INFO", logger="engine.platform"):
+        assert platform.resolve_dtype("auto", CPU) == "bfloat16"
+        assert platform.resolve_dtype("auto", CPU) == "bfloat16"
+    assert [r.getMessage() for r in caplog.records] == ["dtype auto -> bfloat16 (avx512_bf16)"]  # logged once
+    platform.fastest_cpu_dtype.cache_clear()
+    fresh({"avx512f", "avx2"})
+    assert platform.resolve_dtype("auto", CPU) == "float32"
+
+
+def test_cpu_auto_without_flags_runs_a_gemm_probe(fresh, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    fresh(set())
+    calls = []
+    monkeypatch.setattr(platform, "_gemm_seconds", lambda dt: calls.append(dt) or (1.0 if dt == torch.float32 else 0.5))
+    name, why = platform.fastest_cpu_dtype()
+    assert name == "bfloat16" and "GEMM probe" in why and calls == [torch.float32, torch.bfloat16]
+
+
+def test_gpu_auto_is_the_checkpoint_dtype(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    assert platform.resolve_dtype("auto", GPU, "hf", tmp_path) == "float16"
+    assert platform.resolve_dtype("auto", GPU, "gguf", tmp_path / "m.gguf") == "bfloat16"  # Q4_1 GGUF
+    assert platform.resolve_dtype("auto", GPU, "conf") == "bfloat16"
+
+
+def test_engine_config_resolves_auto_once_validated() -> None:
+    cfg = EngineConfig.from_kwargs("smollm2", device="cpu")
+    assert cfg.model.dtype == platform.fastest_cpu_dtype()[0]
+    assert EngineConfig.from_kwargs("smollm2", dtype="float32").model.dtype == "float32"
+    with pytest.raises(ValueError, match="dtype must be auto"):
+        EngineConfig.from_kwargs("smollm2", dtype="fp64")
+
