@@ -26,6 +26,7 @@ class ModelSection:
     max_model_len: int | None = None
     seed: int = 0
     num_layers_override: int | None = None
+    enforce_eager: bool = True  # False: compiled forward (torch.compile on a CPU, CUDA graphs on a GPU)
     arch: dict[str, Any] = field(default_factory=dict)
 
 

@@ -30,6 +30,7 @@ class ModelConfig:
     seed: int = 0
     # Override of the architecture's layer count (dummy shapes run faster with fewer).
     num_layers_override: int | None = None
+    enforce_eager: bool = True  # vLLM's name: False compiles the forward (torch.compile / CUDA graphs)
 
 
 @dataclass

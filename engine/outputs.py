@@ -45,6 +45,10 @@ class ModelRunnerOutput:
     prepare_time: float = 0.0
     forward_time: float = 0.0
     sample_time: float = 0.0
+    # How the forward ran (engine/worker/compiled.py): compiled graph or eager, and the
+    # token count it computed (the step's tokens padded up to a compiled batch size).
+    compiled: bool = False
+    padded_tokens: int = 0
 
 
 class StepStats(msgspec.Struct, omit_defaults=False):
@@ -71,6 +75,8 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     num_preemptions: int = 0  # this step
     num_finished: int = 0
     num_kv_tokens_read: int = 0  # sum of num_computed_tokens of the scheduled requests before the step
+    compiled: bool = False  # the forward ran a compiled graph (enforce_eager=False)
+    padded_tokens: int = 0  # tokens the forward computed: the step's tokens padded to the graph's batch size
 
     @property
     def kv_usage(self) -> float:

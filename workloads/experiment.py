@@ -132,7 +132,13 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         result, reference = _timed(cfg, lambda: _drive(cfg, target, specs, run_dir))
     finally:
         _shutdown(target)
-    return _write_results(cfg, run_dir, result, reference)
+    return _write_results(cfg, run_dir, result, reference, _compile_time(target))
+
+
+def _compile_time(target: Any) -> float | None:
+    """Start-up compile + warm-up seconds of an in-process engine (None for other targets)."""
+    ready = getattr(getattr(getattr(target, "llm", None), "client", None), "ready", None)
+    return None if ready is None else float(ready.compile_time_s)
 
 
 def _make_target(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path):
@@ -172,7 +178,7 @@ def _serve_overrides(cfg: DictConfig) -> list[str]:
     for section in ("scheduler", "cache", "attention", "device"):
         for key, value in cfg[section].items():
             out.append(f"{section}.{key}={'null' if value is None else value}")
-    for key in ("model", "load_format", "dtype", "max_model_len", "seed", "num_layers_override"):
+    for key in ("model", "load_format", "dtype", "max_model_len", "seed", "num_layers_override", "enforce_eager"):
         value = cfg.model[key]
         out.append(f"model.{key}={'null' if value is None else value}")
     return out
@@ -222,7 +228,9 @@ def _shutdown(target: Any) -> None:
         stop()
 
 
-def _write_results(cfg: DictConfig, run_dir: Path, result: RunResult, reference: float | None) -> dict[str, Any]:
+def _write_results(
+    cfg: DictConfig, run_dir: Path, result: RunResult, reference: float | None, compile_time_s: float | None = None
+) -> dict[str, Any]:
     runfolder.write_requests(run_dir, result.records)
     steps_df = None
     if result.steps:
@@ -235,6 +243,9 @@ def _write_results(cfg: DictConfig, run_dir: Path, result: RunResult, reference:
     if reference is not None:
         summary["time_reference_s"] = reference
     summary["target"] = cfg.target.kind
+    if compile_time_s is not None:
+        # Start-up compile + warm-up (enforce_eager=False); never inside a throughput figure.
+        summary["compile_time_s"] = compile_time_s
     if result.interrupted:
         summary["stop_reason"] = result.stop_reason
         runfolder.write_error(run_dir, f"run stopped early: {result.stop_reason}")
@@ -282,6 +293,7 @@ def _run_offline(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path) ->
     from workloads.targets.engine import sampling_params_for
 
     llm = LLM(config=engine_config)
+    compile_time_s = llm.engine_core.executor.compile_time
     factory = _hooks_factory(cfg, run_dir)
     if factory is not None:
         llm.engine_core.set_hooks(factory())
@@ -310,4 +322,4 @@ def _run_offline(cfg: DictConfig, engine_config: EngineConfig, run_dir: Path) ->
             server_queued_s=m.queued_time, server_prefill_s=m.prefill_time, server_decode_s=m.decode_time,
         ))
     result = RunResult(records=records, t0_wall=t0_wall, wall_s=done, steps=llm.step_stats)
-    return _write_results(cfg, run_dir, result, reference)
+    return _write_results(cfg, run_dir, result, reference, compile_time_s)

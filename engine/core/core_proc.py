@@ -182,7 +182,8 @@ class EngineCoreProc:
 def announce_ready(proc: EngineCoreProc) -> None:
     engine = proc.engine
     info = msg.ReadyInfo(
-        max_model_len=int(engine.max_model_len), num_blocks=int(engine.num_blocks), pid=os.getpid()
+        max_model_len=int(engine.max_model_len), num_blocks=int(engine.num_blocks), pid=os.getpid(),
+        compile_time_s=float(engine.executor.compile_time),
     )
     proc.send(msg.READY, info)
 

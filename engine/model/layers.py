@@ -20,7 +20,8 @@ from engine.model.cpu_kernels import kernels
 
 def _fused(*ts: torch.Tensor) -> ModuleType | None:
     """The fused C++ kernels where they apply (contiguous float32 CPU tensors, no autograd), else None."""
-    if torch.is_grad_enabled() or not all(
+    # Under torch.compile the torch ops below are traced instead: inductor fuses them itself.
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or not all(
         t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts
     ):
         return None
