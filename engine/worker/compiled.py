@@ -122,7 +122,7 @@ def route_attention_through_op(model: torch.nn.Module, backend: AttentionBackend
     layer = 0
     for module in model.modules():
         if hasattr(module, "attn_backend"):
-            module.attn_backend = LayerAttention(layer, backend)
+            setattr(module, "attn_backend", LayerAttention(layer, backend))  # noqa: B010 (not an nn.Module)
             layer += 1
     return layer
 
@@ -174,12 +174,12 @@ class ForwardMode:
 
 
 class CompiledForward:
-    """The model's forward, compiled with inductor for padded pure-decode batches.
+    """The model's forward, compiled: one dynamic-shape inductor graph on a CPU, piecewise CUDA
+    graphs per padded decode batch size on a GPU.
 
     Contract: `__call__(input_ids [T], positions [T], metadata)` -> (hidden [T', H], mode)
-    with T' >= T (rows past T are padding) after `begin_step(metadata)` was called on the
-    backend by the caller. Never recompiles after `warm_up()`: a step whose shape was not
-    warmed up runs eagerly.
+    with T' >= T (rows past T are padding), after the caller ran `backend.begin_step(metadata)`.
+    Never compiles after `warm_up()`: a step no warmed-up graph covers runs eagerly.
     """
 
     def __init__(
@@ -197,49 +197,63 @@ class CompiledForward:
         self.block_size = block_size
         self.device = device
         self.num_layers = route_attention_through_op(model, backend)
+        self.cuda_graphs = device.type == "cuda"
+        # CPU: every token count runs the dynamic graph (sizes 1 and >= 2: dynamo specialises 1).
+        # GPU: a CUDA graph needs fixed shapes, so pure-decode batches are padded to the ladder.
         self.ladder = decode_ladder(max_num_seqs)
-        self.compiled_sizes: set[int] = set()
+        self.warm_sizes = sorted(self.ladder, reverse=True) if self.cuda_graphs else [2, 1]
+        self.ready = False
         self.compile_time = 0.0
         self._compiled = self._compile(model)
 
-    @staticmethod
-    def _compile(model: torch.nn.Module) -> Any:
+    def _compile(self, model: torch.nn.Module) -> Any:
         import torch._inductor.config as inductor_config
 
         for key, value in INDUCTOR_CONFIG.items():
             setattr(inductor_config, key, value)
-        # One graph per ladder size (static shapes): each gets shape-specialised kernels.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        if self.cuda_graphs:
+            from engine.worker.cuda_graphs import piecewise_backend
+
+            return torch.compile(model, backend=piecewise_backend(capture=True), fullgraph=True, dynamic=False)
         return torch.compile(model, fullgraph=True, dynamic=False)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Compile and run every ladder size once (largest first); returns the seconds taken.
+        """Compile (and on a GPU capture) every graph once; returns the seconds taken.
 
-        Writes one dummy token into slot 0 of every layer's cache, then zeroes the caches:
+        Writes dummy tokens into slot 0 of every layer's cache, then zeroes the caches:
         call before any request is scheduled.
         """
         t0 = time.perf_counter()
-        for size in sorted(self.ladder, reverse=True):
+        for size in self.warm_sizes:
             md = dummy_decode_metadata(size, self.block_size, self.device)
             self.backend.begin_step(md)
+            # Two distinct tensors: passing one for both would make dynamo guard on their aliasing.
             ids = torch.zeros(size, dtype=torch.int64, device=self.device)
+            positions = torch.zeros(size, dtype=torch.int64, device=self.device)
+            if not self.cuda_graphs and size > 1:
+                torch._dynamo.mark_dynamic(ids, 0)
+                torch._dynamo.mark_dynamic(positions, 0)
             with step_context(self.backend, md, self.kv_caches):
-                self._compiled(ids, ids, self.kv_caches, md)
-            self.compiled_sizes.add(size)
+                self._compiled(ids, positions, self.kv_caches, md)
         for cache in self.kv_caches:
             cache.zero_()
+        self.ready = True
         self.compile_time = time.perf_counter() - t0
-        logger.info("compiled forward: decode batch sizes %s warmed up in %.1f s", self.ladder, self.compile_time)
+        what = f"CUDA graphs for decode batch sizes {self.ladder}" if self.cuda_graphs else "one dynamic-shape graph"
+        logger.info("compiled forward: %s, warmed up in %.1f s", what, self.compile_time)
         return self.compile_time
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> tuple[torch.Tensor, ForwardMode]:
         n = input_ids.shape[0]
-        size = padded_size(n, self.ladder) if metadata.is_pure_decode else None
+        size: int | None = n
+        if self.cuda_graphs:
+            size = padded_size(n, self.ladder) if metadata.is_pure_decode else None
         with step_context(self.backend, metadata, self.kv_caches):
-            if size is None or size not in self.compiled_sizes:
+            if size is None or not self.ready:
                 return self.model(input_ids, positions, self.kv_caches, metadata), ForwardMode(False, n)
             if size > n:
                 pad = input_ids.new_zeros(size - n)

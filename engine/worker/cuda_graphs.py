@@ -55,14 +55,14 @@ def split_at_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
             part += 1
         else:
             partition_of[node] = part
-    split = split_module(gm, None, lambda n: partition_of[n], keep_original_order=True)
+    split = split_module(gm, gm, lambda n: partition_of[n], keep_original_order=True)
     return split, [f"submod_{p}" for p in sorted(attention_parts)]
 
 
 class CudaGraphPiece(torch.nn.Module):
     """One piece of the split forward, replayed from a CUDA graph per input shape."""
 
-    def __init__(self, module: fx.GraphModule, pool: Any) -> None:
+    def __init__(self, module: torch.nn.Module, pool: Any) -> None:
         super().__init__()
         self.module = module
         self.pool = pool
