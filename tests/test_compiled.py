@@ -132,7 +132,7 @@ def test_cuda_graphs_match_eager_on_gpu():
 
 @pytest.mark.slow
 def test_compiled_greedy_tokens_equal_eager():
-    """Inductor-compiled decode (tiny dummy model, 2 layers) gives eager's greedy tokens."""
+    """The inductor-compiled forward (tiny dummy model, 2 layers) gives eager's greedy tokens."""
     prompts = [[11, 12, 13, 14, 15], [21, 22, 23], [31, 32, 33, 34], [41]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs, stats = {}, {}
@@ -141,7 +141,7 @@ def test_compiled_greedy_tokens_equal_eager():
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         stats[eager] = llm.step_stats
     assert outs[False] == outs[True]
-    compiled_steps = [s for s in stats[False] if s.compiled]
-    assert compiled_steps, "no decode step ran the compiled graph"
-    assert all(s.num_prefill_tokens == 0 and s.padded_tokens in (1, 2, 4) for s in compiled_steps)
-    assert all(s.padded_tokens >= s.num_decode_tokens for s in compiled_steps)
+    # On a CPU the one dynamic-shape graph runs every step (prefill and decode), unpadded.
+    assert stats[False] and all(s.compiled for s in stats[False])
+    assert all(s.padded_tokens == s.num_prefill_tokens + s.num_decode_tokens for s in stats[False])
+    assert not any(s.compiled for s in stats[True])
