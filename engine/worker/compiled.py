@@ -1,32 +1,34 @@
 """Compiled execution of the model's forward (`ModelConfig.enforce_eager=False`).
 
-Design note (measured on a 2-core AMD EPYC with avx512_bf16, SmolLM2-135M; figures in
-docs/configuration.md):
+Design note:
 
 - The attention call is the seam. Every layer's attention goes through ONE opaque torch
   custom op, `servelab::paged_attention(q, k, v, layer, scale)`, registered here. The op
   reads the step's backend, metadata and KV cache from a per-step forward context
   (`step_context`), so dynamo never sees the backend's Python planning, host lists or
   the cache write: the rest of the forward (embedding, norms, projections, rotary,
-  SiLU-mul, residual adds) traces into one graph with no breaks. The same op is what a
-  piecewise CUDA-graph split cuts at (`engine.worker.cuda_graphs`). When the CPU kernels
-  become torch custom ops, nothing here changes: they trace as ops of the graph.
-- Shapes. A step's token count changes every step; compiling per count would recompile
-  forever. Pure-decode steps (every request has a one-token query, the steady state of a
-  batch) are padded up to the next size of a small ladder (1, 2, 4, 8, ..., up to
-  max_num_seqs) and each ladder size is compiled once, at start-up. Steps with a prefill
-  (a few per request's lifetime) run the same model eagerly: on W they are ~5% of the
-  steps, padding a 2,048-token prefill to a ladder would waste up to half its GEMM work,
-  and a dynamic-shape graph compiled for them costs another ~compile at start-up for a
-  few percent of the time. Padded rows get input id 0 at position 0; the attention op
-  only ever sees the real rows (it slices them off and returns zeros for the pad), so
-  the KV cache and the sampled rows are untouched by padding.
-- Inductor settings kept: what the measurements below showed to help; see
-  `INDUCTOR_CONFIG`. Warm-up (compile + one run per ladder size) happens once, in
-  `warm_up()`, before the engine serves; its time is logged and reported, never part of
-  a step.
+  SiLU-mul, residual adds) traces into one graph with no breaks. The same op is where the
+  GPU path splits the graph into CUDA-graph pieces (`engine.worker.cuda_graphs`). When
+  the CPU layer kernels become torch custom ops they trace as ops of the graph; until
+  then `engine.model.layers` uses plain torch ops while compiling (inductor fuses them).
+- Shapes on a CPU: the token count is a dynamic dimension. One graph (plus dynamo's
+  size-1 specialisation, compiled at warm-up too) serves every step, prefill, decode and
+  mixed, so nothing is padded and nothing recompiles after start-up. The alternative, one
+  static graph per size of a padded ladder 1, 2, 4, ..., max_num_seqs, was built first and
+  measured: 6 sizes took 480 s to compile on the shared 2-core machine (about 80 s each)
+  against ~50 s for the dynamic graph, and it still left prefill steps eager. On a CPU
+  the GEMMs are library calls whatever the shape, so static shapes buy little.
+- Shapes on a GPU: a CUDA graph needs fixed shapes, so pure-decode batches are padded up
+  to the ladder and one graph set is captured per size; steps with a prefill run eagerly.
+  Padded rows get input id 0 at position 0; the attention op only ever sees the real
+  rows (it slices them off and returns zeros for the pad), so the KV cache and the
+  sampled rows are untouched by padding.
+- Inductor settings: the defaults (`INDUCTOR_CONFIG` is empty). `freezing` (oneDNN weight
+  prepacking) and `cpp_wrapper` are applied through `INDUCTOR_CONFIG` when set, but were
+  not shown to help on this machine (see the branch report), so they stay off.
+- Warm-up (compile + one run per graph) happens once, in `warm_up()`, before the engine
+  takes requests; its time is logged, reported (`compile_time_s`), never part of a step.
 """
-
 from __future__ import annotations
 
 import logging
