@@ -3,7 +3,12 @@
     python benchmarks/offline_throughput.py [--num-requests 64] [--prompt-len 128] [--output-len 128]
         [--threads N] [--dtype auto|float32|bfloat16] [--hf-dtype auto|float32|bfloat16]
         [--skip-hf] [--max-num-seqs 128] [--max-num-batched-tokens 2048] [--repeats 1] [--json OUT]
-        [--quick]
+        [--quick] [--enforce-eager true|false|both]
+
+`--enforce-eager false` runs servelab with its compiled forward (engine/worker/compiled.py);
+`both` loads an eager and a compiled engine and alternates their timed runs (printed as
+`servelab` and `compiled`). Compile time is measured at start-up and printed apart: it is
+never inside a throughput figure.
 
 `--quick` is a smoke run (16 requests x 128 prompt + 32 output tokens, one HF batch);
 its figures are not the acceptance numbers.
@@ -124,26 +129,27 @@ def build_prompts(num: int, length: int) -> list[list[int]]:
     return [builder.token_ids(length, i * OFFSET_STRIDE) for i in range(num)]
 
 
-def make_servelab(args: argparse.Namespace, dtype: str):  # type: ignore[no-untyped-def]
+def make_servelab(args: argparse.Namespace, dtype: str, enforce_eager: bool = True):  # type: ignore[no-untyped-def]
     from engine.llm import LLM
 
     return LLM(
         model="smollm2",
         dtype=dtype,
+        enforce_eager=enforce_eager,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
     )
 
 
-def time_servelab(llm, prompts: list[list[int]], output_len: int, dtype: str) -> RunResult:  # type: ignore[no-untyped-def]
+def time_servelab(llm, prompts: list[list[int]], output_len: int, dtype: str, name: str = "servelab") -> RunResult:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.reset_prefix_cache()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    return RunResult("servelab", dtype, elapsed, produced)
+    return RunResult(name, dtype, elapsed, produced)
 
 
 def make_hf(dtype: str):  # type: ignore[no-untyped-def]
@@ -207,6 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="timed runs of each engine (alternating)")
     p.add_argument("--json", type=Path, default=None, help="write all figures to this file")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 requests, 32 output tokens")
+    p.add_argument("--enforce-eager", choices=["true", "false", "both"], default="true",
+                   help="servelab forward: eager (true), compiled (false), or both alternating")
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests, args.output_len = min(args.num_requests, 16), min(args.output_len, 32)
@@ -225,20 +233,32 @@ def run_all(args: argparse.Namespace) -> dict:
     prompts = build_prompts(args.num_requests, args.prompt_len)
     warm = prompts[: min(len(prompts), HF_BATCH)]
     s_dtype, h_dtype = pick_dtype(args.dtype, peaks), pick_dtype(args.hf_dtype, peaks)
-    llm = make_servelab(args, s_dtype)
-    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    engines = {}  # name -> LLM; "servelab" is the eager one unless --enforce-eager false
+    compile_s = {}
+    for eager in {"true": [True], "false": [False], "both": [True, False]}[args.enforce_eager]:
+        name = "compiled" if not eager and args.enforce_eager == "both" else "servelab"
+        t0 = time.perf_counter()
+        engines[name] = make_servelab(args, s_dtype, enforce_eager=eager)
+        compile_s[name] = engines[name].engine_core.executor.compile_time
+        print(f"{name}: engine start {time.perf_counter() - t0:.1f} s, of which compile + warm-up "
+              f"{compile_s[name]:.1f} s (enforce_eager={eager})")
+        engines[name].generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     hf = None
     if not args.skip_hf:
         hf = make_hf(h_dtype)
         hf_generate(hf, warm, 8)
-    runs: dict[str, list[RunResult]] = {"servelab": [], "hf": []}
+    runs: dict[str, list[RunResult]] = {**{name: [] for name in engines}, "hf": []}
     for _ in range(args.repeats):
-        runs["servelab"].append(time_servelab(llm, prompts, args.output_len, s_dtype))
+        for name, llm in engines.items():
+            runs[name].append(time_servelab(llm, prompts, args.output_len, s_dtype, name))
         if hf is not None:
             runs["hf"].append(time_hf(hf, prompts, args.output_len, h_dtype))
-    del llm, hf
+    del engines, hf
     gc.collect()
-    return summarize(args, arch, peaks, runs)
+    out = summarize(args, arch, peaks, runs)
+    out["compile_time_s"] = compile_s
+    out["enforce_eager"] = args.enforce_eager
+    return out
 
 
 def summarize(args: argparse.Namespace, arch: ModelArch, peaks: dict[str, float], runs: dict) -> dict:
@@ -276,7 +296,7 @@ def report(res: dict) -> None:
     print("GEMM peak (torch.mm, model shapes): "
           + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in res["gemm_flops"].items()))
     print(f"matmul params per token: {res['matmul_params'] / 1e6:.1f} M")
-    for name in ("servelab", "hf"):
+    for name in ("servelab", "compiled", "hf"):
         if name in res:
             r = res[name]
             print(f"{name:9s} [{r['dtype']}]: {r['tokens_per_s']:8.1f} output tok/s   compute limit reached: "
@@ -285,6 +305,14 @@ def report(res: dict) -> None:
     if "ratio_servelab_over_hf" in res:
         each = ", ".join(f"{x:.2f}" for x in res["ratios"])
         print(f"servelab / HF: {res['ratio_servelab_over_hf']:.2f}x (median of runs: {each})")
+    if "compiled" in res:
+        ratios = [e["seconds"] / c["seconds"] for e, c in zip(res["runs"]["servelab"], res["runs"]["compiled"],
+                                                               strict=True)]
+        print(f"compiled / eager: {statistics.median(ratios):.2f}x (per alternating pair: "
+              + ", ".join(f"{x:.2f}" for x in ratios) + ")")
+    for name, secs in res.get("compile_time_s", {}).items():
+        if secs:
+            print(f"{name}: compile + warm-up at start-up {secs:.1f} s (not in any figure above)")
 
 
 def main(argv: list[str] | None = None) -> None:

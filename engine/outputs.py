@@ -52,6 +52,8 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     num_preemptions: int = 0  # this step
     num_finished: int = 0
     num_kv_tokens_read: int = 0  # sum of num_computed_tokens of the scheduled requests before the step
+    compiled: bool = False  # the forward ran a compiled graph (enforce_eager=False)
+    padded_tokens: int = 0  # tokens the forward computed: the step's tokens padded to the graph's batch size
 
     @property
     def kv_usage(self) -> float:

@@ -103,3 +103,7 @@ class ModelRunnerOutput:
     prepare_time: float = 0.0
     forward_time: float = 0.0
     sample_time: float = 0.0
+    # How the forward ran (engine/worker/compiled.py): compiled graph or eager, and the
+    # token count it computed (the step's tokens padded up to a compiled batch size).
+    compiled: bool = False
+    padded_tokens: int = 0

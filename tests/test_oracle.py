@@ -3,7 +3,8 @@
 Scenarios of the engine-core issue: (a) one request at a time, (b) all together,
 (c) a token budget small enough to chunk every prompt, (d) shared long prefixes and an
 exact repeat (prefix hits > 0), (e) a KV cache small enough to force preemption.
-One engine is loaded for the module; `EngineCore.reconfigure` swaps the scheduler.
+One engine is loaded per `enforce_eager` value (eager, and the compiled forward of
+engine/worker/compiled.py); `EngineCore.reconfigure` swaps the scheduler.
 """
 
 from __future__ import annotations
@@ -37,15 +38,21 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
+@pytest.fixture(scope="module", params=[True, False], ids=["eager", "compiled"])
+def llm(request) -> LLM:
     torch.manual_seed(0)
-    return LLM(model="smollm2", dtype="float32", max_num_seqs=16, num_blocks=256, block_size=16)
+    return LLM(model="smollm2", dtype="float32", max_num_seqs=16, num_blocks=256, block_size=16,
+               enforce_eager=request.param)
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(llm: LLM) -> list[list[int]]:
-    return [llm.tokenizer.encode(p) for p in PROMPTS]
+def prompt_ids() -> list[list[int]]:
+    # The engine's tokenizer, without an engine: HF runs once for both engine parametrizations.
+    from engine.config import ModelConfig
+    from engine.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(ModelConfig(dtype="float32"))
+    return [tokenizer.encode(p) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +97,10 @@ def test_one_at_a_time(llm, prompt_ids, hf_greedy):
 
 def test_all_together(llm, prompt_ids, hf_greedy):
     _configure(llm)
+    start = len(llm.step_stats)
     assert _run(llm, prompt_ids) == hf_greedy
+    compiled = llm.engine_core.config.model.enforce_eager is False
+    assert all(s.compiled == compiled for s in llm.step_stats[start:])
 
 
 def test_chunked_prefill(llm, prompt_ids, hf_greedy):

@@ -71,6 +71,27 @@ def test_sweep_2x2_writes_sweep_csv(tmp_path: Path) -> None:
     assert any(p.suffix == ".html" for p in sweep_dir.iterdir())
 
 
+def test_enforce_eager_sweep_records_compile_status(tmp_path: Path) -> None:
+    """`-m model.enforce_eager=true,false`: the compiled job's steps ran compiled and its summary
+    has the start-up compile time; the eager job's did not (1-layer dummy model: short compile)."""
+    sweep_dir = tmp_path / "sweep"
+    servelab_run(
+        "-m", "model.enforce_eager=true,false", "model.load_format=dummy", "model.num_layers_override=1",
+        *TINY, f"hydra.sweep.dir={sweep_dir}", timeout=900,
+    )
+    df = pd.read_csv(sweep_dir / "sweep.csv")
+    assert sorted(df["model.enforce_eager"].astype(bool)) == [False, True]
+    assert (df["completed"] == 4).all()
+    for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir() and (p / "steps.csv").exists()):
+        eager = yaml.safe_load((job / "config.yaml").read_text())["model"]["enforce_eager"]
+        steps = pd.read_csv(job / "steps.csv")
+        worked = steps[steps["num_prefill_tokens"] + steps["num_decode_tokens"] > 0]
+        summary = json.loads((job / "summary.json").read_text())
+        assert (worked["compiled"].astype(bool) == (not eager)).all()
+        assert (worked["padded_tokens"] >= worked["num_prefill_tokens"] + worked["num_decode_tokens"]).all()
+        assert (summary["compile_time_s"] > 0) == (not eager)
+
+
 def test_inprocess_and_server_targets_give_the_same_token_counts(tmp_path: Path) -> None:
     workload = [*TINY, "workload.output_len.value=12", "workload.num_requests=5"]
     a = run_once(tmp_path / "inprocess", *workload, "target=inprocess")

@@ -133,7 +133,13 @@ def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         result, reference = _timed(cfg, lambda: _drive(cfg, target, specs, run_dir))
     finally:
         _shutdown(target)
-    return _write_results(cfg, run_dir, result, reference)
+    return _write_results(cfg, run_dir, result, reference, _compile_time(target))
+
+
+def _compile_time(target: Any) -> float | None:
+    """Start-up compile + warm-up seconds of an in-process engine (None for other targets)."""
+    ready = getattr(getattr(getattr(target, "llm", None), "client", None), "ready", None)
+    return None if ready is None else float(ready.compile_time_s)
 
 
 def _make_target(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path):
@@ -230,7 +236,9 @@ def _shutdown(target: Any) -> None:
         stop()
 
 
-def _write_results(cfg: RunConfig, run_dir: Path, result: RunResult, reference: float | None) -> dict[str, Any]:
+def _write_results(
+    cfg: RunConfig, run_dir: Path, result: RunResult, reference: float | None, compile_time_s: float | None = None
+) -> dict[str, Any]:
     runfolder.write_requests(run_dir, result.records)
     steps_df = None
     if result.steps:
@@ -247,6 +255,9 @@ def _write_results(cfg: RunConfig, run_dir: Path, result: RunResult, reference: 
         from engine.platform import resolve_engine_dtype
 
         summary["dtype"] = resolve_engine_dtype(cfg.model.dtype, cfg.device.device, cfg.model.model)
+    if compile_time_s is not None:
+        # Start-up compile + warm-up (enforce_eager=False); never inside a throughput figure.
+        summary["compile_time_s"] = compile_time_s
     if result.interrupted:
         summary["stop_reason"] = result.stop_reason
         summary["partial"] = True
@@ -296,6 +307,7 @@ def _run_offline(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> 
     from workloads.targets.engine import sampling_params_for
 
     llm = LLM(config=engine_config)
+    compile_time_s = llm.engine_core.executor.compile_time
     factory = _hooks_factory(cfg, run_dir)
     if factory is not None:
         llm.engine_core.set_hooks(factory())
@@ -323,4 +335,4 @@ def _run_offline(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> 
             server_queued_s=m.queued_time, server_prefill_s=m.prefill_time, server_decode_s=m.decode_time,
         ))
     result = RunResult(records=records, t0_wall=t0_wall, wall_s=done, steps=llm.step_stats)
-    return _write_results(cfg, run_dir, result, reference)
+    return _write_results(cfg, run_dir, result, reference, compile_time_s)

@@ -188,7 +188,8 @@ class EngineCoreProc:
 def announce_ready(proc: EngineCoreProc) -> None:
     engine = proc.engine
     info = msg.ReadyInfo(
-        max_model_len=int(engine.max_model_len), num_blocks=int(engine.num_blocks), pid=os.getpid()
+        max_model_len=int(engine.max_model_len), num_blocks=int(engine.num_blocks), pid=os.getpid(),
+        compile_time_s=float(getattr(getattr(engine, "executor", None), "compile_time", 0.0)),
     )
     proc.send(msg.READY, info)
 

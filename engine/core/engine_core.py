@@ -146,6 +146,8 @@ class EngineCore:
             prepare_time=runner_out.prepare_time,
             forward_time=runner_out.forward_time,
             sample_time=runner_out.sample_time,
+            compiled=runner_out.compiled,
+            padded_tokens=runner_out.padded_tokens,
             update_time=t[3] - t[2],
             step_time=t[4] - t[0],
             **self.scheduler.make_stats().as_dict(),

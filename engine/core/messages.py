@@ -59,6 +59,7 @@ class ReadyInfo(msgspec.Struct):
     max_model_len: int
     num_blocks: int
     pid: int
+    compile_time_s: float = 0.0  # start-up compile + warm-up of the forward (enforce_eager=False)
 
 
 class EngineStats(msgspec.Struct):

@@ -41,3 +41,5 @@ class Executor(ABC):
 
     max_model_len: int
     eos_token_id: int | None
+    # Seconds spent at start-up compiling / capturing the forward (enforce_eager=False), else 0.
+    compile_time: float = 0.0

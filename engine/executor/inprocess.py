@@ -19,6 +19,7 @@ class InProcessExecutor(Executor):
         self.max_model_len = self.worker.max_model_len
         self.eos_token_id = self.worker.arch.eos_token_id
         self.vocab_size = self.worker.arch.vocab_size
+        self.compile_time = self.worker.compile_time
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -25,7 +25,8 @@ def _fused(*ts: torch.Tensor) -> Any | None:
     """The fused C++ ops where they apply (contiguous CPU tensors of one dtype, float32 or
     bfloat16, no autograd), else None."""
     dtype = ts[0].dtype
-    if torch.is_grad_enabled() or dtype not in _FUSED_DTYPES or not all(
+    # Under torch.compile the torch-op fallbacks are traced instead: inductor fuses them itself.
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or dtype not in _FUSED_DTYPES or not all(
         t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in ts
     ):
         return None

@@ -22,6 +22,7 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.hooks import NULL_HOOKS, StepHooks
 from engine.sample.sampler import Sampler, SamplingBatch
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
+from engine.worker.compiled import CompiledForward, ForwardMode
 from engine.worker.input_batch import InputBatch
 
 
@@ -57,6 +58,7 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int,
         device: torch.device,
+        enforce_eager: bool = True,
     ) -> None:
         self.model = cast(CausalLM, model)
         self.attn_backend = attn_backend
@@ -67,6 +69,18 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, max_blocks)
         self.sampler = Sampler()
         self.hooks: StepHooks = NULL_HOOKS
+        # enforce_eager=False: pure-decode steps run a compiled forward (engine/worker/compiled.py).
+        self.compiled: CompiledForward | None = None
+        if not enforce_eager:
+            self.compiled = CompiledForward(model, attn_backend, kv_caches, max_num_seqs, block_size, device)
+
+    def warm_up(self) -> float:
+        """Compile / capture the forward's shapes before serving; seconds taken (0 when eager)."""
+        return self.compiled.warm_up() if self.compiled is not None else 0.0
+
+    @property
+    def compile_time(self) -> float:
+        return self.compiled.compile_time if self.compiled is not None else 0.0
 
     # ---- state updates -------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -156,7 +170,7 @@ class ModelRunner:
             self.attn_backend.begin_step(inp.metadata)
         t1 = time.perf_counter()
         with self.hooks.phase("forward"):
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata)
+            hidden, mode = self._forward(inp)
             logits = self.model.compute_logits(hidden[inp.logits_indices])
         t2 = time.perf_counter()
         with self.hooks.phase("sample"):
@@ -165,7 +179,15 @@ class ModelRunner:
             out = self._collect(inp, sample_rows, sampled, logprobs)
         t3 = time.perf_counter()
         out.prepare_time, out.forward_time, out.sample_time = t1 - t0, t2 - t1, t3 - t2
+        out.compiled, out.padded_tokens = mode.compiled, mode.padded_tokens
         return out
+
+    def _forward(self, inp: StepInputs) -> tuple[torch.Tensor, ForwardMode]:
+        """hidden [T' >= T, H] (rows past T are padding) and how the forward ran."""
+        if self.compiled is not None:
+            return self.compiled(inp.input_ids, inp.positions, inp.metadata)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata)
+        return hidden, ForwardMode(False, inp.metadata.num_tokens)
 
     def _collect(self, inp: StepInputs, sample_rows: np.ndarray, sampled: list[int], logprobs) -> ModelRunnerOutput:
         b = self.batch

@@ -39,6 +39,7 @@ class Worker:
         cache_dtype = config.cache.cache_dtype
         self.kv_dtype = self.dtype if cache_dtype == "auto" else torch_dtype(cache_dtype)
         self.model_runner: ModelRunner | None = None
+        self.compile_time = 0.0  # seconds of compile + warm-up at start-up (enforce_eager=False)
 
     def load_and_allocate(self) -> int:
         """Load the model, allocate the KV cache; returns the number of KV blocks."""
@@ -65,7 +66,9 @@ class Worker:
             self.max_model_len,
             self.config.scheduler.max_num_seqs,
             self.device,
+            enforce_eager=self.config.model.enforce_eager,
         )
+        self.compile_time = self.model_runner.warm_up()
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
