@@ -53,6 +53,7 @@ class SchedulerConfig:
     # Test/diagnostic knob: sleep this long after every step (gates use it to
     # produce a run that is slow on purpose).
     step_delay_ms: float = 0.0
+    async_scheduling: bool = False  # vLLM's name: schedule step N+1 while step N runs
 
 
 @dataclass

@@ -71,6 +71,9 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     num_preemptions: int = 0  # this step
     num_finished: int = 0
     num_kv_tokens_read: int = 0  # sum of num_computed_tokens of the scheduled requests before the step
+    # Steps in flight once this one was submitted, itself included: 1 without async
+    # scheduling; 2 when it was scheduled while the previous step ran.
+    batch_queue_depth: int = 1
 
     @property
     def kv_usage(self) -> float:

@@ -55,6 +55,7 @@ class StepPlan:
         cached = CachedRequestData()
         req_ids, block_ids, computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         token_ids, num_scheduled, new_block_ids = cached.new_token_ids, self.num_scheduled, self.new_block_ids
+        # A placeholder position has no id yet: `new_token_ids` holds the known ones only.
         for rid, r in self.cached_reqs.items():
             start = r.num_computed_tokens
             req_ids.append(rid)
@@ -91,9 +92,11 @@ class StepPlan:
 
 
 def is_decode(request: Request, num_scheduled: int) -> bool:
-    """Decode = computing exactly the last token of a request that has outputs (see output.py)."""
+    """Decode = computing exactly the last token of a request that has outputs (see output.py);
+    with async scheduling that last token may be an output placeholder."""
+    pending = request.num_output_placeholders
     return (
-        request.num_output_tokens > 0
+        request.num_output_tokens + pending > 0
         and num_scheduled == 1
-        and request.num_computed_tokens == request.num_tokens - 1
+        and request.num_computed_tokens == request.num_tokens + pending - 1
     )
