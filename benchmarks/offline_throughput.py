@@ -3,7 +3,11 @@
     python benchmarks/offline_throughput.py [--num-requests 64] [--prompt-len 128] [--output-len 128]
         [--threads N] [--dtype auto|float32|bfloat16] [--hf-dtype auto|float32|bfloat16]
         [--skip-hf] [--max-num-seqs 128] [--max-num-batched-tokens 2048] [--repeats 1] [--json OUT]
-        [--quick]
+        [--async-scheduling off|on|ab] [--quick]
+
+`--async-scheduling on` runs servelab with `async_scheduling=True` (batch queue of depth
+2); `ab` times both settings on one loaded model, alternating sync / async in every repeat,
+and prints their ratio (`servelab_async` in the JSON).
 
 `--quick` is a smoke run (16 requests x 128 prompt + 32 output tokens, one HF batch);
 its figures are not the acceptance numbers.
@@ -133,17 +137,28 @@ def make_servelab(args: argparse.Namespace, dtype: str):  # type: ignore[no-unty
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
+        async_scheduling=args.async_scheduling == "on",
     )
 
 
-def time_servelab(llm, prompts: list[list[int]], output_len: int, dtype: str) -> RunResult:  # type: ignore[no-untyped-def]
+def set_async_scheduling(llm, on: bool) -> None:  # type: ignore[no-untyped-def]
+    """Swap the scheduler (same model) for one with async scheduling on or off."""
+    import dataclasses
+
+    core = llm.engine_core
+    core.reconfigure(dataclasses.replace(core.config.scheduler, async_scheduling=on))
+
+
+def time_servelab(  # type: ignore[no-untyped-def]
+    llm, prompts: list[list[int]], output_len: int, dtype: str, name: str = "servelab"
+) -> RunResult:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.reset_prefix_cache()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    return RunResult("servelab", dtype, elapsed, produced)
+    return RunResult(name, dtype, elapsed, produced)
 
 
 def make_hf(dtype: str):  # type: ignore[no-untyped-def]
@@ -207,6 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="timed runs of each engine (alternating)")
     p.add_argument("--json", type=Path, default=None, help="write all figures to this file")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 requests, 32 output tokens")
+    p.add_argument("--async-scheduling", choices=["off", "on", "ab"], default="off",
+                   help="servelab's async_scheduling; ab: both, alternating, on one model")
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests, args.output_len = min(args.num_requests, 16), min(args.output_len, 32)
@@ -231,9 +248,15 @@ def run_all(args: argparse.Namespace) -> dict:
     if not args.skip_hf:
         hf = make_hf(h_dtype)
         hf_generate(hf, warm, 8)
-    runs: dict[str, list[RunResult]] = {"servelab": [], "hf": []}
+    runs: dict[str, list[RunResult]] = {"servelab": [], "servelab_async": [], "hf": []}
     for _ in range(args.repeats):
-        runs["servelab"].append(time_servelab(llm, prompts, args.output_len, s_dtype))
+        if args.async_scheduling == "ab":
+            for on in (False, True):
+                set_async_scheduling(llm, on)
+                name = "servelab_async" if on else "servelab"
+                runs[name].append(time_servelab(llm, prompts, args.output_len, s_dtype, name))
+        else:
+            runs["servelab"].append(time_servelab(llm, prompts, args.output_len, s_dtype))
         if hf is not None:
             runs["hf"].append(time_hf(hf, prompts, args.output_len, h_dtype))
     del llm, hf
@@ -266,6 +289,12 @@ def summarize(args: argparse.Namespace, arch: ModelArch, peaks: dict[str, float]
         ratios = [s.seconds and h.seconds / s.seconds for s, h in zip(runs["servelab"], runs["hf"], strict=True)]
         out["ratio_servelab_over_hf"] = statistics.median(ratios)
         out["ratios"] = ratios
+    if runs["servelab_async"]:
+        pairs = zip(runs["servelab"], runs["servelab_async"], strict=True)
+        ab = [s.seconds / a.seconds for s, a in pairs]
+        out["ratio_async_over_sync"] = statistics.median(ab)
+        out["ratios_async_over_sync"] = ab
+    out["async_scheduling"] = args.async_scheduling
     return out
 
 
@@ -276,7 +305,7 @@ def report(res: dict) -> None:
     print("GEMM peak (torch.mm, model shapes): "
           + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in res["gemm_flops"].items()))
     print(f"matmul params per token: {res['matmul_params'] / 1e6:.1f} M")
-    for name in ("servelab", "hf"):
+    for name in ("servelab", "servelab_async", "hf"):
         if name in res:
             r = res[name]
             print(f"{name:9s} [{r['dtype']}]: {r['tokens_per_s']:8.1f} output tok/s   compute limit reached: "
@@ -285,6 +314,11 @@ def report(res: dict) -> None:
     if "ratio_servelab_over_hf" in res:
         each = ", ".join(f"{x:.2f}" for x in res["ratios"])
         print(f"servelab / HF: {res['ratio_servelab_over_hf']:.2f}x (median of runs: {each})")
+    if "ratio_async_over_sync" in res:
+        each = ", ".join(f"{x:.3f}" for x in res["ratios_async_over_sync"])
+        print(f"servelab async / sync: {res['ratio_async_over_sync']:.3f}x (each repeat: {each})")
+    elif res.get("async_scheduling") == "on":
+        print("servelab ran with async_scheduling=True")
 
 
 def main(argv: list[str] | None = None) -> None:

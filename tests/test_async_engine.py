@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from engine.llm import LLM
-from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 
 
@@ -146,6 +145,5 @@ def test_failed_step_drains_the_queue(monkeypatch: pytest.MonkeyPatch) -> None:
         core.abort_requests(["r0", "r1"])  # what the core process / LLM do after a failure
         assert not core.has_unfinished_requests()
         core.scheduler.assert_idle()
-        assert all(r.status == RequestStatus.FINISHED_ABORTED for r in [])  # no request object left
     finally:
         core.shutdown()

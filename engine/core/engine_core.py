@@ -16,6 +16,7 @@ that only filled the queue returns no outputs and no stats.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -188,7 +189,8 @@ class EngineCore:
         c0 = self.clock()
         t0 = time.perf_counter()
         so: SchedulerOutput | None = None
-        if len(queue) < BATCH_QUEUE_DEPTH and self.scheduler.has_unfinished_requests():
+        sched = self.scheduler
+        if len(queue) < BATCH_QUEUE_DEPTH and (sched.has_unfinished_requests() or sched.finished_req_ids):
             with self.hooks.phase("schedule"):
                 so = self.scheduler.schedule()
             if so.total_num_scheduled_tokens > 0:
@@ -237,10 +239,8 @@ class EngineCore:
         entries = [failed, *self.batch_queue]
         self.batch_queue.clear()
         for entry in entries:
-            try:
+            with contextlib.suppress(BaseException):  # the first failure is the one raised
                 entry.future.result()
-            except BaseException:  # noqa: S110 - the first failure is the one raised
-                pass
             self.scheduler.discard_step(entry.scheduler_output)
 
     def _make_async_stats(

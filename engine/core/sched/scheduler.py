@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterable
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache.hashing import make_block_hasher
 from engine.core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from engine.core.sched.budget import TokenBudget
 from engine.core.sched import placeholders
+from engine.core.sched.budget import TokenBudget
 from engine.core.sched.output import SchedulerOutput
 from engine.core.sched.preemption import pick_victim
 from engine.core.sched.request_queue import create_request_queue
