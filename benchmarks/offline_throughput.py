@@ -139,6 +139,7 @@ def make_servelab(args: argparse.Namespace, dtype: str, enforce_eager: bool = Tr
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
+        async_scheduling=args.async_scheduling == "on",
     )
 
 
@@ -286,6 +287,12 @@ def summarize(args: argparse.Namespace, arch: ModelArch, peaks: dict[str, float]
         ratios = [s.seconds and h.seconds / s.seconds for s, h in zip(runs["servelab"], runs["hf"], strict=True)]
         out["ratio_servelab_over_hf"] = statistics.median(ratios)
         out["ratios"] = ratios
+    if runs["servelab_async"]:
+        pairs = zip(runs["servelab"], runs["servelab_async"], strict=True)
+        ab = [s.seconds / a.seconds for s, a in pairs]
+        out["ratio_async_over_sync"] = statistics.median(ab)
+        out["ratios_async_over_sync"] = ab
+    out["async_scheduling"] = args.async_scheduling
     return out
 
 

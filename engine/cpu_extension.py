@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,28 @@ static inline void check_cpu(const torch::Tensor& t, const char* what) {
 """
 
 
+STALE_LOCK_S = 600.0  # a build takes about a minute; a lock older than this was left by a killed one
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's build lock waits forever for a lock file that a killed build left behind; a lock
+    older than STALE_LOCK_S goes (with the half-built folder), so the next build starts clean."""
+    import shutil
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(name, verbose=False))
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("%s: removing a build lock left %.0f s ago by an interrupted build", name, age)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def load_cpu_ops(
     name: str, source: str, what: str, register_fakes: Callable[[], None], extra_cflags: tuple[str, ...] = ()
 ) -> bool:
@@ -101,6 +124,7 @@ def load_cpu_ops(
         try:
             from torch.utils.cpp_extension import load_inline
 
+            _clear_stale_lock(name)
             load_inline(
                 name=name,
                 cpp_sources=[KERNEL_HEADER + source],

@@ -54,6 +54,9 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     num_kv_tokens_read: int = 0  # sum of num_computed_tokens of the scheduled requests before the step
     compiled: bool = False  # the forward ran a compiled graph (enforce_eager=False)
     padded_tokens: int = 0  # tokens the forward computed: the step's tokens padded to the graph's batch size
+    # Steps in flight once this one was submitted, itself included: 1 without async
+    # scheduling; 2 when it was scheduled while the previous step ran.
+    batch_queue_depth: int = 1
 
     @property
     def kv_usage(self) -> float:

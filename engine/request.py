@@ -10,6 +10,11 @@ Any unfinished state may also go to FINISHED_ABORTED / FINISHED_ERROR.
 tokens whose KV is (or, once the scheduled step runs, will be) in the cache.
 "Prefill" and "decode" are derived from it, never stored: a request is catching
 up while `num_computed_tokens < num_tokens - 1`.
+
+With async scheduling (`SchedulerConfig.async_scheduling`) a step may be scheduled
+before the previous step's sampled token is known: `num_output_placeholders` counts
+the tokens a scheduled step will sample but whose ids have not arrived yet, so
+`num_computed_tokens` may run up to `num_tokens + num_output_placeholders`.
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by steps in flight whose ids are not known yet (async scheduling).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 before
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -149,5 +156,6 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, out={self.num_output_tokens})"
+            f"computed={self.num_computed_tokens}, out={self.num_output_tokens}"
+            f"{f'+{self.num_output_placeholders}?' if self.num_output_placeholders else ''})"
         )

@@ -3,8 +3,9 @@
 Scenarios of the engine-core issue: (a) one request at a time, (b) all together,
 (c) a token budget small enough to chunk every prompt, (d) shared long prefixes and an
 exact repeat (prefix hits > 0), (e) a KV cache small enough to force preemption.
-One engine is loaded per `enforce_eager` value (eager, and the compiled forward of
-engine/worker/compiled.py); `EngineCore.reconfigure` swaps the scheduler.
+Every scenario runs with each engine (`enforce_eager` true and false: the compiled forward of
+engine/worker/compiled.py), synchronously and with async scheduling (batch queue of depth 2,
+output placeholders); `EngineCore.reconfigure` swaps the scheduler.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def hf_greedy(smollm2_path, prompt_ids) -> list[list[int]]:
     return outs
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def async_scheduling(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
 def _greedy() -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -84,27 +90,27 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _configure(llm: LLM, num_blocks: int | None = None, **sched: object) -> None:
-    base = SchedulerConfig(max_num_seqs=16)
+def _configure(llm: LLM, async_scheduling: bool, num_blocks: int | None = None, **sched: object) -> None:
+    base = SchedulerConfig(max_num_seqs=16, async_scheduling=async_scheduling)
     llm.engine_core.reconfigure(dataclasses.replace(base, **sched), CacheConfig(num_blocks=256), num_blocks)
 
 
-def test_one_at_a_time(llm, prompt_ids, hf_greedy):
-    _configure(llm)
+def test_one_at_a_time(llm, prompt_ids, hf_greedy, async_scheduling):
+    _configure(llm, async_scheduling)
     for ids, expected in zip(prompt_ids, hf_greedy, strict=True):
         assert _run(llm, [ids]) == [expected]
 
 
-def test_all_together(llm, prompt_ids, hf_greedy):
-    _configure(llm)
+def test_all_together(llm, prompt_ids, hf_greedy, async_scheduling):
+    _configure(llm, async_scheduling)
     start = len(llm.step_stats)
     assert _run(llm, prompt_ids) == hf_greedy
     compiled = llm.engine_core.config.model.enforce_eager is False
     assert all(s.compiled == compiled for s in llm.step_stats[start:])
 
 
-def test_chunked_prefill(llm, prompt_ids, hf_greedy):
-    _configure(llm, max_num_batched_tokens=3)
+def test_chunked_prefill(llm, prompt_ids, hf_greedy, async_scheduling):
+    _configure(llm, async_scheduling, max_num_batched_tokens=3)
     start = len(llm.step_stats)
     assert _run(llm, prompt_ids) == hf_greedy
     steps = llm.step_stats[start:]
@@ -113,8 +119,8 @@ def test_chunked_prefill(llm, prompt_ids, hf_greedy):
     assert all(len(ids) > 3 for ids in prompt_ids)
 
 
-def test_prefix_hits(llm, prompt_ids, hf_greedy):
-    _configure(llm)
+def test_prefix_hits(llm, prompt_ids, hf_greedy, async_scheduling):
+    _configure(llm, async_scheduling)
     start = len(llm.step_stats)
     # the two SYSTEM prompts share a long prefix; the repeat of prompt 6 is an exact hit
     order = [6, 7, 6, 0]
@@ -125,9 +131,9 @@ def test_prefix_hits(llm, prompt_ids, hf_greedy):
     llm.reset_prefix_cache()
 
 
-def test_preemption(llm, prompt_ids, hf_greedy):
+def test_preemption(llm, prompt_ids, hf_greedy, async_scheduling):
     # 12 blocks of 16 tokens cannot hold all nine sequences at once
-    _configure(llm, num_blocks=12)
+    _configure(llm, async_scheduling, num_blocks=12)
     start = len(llm.step_stats)
     assert _run(llm, prompt_ids) == hf_greedy
     assert sum(s.num_preemptions for s in llm.step_stats[start:]) > 0

@@ -1,8 +1,9 @@
 """A real `servelab-serve` process on the default model (SCENARIOS.md items 31-42).
 
 One server for the module (max_model_len=96 so "what the context leaves" stays small,
-an API key so auth is covered by the same process). Talks to it with the official
-openai client and with raw aiohttp.
+an API key so auth is covered by the same process), once with the synchronous loop and
+once with `scheduler.async_scheduling=true`. Talks to it with the official openai client
+and with raw aiohttp.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ PROMPT = "The capital of France is"
 LONG_PROMPT = "One two three four five six seven eight nine ten. " * 4  # > 2 KV blocks
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = start_server(
         tmp_path_factory.mktemp("server"),
         f"server.api_key={API_KEY}",
         f"model.max_model_len={MAX_LEN}",
         "server.max_body_bytes=65536",
+        f"scheduler.async_scheduling={str(request.param).lower()}",
     )
     yield proc
     assert proc.stop() == 0, proc.log()

@@ -3,27 +3,44 @@
 It owns the scheduler and the executor and nothing else: tokenization and
 detokenization live in the front end (`LLM`, `AsyncLLM`). Every timestamp comes
 from `executor.clock()`, so the simulated executor gives a simulated timeline.
+
+With `SchedulerConfig.async_scheduling`, `step()` is `step_with_batch_queue()`
+(vLLM V1's name): a queue of at most BATCH_QUEUE_DEPTH submitted steps. Each call
+schedules and submits one more step while there is room and work, and otherwise
+waits for the oldest step and applies its output. In the steady state one call
+schedules step N+1 (and prepares its inputs) while step N computes on the
+executor's thread, then waits for step N: the scheduler, input preparation and the
+front end's output processing overlap the model. Outputs lag by one call; a call
+that only filled the queue returns no outputs and no stats.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sched.scheduler import Scheduler
+from engine.core.sched.stats import SchedulerStats
 from engine.executor.base import Executor
 from engine.hooks import NULL_HOOKS, StepHooks
 from engine.outputs import EngineCoreOutputs, FinishReason, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.step_io import ModelRunnerOutput
+from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Steps in flight with async scheduling: the one computing and the one being prepared.
+BATCH_QUEUE_DEPTH = 2
 
 
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
@@ -37,6 +54,18 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     max_tokens: int
     priority: int = 0
     cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class _InFlightStep:
+    """A submitted step waiting for its output (async scheduling)."""
+
+    step: int
+    scheduler_output: SchedulerOutput
+    future: Future[ModelRunnerOutput]
+    sched_stats: SchedulerStats  # the scheduler's counters right after this step's schedule()
+    schedule_time: float
+    depth: int  # steps in flight once this one was submitted (itself included)
 
 
 class EngineCore:
@@ -56,6 +85,7 @@ class EngineCore:
         )
         self.hooks: StepHooks = NULL_HOOKS
         self.step_index = 0
+        self.batch_queue: deque[_InFlightStep] | None = deque() if config.scheduler.async_scheduling else None
         runner = getattr(executor, "model_runner", None)
         self._runner = runner
 
@@ -94,14 +124,19 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """A request is left, or a step is still in flight (its output must be applied)."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def clock(self) -> float:
         return self.executor.clock()
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        """One iteration: schedule, execute, update. Returns outputs and this step's stats."""
+        """One iteration: schedule, execute, update. Returns outputs and this step's stats.
+
+        With async scheduling: `step_with_batch_queue()`."""
+        if self.batch_queue is not None:
+            return self.step_with_batch_queue()
         step = self.step_index
         self.hooks.step_begin(step)
         c0 = self.clock()
@@ -132,8 +167,7 @@ class EngineCore:
         stats = self._make_stats(step, now, runner_out, (t0, t1, t2, t3, t4))
         stats.step_time = now - c0  # on the executor's clock: simulated runs report simulated steps
         self.hooks.step_end()
-        if so.total_num_scheduled_tokens > 0:
-            self.step_index += 1
+        self.step_index += 1  # every step with stats has its own index (steps.csv, kernels.csv join on it)
         return EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=now)
 
     def _make_stats(
@@ -150,7 +184,100 @@ class EngineCore:
             padded_tokens=runner_out.padded_tokens,
             update_time=t[3] - t[2],
             step_time=t[4] - t[0],
+            batch_queue_depth=1,
             **self.scheduler.make_stats().as_dict(),
+        )
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """One call of the async loop (module note): fill the batch queue, else apply the
+        oldest step's output. Stats describe the step whose output this call applies."""
+        queue = self.batch_queue
+        assert queue is not None, "async_scheduling is off"
+        self.hooks.step_begin(self.step_index)
+        c0 = self.clock()
+        t0 = time.perf_counter()
+        so: SchedulerOutput | None = None
+        sched = self.scheduler
+        if len(queue) < BATCH_QUEUE_DEPTH and (sched.has_unfinished_requests() or sched.finished_req_ids):
+            with self.hooks.phase("schedule"):
+                so = self.scheduler.schedule()
+            if so.total_num_scheduled_tokens > 0:
+                self._submit(so, time.perf_counter() - t0)
+                if len(queue) < BATCH_QUEUE_DEPTH:
+                    self.hooks.step_end()
+                    return EngineCoreOutputs(outputs=[], stats=None, timestamp=self.clock())
+            elif so.finished_req_ids:
+                self.executor.submit_model(so).result()  # nothing to compute: the runner forgets them
+        if not queue:  # nothing in flight: deliver what the scheduler holds (rejected requests)
+            so = so or SchedulerOutput.empty()
+            outputs = self.scheduler.update_from_output(so, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+            self.hooks.step_end()
+            return EngineCoreOutputs(outputs=outputs, stats=None, timestamp=self.clock())
+        entry = queue.popleft()
+        try:
+            runner_out = entry.future.result()
+        except BaseException:
+            self._drop_in_flight(entry)
+            raise
+        t2 = time.perf_counter()
+        with self.hooks.phase("update"):
+            outputs = self.scheduler.update_from_output(entry.scheduler_output, runner_out)
+        t3 = time.perf_counter()
+        delay = self.config.scheduler.step_delay_ms
+        if delay > 0:
+            time.sleep(delay / 1000.0)
+        now = self.clock()
+        stats = self._make_async_stats(entry, now, runner_out, outputs, update_time=t3 - t2)
+        stats.step_time = now - c0
+        self.hooks.step_end()
+        return EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=now)
+
+    def _submit(self, so: SchedulerOutput, schedule_time: float) -> None:
+        assert self.batch_queue is not None
+        sched_stats = self.scheduler.make_stats()
+        future = self.executor.submit_model(so)
+        depth = len(self.batch_queue) + 1
+        self.batch_queue.append(_InFlightStep(self.step_index, so, future, sched_stats, schedule_time, depth))
+        self.step_index += 1
+
+    def _drop_in_flight(self, failed: _InFlightStep) -> None:
+        """A step failed: wait for the steps behind it and release every step's hold on
+        its requests' blocks (their outputs are lost; the caller fails the requests)."""
+        assert self.batch_queue is not None
+        entries = [failed, *self.batch_queue]
+        self.batch_queue.clear()
+        for entry in entries:
+            with contextlib.suppress(BaseException):  # the first failure is the one raised
+                entry.future.result()
+            self.scheduler.fail_step(entry.scheduler_output, "engine step failed")
+
+    def _make_async_stats(
+        self,
+        entry: _InFlightStep,
+        now: float,
+        runner_out: ModelRunnerOutput,
+        outputs: list[Any],
+        update_time: float,
+    ) -> StepStats:
+        values = entry.sched_stats.as_dict()
+        state = self.scheduler.make_stats()  # state after this update
+        for key in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total"):
+            values[key] = getattr(state, key)
+        values["num_finished"] = sum(
+            1 for o in outputs if o.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        )
+        return StepStats(
+            step=entry.step,
+            time=now,
+            schedule_time=entry.schedule_time,
+            prepare_time=runner_out.prepare_time,
+            forward_time=runner_out.forward_time,
+            sample_time=runner_out.sample_time,
+            update_time=update_time,
+            compiled=runner_out.compiled,
+            padded_tokens=runner_out.padded_tokens,
+            batch_queue_depth=entry.depth,
+            **values,
         )
 
     def reconfigure(
@@ -179,6 +306,7 @@ class EngineCore:
             # SchedulerOutput: hand them over with an empty step before the scheduler goes.
             self.step()
         self.scheduler = Scheduler(sched, cache, num_blocks or self.num_blocks, self.max_model_len, clock=self.clock)
+        self.batch_queue = deque() if sched.async_scheduling else None
 
     def run_until_idle(self, max_steps: int | None = None) -> list[EngineCoreOutputs]:
         """Step until no request is left (tests, simulations)."""

@@ -4,12 +4,18 @@ Implementations: `InProcessExecutor` (one worker in this process) and the capaci
 planner's `SimulatedExecutor` (no model; a step-time model advances a virtual clock).
 The EngineCore takes every timestamp from `executor.clock()` so that a simulated run
 has simulated timestamps end to end.
+
+`submit_model` is the non-blocking execute (vLLM: `execute_model(..., non_block=True)`)
+used by async scheduling: it returns a Future at once. Steps run in the order they
+were submitted, one at a time, so a step never overlaps the previous one's reads and
+writes of the KV cache. The default runs the step at once and returns a done Future.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,6 +37,15 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step for every scheduled request; sample where a request completed its input."""
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Start one step and return without waiting for it (see the module note)."""
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            future.set_result(self.execute_model(scheduler_output))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
     def clock(self) -> float:
         """Seconds since the epoch, on this executor's clock (virtual for simulations)."""

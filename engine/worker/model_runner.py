@@ -7,10 +7,19 @@ Contract with the scheduler (see engine/step_io.py):
 - a request samples this step iff its computed tokens after the step reach every
   token the runner knows for it (its whole prompt, plus each sampled token);
 - logits are computed only at the last query row of those requests.
+
+A step is `prepare_step` (persistent batch, input tensors) then `run_step` (forward,
+sample); `execute_model` does both. With async scheduling the executor prepares step
+N+1 on the engine's thread while step N runs on its own, so step N+1 may have to
+compute a token step N is still sampling (an output placeholder): `prepare_step`
+records where that token goes in `input_ids`, and `run_step` copies it from step N's
+sampled ids before the forward. `_lock` guards the batch's token columns, which
+step N's `_collect` writes while step N+1 is prepared.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -35,6 +44,11 @@ class StepInputs:
     metadata: AttentionMetadata
     sample_req_idx: np.ndarray  # [S] index into req_ids of requests that sample
     logits_indices: torch.Tensor  # [S] row of the packed batch whose logits are sampled
+    sampling: SamplingBatch  # parameters of the S sampling requests, taken at prepare time
+    # Output placeholders: input_ids[fill_dst[k]] = previous step's sampled[fill_src[k]].
+    fill_dst: torch.Tensor | None = None  # [P]
+    fill_src: torch.Tensor | None = None  # [P]
+    prepare_time: float = 0.0
 
 
 class CausalLM(Protocol):
@@ -81,11 +95,18 @@ class ModelRunner:
     @property
     def compile_time(self) -> float:
         return self.compiled.compile_time if self.compiled is not None else 0.0
+        self._lock: threading.Lock = threading.Lock()
+        # req_id -> tokens sampled by prepared steps but not yet written into the batch.
+        self._num_pending: dict[str, int] = {}
+        # req_id -> its index in the sampled ids of the last prepared (non-empty) step.
+        self._prev_sample_idx: dict[str, int] = {}
+        self._last_sampled: torch.Tensor | None = None  # [S] sampled ids of the last step run
 
     # ---- state updates -------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.batch.remove(req_id)
+            self._num_pending.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             self.batch.add(
                 new.req_id,
@@ -116,11 +137,18 @@ class ModelRunner:
         row_rep = np.repeat(rows, n)
         positions = np.repeat(starts - (cu - n), n) + np.arange(total)
         input_ids = b.token_ids[row_rep, positions]
+        known = b.num_tokens[rows]  # [R] token ids in the batch
+        pending = self._num_pending
+        if pending:
+            known_plus = known + np.fromiter((pending.get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids))
+            fill_dst, fill_src = self._placeholder_fill(req_ids, n, positions, np.repeat(known, n))
+        else:
+            known_plus, fill_dst, fill_src = known, None, None
         slots = b.block_table[row_rep, positions // self.block_size].astype(np.int64) * self.block_size + (
             positions % self.block_size
         )
         seq_lens = starts + n
-        samples = seq_lens >= b.num_tokens[rows]
+        samples = seq_lens >= known_plus
         max_blocks = int(-(-seq_lens.max() // self.block_size))
         qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
         qsl[1:] = cu
@@ -139,6 +167,16 @@ class ModelRunner:
             block_size=self.block_size,
         )
         sample_idx = np.nonzero(samples)[0]
+        sample_rows = rows[sample_idx]
+        self._prev_sample_idx = {}
+        for j, i in enumerate(sample_idx.tolist()):
+            rid = req_ids[i]
+            pending[rid] = pending.get(rid, 0) + 1
+            self._prev_sample_idx[rid] = j
+        sampling = SamplingBatch(
+            params=[b.params[r] for r in sample_rows],  # type: ignore[misc]
+            generators=[b.generators[r] for r in sample_rows],
+        )
         return StepInputs(
             req_ids=req_ids,
             rows=rows,
@@ -147,38 +185,78 @@ class ModelRunner:
             metadata=metadata,
             sample_req_idx=sample_idx,
             logits_indices=torch.from_numpy(cu[sample_idx] - 1).to(dev),
+            sampling=sampling,
+            fill_dst=fill_dst,
+            fill_src=fill_src,
         )
 
-    def _sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
-        b = self.batch
-        params = [b.params[r] for r in rows]
-        batch = SamplingBatch(params=params, generators=[b.generators[r] for r in rows])  # type: ignore[arg-type]
-        if batch.needs_penalties:
-            batch.prompt_ids = [b.prompt_ids(r) for r in rows]
-            batch.output_ids = [b.output_ids(r) for r in rows]
-        return batch
+    def _placeholder_fill(
+        self, req_ids: list[str], n: np.ndarray, positions: np.ndarray, known_rep: np.ndarray
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Packed rows whose token is an output placeholder, and where the previous step
+        sampled it. Steps before the previous one have written their tokens (the engine
+        waits for step N-1 before it prepares step N+1), so only the previous step's remain."""
+        dst = np.nonzero(positions >= known_rep)[0]  # [P]
+        if len(dst) == 0:
+            return None, None
+        req_of_row = np.repeat(np.arange(len(req_ids)), n)
+        try:
+            src = [self._prev_sample_idx[req_ids[i]] for i in req_of_row[dst].tolist()]
+        except KeyError as exc:
+            raise RuntimeError(f"request {exc.args[0]} needs a token no step in flight samples") from None
+        return torch.from_numpy(dst).to(self.device), torch.tensor(src, dtype=torch.int64, device=self.device)
+
+    def _add_penalty_ids(self, inp: StepInputs, sample_rows: np.ndarray) -> None:
+        """Penalties read the outputs so far, the previous step's included (written by
+        its `_collect`, on this thread); a row reused since belongs to a request whose
+        token is discarded, so its ids do not matter."""
+        b, batch = self.batch, inp.sampling
+        with self._lock:
+            batch.prompt_ids = [b.prompt_ids(r) for r in sample_rows]
+            batch.output_ids = [b.output_ids(r) for r in sample_rows]
 
     # ---- step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        inp = self.prepare_step(so)
+        if inp is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        return self.run_step(inp)
+
+    def prepare_step(self, so: SchedulerOutput) -> StepInputs | None:
+        """Apply the SchedulerOutput to the persistent batch and build the step's inputs
+        (None: nothing scheduled). Must be called in step order, each followed by its
+        `run_step` before the next step's `run_step`."""
         t0 = time.perf_counter()
-        with self.hooks.phase("prepare_inputs"):
+        with self.hooks.phase("prepare_inputs"), self._lock:
             self._update_states(so)
             if so.total_num_scheduled_tokens == 0:
-                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+                return None
             inp = self._prepare_inputs(so)
-            self.attn_backend.begin_step(inp.metadata)
+        inp.prepare_time = time.perf_counter() - t0
+        return inp
+
+    @torch.inference_mode()
+    def run_step(self, inp: StepInputs) -> ModelRunnerOutput:
+        """Forward and sample a prepared step (on the executor's thread with async scheduling)."""
         t1 = time.perf_counter()
+        if inp.fill_dst is not None:
+            assert self._last_sampled is not None
+            inp.input_ids[inp.fill_dst] = self._last_sampled[inp.fill_src]
+        self.attn_backend.begin_step(inp.metadata)
         with self.hooks.phase("forward"):
             hidden, mode = self._forward(inp)
             logits = self.model.compute_logits(hidden[inp.logits_indices])
         t2 = time.perf_counter()
         with self.hooks.phase("sample"):
             sample_rows = inp.rows[inp.sample_req_idx]
-            sampled, logprobs = self.sampler.sample(logits, self._sampling_batch(sample_rows))
+            if inp.sampling.needs_penalties:
+                self._add_penalty_ids(inp, sample_rows)
+            sampled, logprobs = self.sampler.sample(logits, inp.sampling)
+            self._last_sampled = torch.tensor(sampled, dtype=torch.int64, device=self.device)
             out = self._collect(inp, sample_rows, sampled, logprobs)
         t3 = time.perf_counter()
-        out.prepare_time, out.forward_time, out.sample_time = t1 - t0, t2 - t1, t3 - t2
+        out.prepare_time, out.forward_time, out.sample_time = inp.prepare_time, t2 - t1, t3 - t2
         out.compiled, out.padded_tokens = mode.compiled, mode.padded_tokens
         return out
 
@@ -190,13 +268,24 @@ class ModelRunner:
         return hidden, ForwardMode(False, inp.metadata.num_tokens)
 
     def _collect(self, inp: StepInputs, sample_rows: np.ndarray, sampled: list[int], logprobs) -> ModelRunnerOutput:
-        b = self.batch
-        b.num_computed[inp.rows] = inp.metadata.seq_lens_cpu
+        """Write the sampled tokens into the batch, for rows still owned by their request
+        (with async scheduling a request may have finished and its row been reused)."""
+        b, pending, row_of = self.batch, self._num_pending, self.batch.row_of
         per_req: list[list[int]] = [[] for _ in inp.req_ids]
         out_logprobs = {}
-        for j, (i, row) in enumerate(zip(inp.sample_req_idx.tolist(), sample_rows.tolist(), strict=True)):
+        with self._lock:
+            for j, (i, row) in enumerate(zip(inp.sample_req_idx.tolist(), sample_rows.tolist(), strict=True)):
+                rid = inp.req_ids[i]
+                if row_of.get(rid) != row:
+                    continue  # finished or preempted meanwhile: its token is discarded
+                b.append_token(row, sampled[j])
+                left = pending.get(rid, 1) - 1
+                if left > 0:
+                    pending[rid] = left
+                else:
+                    pending.pop(rid, None)
+        for j, i in enumerate(inp.sample_req_idx.tolist()):
             tok = sampled[j]
-            b.append_token(row, tok)
             per_req[i] = [tok]
             if logprobs[j] is not None:
                 out_logprobs[inp.req_ids[i]] = [logprobs[j]]

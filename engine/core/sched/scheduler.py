@@ -21,7 +21,11 @@ One step (`schedule`):
 
 `update_from_output` appends sampled tokens, checks stops (`stop_checker`) and
 frees finished requests. The caller alternates `schedule` and
-`update_from_output` (each non-empty output is answered once, in order).
+`update_from_output` (each non-empty output is answered once, in order), or, with
+`async_scheduling`, may call `schedule` once more before answering the previous
+output: then a request's token still being sampled is an output placeholder
+(`placeholders.py`), and the blocks of a request finished or aborted meanwhile are
+freed only once every step that reads them is answered.
 
 Lengths: the effective limit is `min(max_model_len, num_blocks * block_size)`: a
 request reaching it finishes as length-capped, so a request alone always fits in
@@ -39,6 +43,7 @@ from collections.abc import Callable, Iterable
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache.hashing import make_block_hasher
 from engine.core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from engine.core.sched import placeholders
 from engine.core.sched.budget import TokenBudget
 from engine.core.sched.preemption import pick_victim
 from engine.core.sched.request_queue import create_request_queue
@@ -65,6 +70,7 @@ class Scheduler:
         """`clock` stamps first-scheduled / first-token / finished times (the
         EngineCore passes `executor.clock` so simulated runs get simulated times)."""
         self.config = scheduler_config
+        self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
         self.max_model_len = min(max_model_len, num_blocks * self.block_size)
         self.clock = clock
@@ -162,12 +168,14 @@ class Scheduler:
         out = plan.to_output(self.kv_cache_manager, self.finished_req_ids)
         self.finished_req_ids = set()
         kv_read = 0
-        requests, inflight = self.requests, self._inflight
+        requests, inflight, with_placeholders = self.requests, self._inflight, self.async_scheduling
         for rid, n in plan.num_scheduled.items():
             request = requests[rid]
             kv_read += request.num_computed_tokens
             request.num_computed_tokens += n
             inflight[rid] += 1
+            if with_placeholders:
+                placeholders.add_placeholder_if_sampling(request)
         self._record_step(out)
         self._step.num_kv_tokens_read = kv_read
         return out
@@ -185,7 +193,9 @@ class Scheduler:
                 return
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier this step
-            n = self._grant(budget, request.num_tokens - request.num_computed_tokens)
+            if placeholders.ends_in_flight(request, self.max_model_len):
+                continue  # a step in flight computes its last token
+            n = self._grant(budget, placeholders.tokens_wanted(request))
             if n == 0:
                 continue
             new_blocks = self._allocate_or_preempt(request, n, budget, plan)
@@ -213,6 +223,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a step in flight samples for it: discarded
         request.num_preemptions += 1
         self.waiting.prepend(request)
         self._step.num_preemptions += 1
@@ -248,8 +259,10 @@ class Scheduler:
 
         Returns one EngineCoreOutput per request that got tokens or finished (plus
         requests rejected at `add_request`). Tokens for a request that is no longer
-        running (aborted meanwhile) or still in a partial prefill are ignored; tokens
-        after a stop in the same step are dropped, and so are their logprobs.
+        running (aborted, stopped or preempted meanwhile: with async scheduling, the
+        token of a step scheduled before the stop was known) or still in a partial
+        prefill are ignored; tokens after a stop in the same step are dropped, and so
+        are their logprobs.
         """
         outputs, self._pending_outputs = self._pending_outputs, []
         now = self.clock()
@@ -264,6 +277,8 @@ class Scheduler:
                 continue
             if request.num_computed_tokens < request.num_tokens:
                 continue  # partial prefill: nothing to sample yet
+            if request.num_output_placeholders:
+                placeholders.resolve(request, len(token_ids))
             kept = self._append_tokens(request, token_ids, now)
             if request.is_finished:
                 self._finish(request, now)

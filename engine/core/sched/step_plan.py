@@ -88,9 +88,11 @@ class StepPlan:
 
 
 def is_decode(request: Request, num_scheduled: int) -> bool:
-    """Decode = computing exactly the last token of a request that has outputs (see engine/step_io.py)."""
+    """Decode = computing exactly the last token of a request that has outputs (see engine/step_io.py);
+    with async scheduling that last token may be an output placeholder."""
+    pending = request.num_output_placeholders
     return (
-        request.num_output_tokens > 0
+        request.num_output_tokens + pending > 0
         and num_scheduled == 1
-        and request.num_computed_tokens == request.num_tokens - 1
+        and request.num_computed_tokens == request.num_tokens + pending - 1
     )
