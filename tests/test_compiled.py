@@ -47,7 +47,7 @@ def test_attention_op_ignores_padding_rows():
     expected = ref_backend.forward(q[:3], k[:3], v[:3], ref_cache, md, d**-0.5)
     op_backend.begin_step(md)
     with step_context(op_backend, md, [op_cache]):
-        got = torch.ops.servelab.paged_attention(q, k, v, 0, d**-0.5)
+        got = torch.ops.servelab.layer_attention(q, k, v, 0, d**-0.5)
     assert got.shape == q.shape
     torch.testing.assert_close(got[:3], expected)
     assert torch.equal(got[3:], torch.zeros_like(got[3:]))
@@ -57,7 +57,7 @@ def test_attention_op_ignores_padding_rows():
 def test_attention_op_outside_a_step_is_a_clear_error():
     x = torch.zeros(1, 1, 4)
     with pytest.raises(RuntimeError, match="outside step_context"):
-        torch.ops.servelab.paged_attention(x, x, x, 0, 1.0)
+        torch.ops.servelab.layer_attention(x, x, x, 0, 1.0)
 
 
 def test_dummy_metadata_is_a_valid_decode_batch():
@@ -66,8 +66,10 @@ def test_dummy_metadata_is_a_valid_decode_batch():
 
 
 def _tiny_llm(enforce_eager: bool, **kw):
+    """float32 unless told: compiled and eager are compared at float32 tolerances."""
     from engine.llm import LLM
 
+    kw.setdefault("dtype", "float32")
     return LLM(model="smollm2", load_format="dummy", num_layers_override=2, max_num_seqs=4, num_blocks=64,
                enforce_eager=enforce_eager, **kw)
 
@@ -112,7 +114,7 @@ def test_piecewise_split_matches_eager_on_cpu():
 def test_cuda_graph_module_imports_without_cuda():
     import engine.worker.cuda_graphs as cg
 
-    assert cg.ATTENTION_OP == "servelab.paged_attention"
+    assert cg.ATTENTION_OP == "servelab.layer_attention"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")

@@ -3,7 +3,7 @@
 Design note:
 
 - The attention call is the seam. Every layer's attention goes through ONE opaque torch
-  custom op, `servelab::paged_attention(q, k, v, layer, scale)`, registered here. The op
+  custom op, `servelab::layer_attention(q, k, v, layer, scale)`, registered here. The op
   reads the step's backend, metadata and KV cache from a per-step forward context
   (`step_context`), so dynamo never sees the backend's Python planning, host lists or
   the cache write: the rest of the forward (embedding, norms, projections, rotary,
@@ -71,8 +71,8 @@ def step_context(backend: AttentionBackend, metadata: AttentionMetadata, kv_cach
 
 
 # ---- the attention custom op -----------------------------------------------------------
-@torch.library.custom_op("servelab::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+@torch.library.custom_op("servelab::layer_attention", mutates_args=())
+def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     """Write k/v of the step's real rows into layer `layer`'s cache, attend; [T, Hq, D] contiguous.
 
     q: [T, Hq, D], k/v: [T, Hkv, D] where T >= metadata.num_tokens (rows past it are
@@ -82,7 +82,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     """
     ctx = _context
     if ctx is None:
-        raise RuntimeError("servelab::paged_attention called outside step_context()")
+        raise RuntimeError("servelab::layer_attention called outside step_context()")
     md = ctx.metadata
     n = md.num_tokens
     if q.shape[0] == n:
@@ -92,8 +92,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     return out
 
 
-@paged_attention.register_fake
-def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+@layer_attention.register_fake
+def _layer_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
@@ -113,7 +113,7 @@ class LayerAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         metadata: AttentionMetadata, scale: float,
     ) -> torch.Tensor:  # fmt: skip
-        return torch.ops.servelab.paged_attention(q, k, v, self.layer, scale)
+        return torch.ops.servelab.layer_attention(q, k, v, self.layer, scale)
 
     def begin_step(self, metadata: AttentionMetadata) -> None:
         self.backend.begin_step(metadata)

@@ -2,7 +2,7 @@
 
 Why piecewise: a CUDA graph replays fixed kernels on fixed addresses, but attention's
 work depends on the step (block tables, sequence lengths, the backend's per-step plan
-made on the host). So the traced forward is split at every `servelab::paged_attention`
+made on the host). So the traced forward is split at every `servelab::layer_attention`
 call: the pieces between two attention calls (norms, projections, rotary, MLP) are
 captured once per padded decode batch size and replayed; attention runs eagerly between
 them with the step's metadata.
@@ -28,7 +28,7 @@ from torch import fx
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_OP = "servelab.paged_attention"
+ATTENTION_OP = "servelab.layer_attention"
 
 
 def is_attention_node(node: fx.Node) -> bool:

@@ -87,6 +87,12 @@ class ModelRunner:
         self.compiled: CompiledForward | None = None
         if not enforce_eager:
             self.compiled = CompiledForward(model, attn_backend, kv_caches, max_num_seqs, block_size, device)
+        self._lock: threading.Lock = threading.Lock()
+        # req_id -> tokens sampled by prepared steps but not yet written into the batch.
+        self._num_pending: dict[str, int] = {}
+        # req_id -> its index in the sampled ids of the last prepared (non-empty) step.
+        self._prev_sample_idx: dict[str, int] = {}
+        self._last_sampled: torch.Tensor | None = None  # [S] sampled ids of the last step run
 
     def warm_up(self) -> float:
         """Compile / capture the forward's shapes before serving; seconds taken (0 when eager)."""
@@ -95,12 +101,6 @@ class ModelRunner:
     @property
     def compile_time(self) -> float:
         return self.compiled.compile_time if self.compiled is not None else 0.0
-        self._lock: threading.Lock = threading.Lock()
-        # req_id -> tokens sampled by prepared steps but not yet written into the batch.
-        self._num_pending: dict[str, int] = {}
-        # req_id -> its index in the sampled ids of the last prepared (non-empty) step.
-        self._prev_sample_idx: dict[str, int] = {}
-        self._last_sampled: torch.Tensor | None = None  # [S] sampled ids of the last step run
 
     # ---- state updates -------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
