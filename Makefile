@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 GATE_RUN := runs/ci_gate/latest
 GATE_BASELINE := benchmarks/baselines/ci_gate.json
 
-.PHONY: setup bench test lint typecheck gate gate-baseline clean
+.PHONY: setup bench test lint typecheck gate gate-baseline peers clean
 
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -48,6 +48,11 @@ gate-baseline: $(TEST_STAMP)
 	for i in 1 2 3; do $(VENV)/bin/servelab-run experiment=ci_gate hydra.run.dir=runs/ci_gate/base-$$i || exit 1; done
 	mkdir -p $(dir $(GATE_BASELINE))
 	$(VENV)/bin/servelab-gate --make-baseline $(GATE_BASELINE) runs/ci_gate/base-1 runs/ci_gate/base-2 runs/ci_gate/base-3
+
+# vLLM's CPU build in a side venv (~/.cache/servelab-peers/vllm) and the model as an HF folder, for
+# benchmarks/offline_throughput.py --peer vllm and benchmarks/serving_throughput.py --peer vllm.
+peers: $(SETUP_STAMP)
+	PY=$(PY) bash scripts/peers.sh
 
 clean:
 	rm -rf runs outputs multirun test-output .pytest_cache .mypy_cache .ruff_cache
