@@ -218,7 +218,7 @@ class VllmWorker:
         spec_path = tmp / f"{self.name}.json"
         spec_path.write_text(json.dumps(spec))
         self.log_path = tmp / f"{self.name}.log"
-        env = peer.env() | {"OMP_NUM_THREADS": str(args.threads)}
+        env = peer.env()  # vLLM binds its own OpenMP threads: every core, none reserved
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [str(peer.python), str(Path(__file__).with_name("vllm_offline_worker.py")), str(spec_path)],
