@@ -35,7 +35,7 @@ class Peer:
     def python(self) -> Path:
         return self.venv / "bin" / "python"
 
-    def env(self, threads_reserved: int = 0, kv_cache_gb: float = 2.0) -> dict[str, str]:
+    def env(self, threads_reserved: int = 0, kv_cache_gb: float = 1.0) -> dict[str, str]:
         """vLLM's CPU settings: the model on every core (none reserved), a KV cache of `kv_cache_gb`."""
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env |= {
