@@ -1,6 +1,6 @@
 """Online serving throughput and latency of servelab-serve, side by side with vLLM's CPU build.
 
-    python benchmarks/serving_throughput.py [--peer vllm|none] [--concurrency 1 16] [--num-requests 64]
+    python benchmarks/serving_throughput.py [--peer vllm|none] [--concurrency 1,16] [--num-requests 64]
         [--num-requests-c1 16] [--input-len 128] [--output-len 128] [--repeats 1]
         [--dtype D] [--vllm-dtype bfloat16|float32] [--no-vllm-bench] [--json OUT] [servelab overrides...]
 
@@ -268,10 +268,20 @@ def servelab_dtype(args: argparse.Namespace, peaks: dict[str, float]) -> str:
     return max(peaks, key=peaks.__getitem__) if dtype == "auto" else dtype
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--peer", choices=["vllm", "none"], default="vllm")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--concurrency", type=_int_list, default=[1, 16], help="comma-separated, e.g. 1,16")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--num-requests-c1", type=int, default=16, help="requests at concurrency 1")
     p.add_argument("--input-len", type=int, default=128)
