@@ -38,6 +38,8 @@ import contextlib
 import dataclasses
 import gc
 import json
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -389,6 +391,7 @@ def run_all(args: argparse.Namespace) -> dict:
     finally:
         for w in workers:
             w.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     return summarize(args, arch, peaks, lengths, runs, options)
 
 
@@ -461,8 +464,13 @@ def report(res: dict) -> None:
         print(f"servelab / HF: {res['ratio_servelab_over_hf']:.2f}x (median of rounds: {each})")
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(f"stopped by signal {signum}")  # unwinds through `finally`: vLLM workers are stopped
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     res = run_all(args)
     report(res)
     if args.json is not None:

@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -310,8 +311,13 @@ def measure_machine(arch: Any, batch: int) -> dict[str, Any]:
     }
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(f"stopped by signal {signum}")  # unwinds through `finally`: servers are stopped
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from engine.model.loader import resolve_model
 
     arch = resolve_model(ModelConfig())[0]
