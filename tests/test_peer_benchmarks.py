@@ -77,3 +77,58 @@ def test_serving_args_turn_dtype_into_an_override() -> None:
     assert serving.parse_args(["--concurrency", "1,16"]).concurrency == [1, 16]
     with pytest.raises(SystemExit):
         serving.parse_args(["--concurrency", "0"])
+
+
+def _summary(tok_s: float, ttft: float, tpot: float) -> dict:
+    return {"completed": 4, "failed": 0, "output_throughput": tok_s, "median_ttft_ms": ttft,
+            "median_tpot_ms": tpot, "median_itl_ms": tpot, "duration": 10.0, "total_output_tokens": 512}
+
+
+def test_serving_report_gives_ratios_and_the_weight_read_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.config import ModelConfig
+    from engine.model.loader import resolve_model
+
+    arch = resolve_model(ModelConfig())[0]
+    args = serving.parse_args(["--concurrency", "1,16", "--dtype", "float32"])
+    machine = {"cpu": "test CPU", "cpu_flags": peers.cpu_flags(), "cores": 2,
+               "gemm_flops": {"float32": 2e11, "bfloat16": 8e11}, "memory_bandwidth": 1e10}
+    results = [
+        serving.Measured("servelab", 1, _summary(30.0, 50.0, 40.0), 0.1, 5.0),
+        serving.Measured("servelab", 16, _summary(200.0, 800.0, 60.0), 0.1, 5.0),
+        serving.Measured("servelab (vllm bench serve)", 16, {}, 0.0, 0.0,
+                         {"repeat": 0, "vllm_bench": {"completed": 64, "output_throughput": 190.0,
+                                                      "median_ttft_ms": 810.0, "median_tpot_ms": 61.0}}),
+        serving.Measured("vllm-bfloat16", 1, _summary(40.0, 30.0, 25.0), 0.1, 5.0),
+        serving.Measured("vllm-bfloat16", 16, _summary(400.0, 400.0, 30.0), 0.1, 5.0),
+    ]
+    res = serving.summarize_all(args, arch, machine, results)
+    assert res["ratios_servelab_over_vllm"]["16"]["output_throughput"] == [pytest.approx(0.5)]
+    assert res["ratios_servelab_over_vllm"]["16"]["median_ttft_ms"] == [pytest.approx(2.0)]
+    # float32 weights at 10 GB/s: matmul params * 4 bytes / 1e10 per step
+    assert res["batch1_weight_read_ms"] == pytest.approx(1000 * offline.matmul_params(arch) * 4 / 1e10)
+    serving.report(res)
+    out = capsys.readouterr().out
+    assert "servelab / vLLM at c=16: output throughput 0.50" in out
+    assert "vllm bench serve against servelab-serve, c=16: 190.0 out tok/s" in out
+    assert "against the batch-1 weight-read time" in out
+
+
+def test_offline_summary_takes_vllm_best_per_round(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.config import ModelConfig
+    from engine.model.loader import resolve_model
+
+    arch = resolve_model(ModelConfig())[0]
+    args = offline.parse_args(["--num-requests", "4", "--output-len", "8", "--peer", "vllm"])
+    R = offline.RunResult
+    runs = {
+        "servelab": [R("servelab", "float32", 1.0, 32), R("servelab", "float32", 2.0, 32)],
+        "hf": [],
+        "vllm-bfloat16": [R("vllm-bfloat16", "bfloat16", 0.5, 32), R("vllm-bfloat16", "bfloat16", 4.0, 32)],
+        "vllm-float32": [R("vllm-float32", "float32", 2.0, 32), R("vllm-float32", "float32", 1.0, 32)],
+    }
+    res = offline.summarize(args, arch, {"float32": 2e11, "bfloat16": 8e11}, [100] * 4, runs, {})
+    assert res["vllm_best_per_round"] == ["vllm-bfloat16", "vllm-float32"]
+    assert res["ratios_vllm"] == [pytest.approx(0.5), pytest.approx(0.5)]
+    offline.report(res)
+    out = capsys.readouterr().out
+    assert "servelab / vLLM-best: 0.50x" in out and "avx512_bf16" in out
