@@ -381,8 +381,13 @@ def run_all(args: argparse.Namespace) -> dict:
         for rnd in range(args.repeats):
             runs["servelab"].append(time_servelab(llm, prompts, args.output_len, s_dtype))
             print(f"round {rnd + 1}: servelab {runs['servelab'][-1].tokens_per_s:.1f} tok/s", flush=True)
-            for w in workers:
-                runs[w.name].append(w.time_run())
+            for w in list(workers):
+                try:
+                    runs[w.name].append(w.time_run())
+                except SystemExit as exc:  # e.g. killed by the OOM killer on a crowded machine
+                    print(f"round {rnd + 1}: {w.name} failed, dropped from the comparison: {exc}", flush=True)
+                    workers.remove(w)
+                    continue
                 print(f"round {rnd + 1}: {w.name} {runs[w.name][-1].tokens_per_s:.1f} tok/s", flush=True)
             if hf is not None:
                 runs["hf"].append(time_hf(hf, prompts, args.output_len, h_dtype))
@@ -425,12 +430,13 @@ def summarize(args: argparse.Namespace, arch: ModelArch, peaks: dict[str, float]
             "compute_fraction_all_tokens": flops["all_tokens"] / secs / peak,
         }
     vllm_names = [n for n in runs if n.startswith("vllm-") and runs[n]]
-    if vllm_names:
-        per_round = [
-            (s.tokens_per_s / max(runs[n][i].tokens_per_s for n in vllm_names),
-             max(vllm_names, key=lambda n, i=i: runs[n][i].tokens_per_s))
-            for i, s in enumerate(runs["servelab"])
-        ]
+    per_round = []
+    for i, s in enumerate(runs["servelab"]):
+        done = [n for n in vllm_names if len(runs[n]) > i]  # a worker that died has fewer rounds
+        if done:
+            best = max(done, key=lambda n, i=i: runs[n][i].tokens_per_s)
+            per_round.append((s.tokens_per_s / runs[best][i].tokens_per_s, best))
+    if per_round:
         out["ratio_servelab_over_vllm_best"] = statistics.median(r for r, _ in per_round)
         out["ratios_vllm"] = [r for r, _ in per_round]
         out["vllm_best_per_round"] = [n for _, n in per_round]
