@@ -239,8 +239,11 @@ class VllmWorker:
 
     def ask(self, cmd: str) -> dict:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(cmd + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # the worker is gone (e.g. the OOM killer): say why, from its log
+            return self._read()
         return self._read()
 
     def time_run(self) -> RunResult:
