@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 GATE_RUN := runs/ci_gate/latest
 GATE_BASELINE := benchmarks/baselines/ci_gate.json
 
-.PHONY: setup bench test lint typecheck gate gate-baseline soak gpu-check clean
+.PHONY: setup bench test lint typecheck gate gate-baseline soak gpu-check peers clean
 
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -61,6 +61,11 @@ gate-baseline: $(TEST_STAMP)
 gpu-check:
 	@if nvidia-smi -L >/dev/null 2>&1; then bash scripts/gpu_check.sh; \
 	else $(MAKE) --no-print-directory $(TEST_STAMP) && bash scripts/gpu_check.sh --dry-run --python $(PY); fi
+
+# vLLM's CPU build in a side venv (~/.cache/servelab-peers/vllm) and the model as an HF folder, for
+# benchmarks/offline_throughput.py --peer vllm and benchmarks/serving_throughput.py --peer vllm.
+peers: $(SETUP_STAMP)
+	PY=$(PY) bash scripts/peers.sh
 
 clean:
 	rm -rf runs outputs multirun test-output .pytest_cache .mypy_cache .ruff_cache

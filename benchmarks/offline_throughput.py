@@ -1,49 +1,64 @@
-"""Offline throughput of servelab vs HF transformers on the CPU, read against measured GEMM peak.
+"""Offline throughput of servelab vs vLLM's CPU build and HF transformers, read against measured GEMM peak.
 
-    python benchmarks/offline_throughput.py [--num-requests 64] [--prompt-len 128] [--output-len 128]
-        [--threads N] [--dtype auto|float32|bfloat16] [--hf-dtype auto|float32|bfloat16]
-        [--skip-hf] [--max-num-seqs 128] [--max-num-batched-tokens 2048] [--repeats 1] [--json OUT]
-        [--quick] [--enforce-eager true|false|both]
+    python benchmarks/offline_throughput.py [--peer vllm|none] [--num-requests 64]
+        [--min-prompt-len 96] [--max-prompt-len 160] [--prompt-len N] [--output-len 128]
+        [--threads N] [--dtype auto|float32|bfloat16] [--enforce-eager true|false]
+        [--async-scheduling true|false] [--vllm-dtypes bfloat16 float32] [--hf-dtype auto|float32|bfloat16]
+        [--skip-hf] [--max-num-seqs 128] [--max-num-batched-tokens 2048] [--repeats 2] [--json OUT] [--quick]
 
-`--enforce-eager false` runs servelab with its compiled forward (engine/worker/compiled.py);
-`both` loads an eager and a compiled engine and alternates their timed runs (printed as
-`servelab` and `compiled`). Compile time is measured at start-up and printed apart: it is
-never inside a throughput figure.
+`--quick` is a smoke run (16 requests, 32 output tokens, one HF batch); its figures are not
+the acceptance numbers.
 
-`--quick` is a smoke run (16 requests x 128 prompt + 32 output tokens, one HF batch);
-its figures are not the acceptance numbers.
-
-Workload (engine-core issue): `num_requests` prompts of `prompt_len` real-text token ids
-(workloads/prompts.py, a different corpus offset each), greedy, ignore_eos, `output_len`
-tokens each, on the default model (SmolLM2-135M GGUF).
-1. servelab: `LLM.generate` over all requests at once (continuous batching);
-2. HF transformers on the same GGUF: static batches of 16, left padding,
+Workload W (issue 11): `num_requests` prompts of real-text token ids (workloads/prompts.py, a
+different corpus offset each) whose lengths are drawn uniformly from [min, max] prompt tokens
+(seeded), greedy, ignore_eos, `output_len` tokens each, on the default model (SmolLM2-135M GGUF).
+1. servelab: `LLM.generate` over all requests at once (continuous batching), in this process;
+   `--dtype`, `--enforce-eager` and `--async-scheduling` go to the engine (an option the engine
+   of this branch does not know is reported and ignored);
+2. `--peer vllm`: vLLM's CPU build (scripts/peers.sh installs it in a side venv; the script runs
+   it when missing), `LLM.generate` over the same token ids in a subprocess of that venv
+   (benchmarks/vllm_offline_worker.py), on the same cores (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`),
+   once per `--vllm-dtypes` entry; its best dtype in each round is the reference;
+3. HF transformers on the same GGUF (unless `--skip-hf`): static batches of 16, left padding,
    `generate(max_new_tokens=min_new_tokens=output_len, do_sample=False)`.
-Both are warmed up before timing and run one after the other in the same process (never
-at once). Also measured: GEMM FLOP/s of `torch.mm` on the model's own shapes in fp32 and
-bf16; "auto" dtype picks the faster of the two. Printed: output tokens/s of each, the
-ratio servelab/HF, and the fraction of the compute limit each reached, where
-FLOPs = 2 * matmul params (every Linear incl. the tied LM head, not the embedding lookup)
-per token + attention (4 * layers * q_heads * head_dim * context per token).
+Every engine is built and warmed up before timing (start-up and compilation are never timed);
+the timed runs alternate between engines, `--repeats` rounds, never two at once. Also
+measured in the same run: GEMM FLOP/s of `torch.mm` on the model's own shapes in fp32 and
+bf16 ("auto" dtype picks the faster where the engine does not resolve it itself), and the
+CPU flags (avx512_bf16, amx_bf16). Printed: output tokens/s of each engine, the ratio
+servelab / vLLM-best (median of rounds), servelab / HF, and the fraction of the compute limit
+each reached, where FLOPs = 2 * matmul params (every Linear incl. the tied LM head, not the
+embedding lookup) per token + attention (4 * layers * q_heads * head_dim * context per token).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import gc
 import json
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import psutil
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import ModelConfig  # noqa: E402
+from peers import Peer, cpu_flags, cpu_model, ensure_peers, format_flags  # noqa: E402
+
+from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.model.arch import ModelArch  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from workloads.prompts import PromptBuilder  # noqa: E402
@@ -51,6 +66,10 @@ from workloads.prompts import PromptBuilder  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 HF_BATCH = 16
 OFFSET_STRIDE = 997  # corpus tokens between consecutive prompts' starts
+PROMPT_SEED = 11
+# Engine options that other branches add; passed only where this branch's EngineConfig knows them.
+OPTIONAL_ENGINE_FIELDS = ("enforce_eager", "async_scheduling")
+VLLM_READY_TIMEOUT_S = 900.0
 
 
 @dataclass
@@ -108,38 +127,72 @@ def attention_flops(arch: ModelArch, context: int) -> float:
     return 4.0 * arch.num_layers * arch.num_heads * arch.head_dim * context
 
 
-def decode_flops(arch: ModelArch, num_requests: int, prompt_len: int, output_len: int) -> float:
+def decode_flops(arch: ModelArch, prompt_lens: list[int], output_len: int) -> float:
     """Spec formula: per output token 2 * params + attention at its context."""
-    per_req = sum(2.0 * matmul_params(arch) + attention_flops(arch, prompt_len + j) for j in range(output_len))
-    return num_requests * per_req
+    return sum(
+        sum(2.0 * matmul_params(arch) + attention_flops(arch, p + j) for j in range(output_len)) for p in prompt_lens
+    )
 
 
-def total_flops(arch: ModelArch, num_requests: int, prompt_len: int, output_len: int) -> float:
+def total_flops(arch: ModelArch, prompt_lens: list[int], output_len: int) -> float:
     """Every token forwarded (prompt + output - 1 per request), attention included."""
-    fwd = prompt_len + output_len - 1
-    per_req = sum(2.0 * matmul_params(arch) + attention_flops(arch, c + 1) for c in range(fwd))
-    return num_requests * per_req
+    return sum(
+        sum(2.0 * matmul_params(arch) + attention_flops(arch, c + 1) for c in range(p + output_len - 1))
+        for p in prompt_lens
+    )
 
 
-# ---- the two engines -------------------------------------------------------------------
-def build_prompts(num: int, length: int) -> list[list[int]]:
+# ---- workload --------------------------------------------------------------------------
+def prompt_lengths(num: int, lo: int, hi: int, seed: int = PROMPT_SEED) -> list[int]:
+    """`num` prompt lengths drawn uniformly from [lo, hi] (seeded: the same in every run)."""
+    return np.random.default_rng(seed).integers(lo, hi + 1, size=num).tolist()
+
+
+def build_prompts(lengths: list[int]) -> list[list[int]]:
     from engine.tokenizer import get_tokenizer
 
     builder = PromptBuilder(get_tokenizer(ModelConfig()))
-    return [builder.token_ids(length, i * OFFSET_STRIDE) for i in range(num)]
+    return [builder.token_ids(n, i * OFFSET_STRIDE) for i, n in enumerate(lengths)]
 
 
-def make_servelab(args: argparse.Namespace, dtype: str, enforce_eager: bool = True):  # type: ignore[no-untyped-def]
+# ---- servelab --------------------------------------------------------------------------
+def engine_option_names() -> set[str]:
+    cfg = EngineConfig()
+    return {f.name for section in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, section.name))}
+
+
+def engine_accepts_dtype(dtype: str) -> bool:
+    try:
+        EngineConfig.from_kwargs(dtype=dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def servelab_options(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """Optional engine options to pass, and a note per option this branch's engine does not know."""
+    known, opts, notes = engine_option_names(), {}, []
+    for name in OPTIONAL_ENGINE_FIELDS:
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if name in known:
+            opts[name] = value
+        else:
+            notes.append(f"--{name.replace('_', '-')} ignored: this branch's engine has no {name!r} option")
+    return opts, notes
+
+
+def make_servelab(args: argparse.Namespace, dtype: str, options: dict[str, Any]):  # type: ignore[no-untyped-def]
     from engine.llm import LLM
 
     return LLM(
         model="smollm2",
         dtype=dtype,
-        enforce_eager=enforce_eager,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
-        async_scheduling=args.async_scheduling == "on",
+        **options,
     )
 
 
@@ -153,6 +206,62 @@ def time_servelab(llm, prompts: list[list[int]], output_len: int, dtype: str, na
     return RunResult(name, dtype, elapsed, produced)
 
 
+# ---- vLLM (peer venv, subprocess) ------------------------------------------------------
+class VllmWorker:
+    """One vLLM `LLM` in a subprocess of the peer venv, driven line by line (vllm_offline_worker.py)."""
+
+    def __init__(self, peer: Peer, dtype: str, prompts: list[list[int]], args: argparse.Namespace, tmp: Path) -> None:
+        self.dtype, self.name = dtype, f"vllm-{dtype}"
+        spec = {
+            "model": str(peer.model_dir), "dtype": dtype, "prompts": prompts, "output_len": args.output_len,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": 2048,
+        }
+        spec_path = tmp / f"{self.name}.json"
+        spec_path.write_text(json.dumps(spec))
+        self.log_path = tmp / f"{self.name}.log"
+        env = peer.env()  # vLLM binds its own OpenMP threads: every core, none reserved
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [str(peer.python), str(Path(__file__).with_name("vllm_offline_worker.py")), str(spec_path)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True,
+            )
+        self.ready = self._read(VLLM_READY_TIMEOUT_S)
+
+    def _read(self, timeout_s: float = 1800.0) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(10)
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+            raise SystemExit(f"{self.name} exited with {self.proc.returncode}; its log:\n{tail}")
+        return json.loads(line)
+
+    def ask(self, cmd: str) -> dict:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(cmd + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # the worker is gone (e.g. the OOM killer): say why, from its log
+            return self._read()
+        return self._read()
+
+    def time_run(self) -> RunResult:
+        res = self.ask("run")
+        return RunResult(self.name, self.dtype, res["seconds"], res["output_tokens"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(SystemExit, OSError, ValueError):
+                self.ask("quit")
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+# ---- HF transformers -------------------------------------------------------------------
 def make_hf(dtype: str):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
@@ -200,23 +309,39 @@ def pick_dtype(requested: str, peaks: dict[str, float]) -> str:
     return max(peaks, key=peaks.__getitem__) if requested == "auto" else requested
 
 
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--peer", choices=["vllm", "none"], default="none", help="also run vLLM's CPU build")
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--min-prompt-len", type=int, default=96)
+    p.add_argument("--max-prompt-len", type=int, default=160)
+    p.add_argument("--prompt-len", type=int, default=None, help="fixed prompt length (sets min and max)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: physical cores)")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="servelab dtype")
+    p.add_argument("--dtype", default="auto", help="servelab dtype: auto, float32 or bfloat16")
+    p.add_argument("--enforce-eager", type=_bool, default=None, help="servelab: true/false (where the engine has it)")
+    p.add_argument("--async-scheduling", type=_bool, default=None, help="servelab: true/false (where the engine has it)")
+    p.add_argument("--vllm-dtypes", nargs="+", choices=list(DTYPES), default=["bfloat16", "float32"])
     p.add_argument("--hf-dtype", choices=["auto", *DTYPES], default="auto")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=1, help="timed runs of each engine (alternating)")
+    p.add_argument("--repeats", type=int, default=2, help="timed rounds (each engine once per round, alternating)")
     p.add_argument("--json", type=Path, default=None, help="write all figures to this file")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 requests, 32 output tokens")
-    p.add_argument("--enforce-eager", choices=["true", "false", "both"], default="true",
-                   help="servelab forward: eager (true), compiled (false), or both alternating")
     args = p.parse_args(argv)
+    if args.prompt_len is not None:
+        args.min_prompt_len = args.max_prompt_len = args.prompt_len
+    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
+        p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
     if args.quick:
         args.num_requests, args.output_len = min(args.num_requests, 16), min(args.output_len, 32)
     if args.threads <= 0:
@@ -228,102 +353,137 @@ def run_all(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     from engine.model.loader import resolve_model
 
+    peer = ensure_peers() if args.peer == "vllm" else None
     arch = resolve_model(ModelConfig())[0]
     shapes = gemm_shapes(arch, min(args.num_requests, args.max_num_seqs))
     peaks = {name: gemm_flops(shapes, dt) for name, dt in DTYPES.items()}
-    prompts = build_prompts(args.num_requests, args.prompt_len)
+    lengths = prompt_lengths(args.num_requests, args.min_prompt_len, args.max_prompt_len)
+    prompts = build_prompts(lengths)
     warm = prompts[: min(len(prompts), HF_BATCH)]
-    s_dtype, h_dtype = pick_dtype(args.dtype, peaks), pick_dtype(args.hf_dtype, peaks)
-    engines = {}  # name -> LLM; "servelab" is the eager one unless --enforce-eager false
-    compile_s = {}
-    for eager in {"true": [True], "false": [False], "both": [True, False]}[args.enforce_eager]:
-        name = "compiled" if not eager and args.enforce_eager == "both" else "servelab"
-        t0 = time.perf_counter()
-        engines[name] = make_servelab(args, s_dtype, enforce_eager=eager)
-        compile_s[name] = engines[name].engine_core.executor.compile_time
-        print(f"{name}: engine start {time.perf_counter() - t0:.1f} s, of which compile + warm-up "
-              f"{compile_s[name]:.1f} s (enforce_eager={eager})")
-        engines[name].generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    hf = None
-    if not args.skip_hf:
-        hf = make_hf(h_dtype)
-        hf_generate(hf, warm, 8)
-    runs: dict[str, list[RunResult]] = {**{name: [] for name in engines}, "hf": []}
-    for _ in range(args.repeats):
-        for name, llm in engines.items():
-            runs[name].append(time_servelab(llm, prompts, args.output_len, s_dtype, name))
-        if hf is not None:
-            runs["hf"].append(time_hf(hf, prompts, args.output_len, h_dtype))
-    del engines, hf
-    gc.collect()
-    out = summarize(args, arch, peaks, runs)
-    out["compile_time_s"] = compile_s
-    out["enforce_eager"] = args.enforce_eager
-    return out
+    s_dtype = args.dtype if args.dtype == "auto" and engine_accepts_dtype("auto") else pick_dtype(args.dtype, peaks)
+    h_dtype = pick_dtype(args.hf_dtype, peaks)
+    options, notes = servelab_options(args)
+    for note in notes:
+        print(note, flush=True)
+    workers: list[VllmWorker] = []
+    tmp = Path(tempfile.mkdtemp(prefix="servelab-offline-bench-"))
+    try:
+        if peer is not None:  # built first: their start-up (~1-2 min each, compiling) is never timed
+            for dt in args.vllm_dtypes:
+                print(f"[vllm-{dt}] starting", flush=True)
+                workers.append(VllmWorker(peer, dt, prompts, args, tmp))
+                workers[-1].ask("warm")
+                print(f"[vllm-{dt}] ready after {workers[-1].ready['load_s']:.0f} s", flush=True)
+        llm = make_servelab(args, s_dtype, options)
+        compile_s = float(getattr(llm.engine_core.executor, "compile_time", 0.0) or 0.0)
+        if compile_s:
+            print(f"servelab: compile + warm-up at start-up {compile_s:.1f} s (never inside a throughput figure)",
+                  flush=True)
+        llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        hf = None
+        if not args.skip_hf:
+            hf = make_hf(h_dtype)
+            hf_generate(hf, warm, 8)
+        runs: dict[str, list[RunResult]] = {"servelab": [], "hf": []} | {w.name: [] for w in workers}
+        for rnd in range(args.repeats):
+            runs["servelab"].append(time_servelab(llm, prompts, args.output_len, s_dtype))
+            print(f"round {rnd + 1}: servelab {runs['servelab'][-1].tokens_per_s:.1f} tok/s", flush=True)
+            for w in list(workers):
+                try:
+                    runs[w.name].append(w.time_run())
+                except SystemExit as exc:  # e.g. killed by the OOM killer on a crowded machine
+                    print(f"round {rnd + 1}: {w.name} failed, dropped from the comparison: {exc}", flush=True)
+                    workers.remove(w)
+                    continue
+                print(f"round {rnd + 1}: {w.name} {runs[w.name][-1].tokens_per_s:.1f} tok/s", flush=True)
+            if hf is not None:
+                runs["hf"].append(time_hf(hf, prompts, args.output_len, h_dtype))
+        del llm, hf
+        gc.collect()
+    finally:
+        for w in workers:
+            w.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return summarize(args, arch, peaks, lengths, runs, options)
 
 
-def summarize(args: argparse.Namespace, arch: ModelArch, peaks: dict[str, float], runs: dict) -> dict:
-    work = (args.num_requests, args.prompt_len, args.output_len)
-    flops = {"decode_spec": decode_flops(arch, *work), "all_tokens": total_flops(arch, *work)}
+def summarize(args: argparse.Namespace, arch: ModelArch, peaks: dict[str, float], lengths: list[int],
+              runs: dict[str, list[RunResult]], options: dict[str, Any]) -> dict:
+    flops = {"decode_spec": decode_flops(arch, lengths, args.output_len),
+             "all_tokens": total_flops(arch, lengths, args.output_len)}
     out: dict = {
-        "workload": dict(zip(("num_requests", "prompt_len", "output_len"), work, strict=True)),
+        "workload": {"num_requests": args.num_requests, "min_prompt_len": args.min_prompt_len,
+                     "max_prompt_len": args.max_prompt_len, "mean_prompt_len": statistics.mean(lengths),
+                     "output_len": args.output_len},
         "threads": args.threads,
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "gemm_flops": peaks,
         "matmul_params": matmul_params(arch),
+        "servelab_options": options,
         "runs": {k: [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in v] for k, v in runs.items()},
+        "engines": {},
     }
     for name, rs in runs.items():
         if not rs:
             continue
         secs = statistics.median(r.seconds for r in rs)
-        peak = peaks[rs[0].dtype]
-        out[name] = {
+        # "auto" resolved by the engine itself: read against the faster of the two peaks.
+        peak = peaks.get(rs[0].dtype, max(peaks.values()))
+        out["engines"][name] = {
             "dtype": rs[0].dtype,
             "tokens_per_s": rs[0].output_tokens / secs,
             "compute_fraction_decode_spec": flops["decode_spec"] / secs / peak,
             "compute_fraction_all_tokens": flops["all_tokens"] / secs / peak,
         }
+    vllm_names = [n for n in runs if n.startswith("vllm-") and runs[n]]
+    per_round = []
+    for i, s in enumerate(runs["servelab"]):
+        done = [n for n in vllm_names if len(runs[n]) > i]  # a worker that died has fewer rounds
+        if done:
+            best = max(done, key=lambda n, i=i: runs[n][i].tokens_per_s)
+            per_round.append((s.tokens_per_s / runs[best][i].tokens_per_s, best))
+    if per_round:
+        out["ratio_servelab_over_vllm_best"] = statistics.median(r for r, _ in per_round)
+        out["ratios_vllm"] = [r for r, _ in per_round]
+        out["vllm_best_per_round"] = [n for _, n in per_round]
     if runs["hf"]:
-        ratios = [s.seconds and h.seconds / s.seconds for s, h in zip(runs["servelab"], runs["hf"], strict=True)]
+        ratios = [h.seconds / s.seconds for s, h in zip(runs["servelab"], runs["hf"], strict=True)]
         out["ratio_servelab_over_hf"] = statistics.median(ratios)
-        out["ratios"] = ratios
-    if runs["servelab_async"]:
-        pairs = zip(runs["servelab"], runs["servelab_async"], strict=True)
-        ab = [s.seconds / a.seconds for s, a in pairs]
-        out["ratio_async_over_sync"] = statistics.median(ab)
-        out["ratios_async_over_sync"] = ab
-    out["async_scheduling"] = args.async_scheduling
+        out["ratios_hf"] = ratios
     return out
 
 
 def report(res: dict) -> None:
     w = res["workload"]
-    print(f"workload: {w['num_requests']} requests x {w['prompt_len']} prompt + {w['output_len']} output tokens, "
-          f"greedy, ignore_eos; threads={res['threads']}")
+    print(f"workload: {w['num_requests']} requests x {w['min_prompt_len']}-{w['max_prompt_len']} prompt tokens "
+          f"(mean {w['mean_prompt_len']:.1f}) + {w['output_len']} output tokens, greedy, ignore_eos; "
+          f"threads={res['threads']}")
+    print(f"CPU: {res['cpu']}; flags: {format_flags(res['cpu_flags'])}")
     print("GEMM peak (torch.mm, model shapes): "
           + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in res["gemm_flops"].items()))
-    print(f"matmul params per token: {res['matmul_params'] / 1e6:.1f} M")
-    for name in ("servelab", "compiled", "hf"):
-        if name in res:
-            r = res[name]
-            print(f"{name:9s} [{r['dtype']}]: {r['tokens_per_s']:8.1f} output tok/s   compute limit reached: "
-                  f"{100 * r['compute_fraction_decode_spec']:.1f}% (decode formula), "
-                  f"{100 * r['compute_fraction_all_tokens']:.1f}% (prefill+decode)")
+    print(f"matmul params per token: {res['matmul_params'] / 1e6:.1f} M"
+          + (f"; servelab options: {res['servelab_options']}" if res["servelab_options"] else ""))
+    for name, r in res["engines"].items():
+        each = ", ".join(f"{x['tokens_per_s']:.1f}" for x in res["runs"][name])
+        print(f"{name:14s} [{r['dtype']}]: {r['tokens_per_s']:8.1f} output tok/s (rounds: {each})   compute limit "
+              f"reached: {100 * r['compute_fraction_decode_spec']:.1f}% (decode formula), "
+              f"{100 * r['compute_fraction_all_tokens']:.1f}% (prefill+decode)")
+    if "ratio_servelab_over_vllm_best" in res:
+        each = ", ".join(f"{x:.2f} vs {n}" for x, n in zip(res["ratios_vllm"], res["vllm_best_per_round"], strict=True))
+        print(f"servelab / vLLM-best: {res['ratio_servelab_over_vllm_best']:.2f}x (median of rounds: {each})")
     if "ratio_servelab_over_hf" in res:
-        each = ", ".join(f"{x:.2f}" for x in res["ratios"])
-        print(f"servelab / HF: {res['ratio_servelab_over_hf']:.2f}x (median of runs: {each})")
-    if "compiled" in res:
-        ratios = [e["seconds"] / c["seconds"] for e, c in zip(res["runs"]["servelab"], res["runs"]["compiled"],
-                                                               strict=True)]
-        print(f"compiled / eager: {statistics.median(ratios):.2f}x (per alternating pair: "
-              + ", ".join(f"{x:.2f}" for x in ratios) + ")")
-    for name, secs in res.get("compile_time_s", {}).items():
-        if secs:
-            print(f"{name}: compile + warm-up at start-up {secs:.1f} s (not in any figure above)")
+        each = ", ".join(f"{x:.2f}" for x in res["ratios_hf"])
+        print(f"servelab / HF: {res['ratio_servelab_over_hf']:.2f}x (median of rounds: {each})")
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(f"stopped by signal {signum}")  # unwinds through `finally`: vLLM workers are stopped
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     res = run_all(args)
     report(res)
     if args.json is not None:

@@ -122,3 +122,25 @@ def test_start_failure_is_reported() -> None:
             EngineCoreClient.start(EngineConfig(), engine_factory=_failing_factory, ready_timeout_s=30)
 
     asyncio.run(main())
+
+
+def test_loop_and_front_end_time_are_accounted() -> None:
+    """The core's loop splits its time into step / socket I/O / idle; the client counts output batches."""
+
+    async def main() -> None:
+        client, col = await _start(False, step_delay_ms=2)
+        try:
+            client.add_request(echo_request("a", [1, 2, 3], max_tokens=6))
+            await col.wait("a")
+            core = client._thread_core
+            assert core is not None
+            stats = core.loop_stats
+            assert stats.steps >= 6  # one token per step
+            assert stats.step_s >= stats.steps * 0.002  # the echo engine sleeps 2 ms a step
+            assert stats.io_s > 0.0 and stats.idle_s >= 0.0
+            assert f"{stats.steps} steps; step()" in stats.describe()
+            assert client.output_batches >= 6 and client.output_s > 0.0
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())

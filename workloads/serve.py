@@ -17,7 +17,7 @@ import tempfile
 
 from engine.config import EngineConfig
 from engine.entrypoints.api_server import ServerSettings
-from engine.entrypoints.serve import ConfigError, flags_to_overrides, reserve_api_core, run
+from engine.entrypoints.serve import ConfigError, engine_threads, flags_to_overrides, run
 
 
 def load_config(overrides: list[str]) -> tuple[EngineConfig, ServerSettings]:
@@ -44,7 +44,7 @@ def load_config(overrides: list[str]) -> tuple[EngineConfig, ServerSettings]:
         engine = cfg.engine_config(shape_dir=tempfile.mkdtemp(prefix="servelab-shape-") if cfg.model.arch else None)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    reserve_api_core(engine, cfg.server)
+    engine_threads(engine)
     return engine, cfg.server
 
 

@@ -85,6 +85,10 @@ class EngineCoreClient:
         self._dead: EngineDeadError | None = None
         self._closed = False
         self.ready: msg.ReadyInfo | None = None
+        # Front-end cost per engine step: decoding + output processing (detokenize, stop strings,
+        # hand-off to each request's stream), logged at shutdown next to the core's own split.
+        self.output_batches = 0
+        self.output_s = 0.0
         self.on_outputs: Callable[[EngineCoreOutputs], None] = lambda outputs: None
         self.on_dead: Callable[[EngineDeadError], None] = lambda err: None
 
@@ -197,6 +201,9 @@ class EngineCoreClient:
         if self._closed:
             return
         self._closed = True
+        if self.output_batches:
+            logger.info("engine client: %d output batches, decode + output processing %.2f s (%.3f ms/batch)",
+                        self.output_batches, self.output_s, 1000 * self.output_s / self.output_batches)
         for task in self._tasks:
             task.cancel()
         with contextlib.suppress(zmq.ZMQError):
@@ -268,7 +275,10 @@ class EngineCoreClient:
 
     def _dispatch(self, kind: bytes, payload: bytes) -> None:
         if kind == msg.OUTPUTS:
+            t0 = time.perf_counter()
             self.on_outputs(self._outputs_decoder.decode(payload))
+            self.output_batches += 1
+            self.output_s += time.perf_counter() - t0
         elif kind == msg.RESULT:
             res = self._result_decoder.decode(payload)
             fut = self._pending_calls.get(res.call_id)

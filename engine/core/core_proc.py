@@ -4,6 +4,11 @@ Loop: drain the input socket (new requests, aborts, utility calls, shutdown) -> 
 while the engine has work -> send the step's EngineCoreOutputs. When idle it blocks on
 the input socket, waking once a second to notice a dead parent.
 
+Where the time goes: `LoopStats` splits the loop's wall time into `step()` (the engine:
+schedule, forward, sample, update), I/O (draining the input socket, encoding and sending
+outputs) and idle waits; it is logged when the loop ends, so a serving run says whether the
+engine or the process boundary held it back.
+
 Failure policy:
 - an exception inside `engine.step()` finishes every in-flight request with
   `FinishReason.ERROR` and the error text; the loop keeps serving;
@@ -19,6 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -60,6 +66,21 @@ def engine_stats(engine: Any) -> msg.EngineStats:
     )
 
 
+@dataclass(slots=True)
+class LoopStats:
+    """Cumulative wall time of the busy loop, by phase (seconds)."""
+
+    steps: int = 0
+    step_s: float = 0.0  # inside engine.step()
+    io_s: float = 0.0  # draining input (while busy) + encoding and sending outputs
+    idle_s: float = 0.0  # blocked on the input socket with nothing to do
+
+    def describe(self) -> str:
+        per = 1000.0 / self.steps if self.steps else 0.0
+        return (f"{self.steps} steps; step() {self.step_s:.2f} s ({self.step_s * per:.2f} ms/step), "
+                f"socket I/O {self.io_s:.3f} s ({self.io_s * per:.3f} ms/step), idle {self.idle_s:.1f} s")
+
+
 class EngineCoreProc:
     """Owns an engine and the core side of the two sockets; `run()` is the busy loop."""
 
@@ -86,15 +107,23 @@ class EngineCoreProc:
         self.utility_decoder = msgspec.msgpack.Decoder(msg.UtilityCall)
         self.in_flight: set[str] = set()
         self.stop_event = threading.Event()
+        self.loop_stats = LoopStats()
 
     def send(self, kind: bytes, obj: Any) -> None:
         self.output.send_multipart((kind, self.encoder.encode(obj)), copy=False)
 
     def run(self, parent_alive: Callable[[], bool] = lambda: True) -> None:
         """Serve until a SHUTDOWN message, `stop_event`, or the parent disappears."""
+        clock, stats = time.perf_counter, self.loop_stats
         while not self.stop_event.is_set():
             idle = not self.engine.has_unfinished_requests()
-            if not self._drain_input(block=idle):
+            t0 = clock()
+            more = self._drain_input(block=idle)
+            if idle:
+                stats.idle_s += clock() - t0
+            else:
+                stats.io_s += clock() - t0
+            if not more:
                 break
             if idle and not parent_alive():
                 logger.warning("engine core: parent process is gone, exiting")
@@ -156,16 +185,22 @@ class EngineCoreProc:
         self.send(msg.RESULT, result)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:
             logger.exception("engine core: step failed; failing in-flight requests")
             outputs = self._fail_in_flight(exc)
+        t1 = time.perf_counter()
         for out in outputs.outputs:
             if out.finish_reason is not None:
                 self.in_flight.discard(out.request_id)
         if outputs.outputs or outputs.stats is not None:
             self.send(msg.OUTPUTS, outputs)
+        stats = self.loop_stats
+        stats.steps += 1
+        stats.step_s += t1 - t0
+        stats.io_s += time.perf_counter() - t1
 
     def _fail_in_flight(self, exc: Exception) -> EngineCoreOutputs:
         ids = sorted(self.in_flight)
@@ -221,6 +256,8 @@ def run_engine_core(
     import multiprocessing
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
+    if not logging.getLogger().handlers:  # a spawned process starts without the parent's logging set-up
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parent = multiprocessing.parent_process()
     ctx = zmq.Context()
     proc: EngineCoreProc | None = None
@@ -230,6 +267,7 @@ def run_engine_core(
         signal.signal(signal.SIGTERM, lambda *_: proc.stop_event.set() if proc else None)
         announce_ready(proc)
         proc.run(parent_alive=(lambda: parent.is_alive()) if parent else (lambda: True))
+        logger.info("engine core loop: %s", proc.loop_stats.describe())
         engine.shutdown()
     except Exception as exc:
         logger.exception("engine core: fatal error")

