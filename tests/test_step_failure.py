@@ -92,3 +92,17 @@ def test_failed_step_finishes_its_requests_with_the_error() -> None:
     assert "a" not in core.scheduler.requests
     core.step()
     core.scheduler.assert_idle()
+
+
+def test_every_step_has_its_own_index() -> None:
+    """An empty step (only finished ids to hand over) must not share its index with the next
+    step: steps.csv and kernels.csv join on it (issue 13, defect 7)."""
+    cfg = EngineConfig()
+    cfg.cache.num_blocks = 32
+    core = EngineCore(cfg, FailingExecutor(cfg, set()))
+    _add(core, "a", 5, max_tokens=2)
+    indices = [core.step().stats.step for _ in range(3)]  # prefill, decode (finishes), empty hand-over
+    _add(core, "b", 5, max_tokens=1)
+    indices.append(core.step().stats.step)
+    assert indices == sorted(set(indices)), indices
+    core.scheduler.assert_idle()
