@@ -14,6 +14,7 @@ import dataclasses
 
 import pytest
 import torch
+from oracle_hf import hf_greedy_tokens
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm import LLM
@@ -58,21 +59,7 @@ def prompt_ids() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_greedy(smollm2_path, prompt_ids) -> list[list[int]]:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
-    )
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            x = torch.tensor([ids])
-            y = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
-                pad_token_id=model.config.eos_token_id, eos_token_id=None,
-            )
-            outs.append(y[0, len(ids):].tolist())
-    return outs
+    return hf_greedy_tokens(smollm2_path, prompt_ids, torch.float32, MAX_TOKENS)
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])

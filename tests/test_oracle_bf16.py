@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle_hf import hf_greedy_tokens
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -43,21 +44,7 @@ def prompt_ids(llm_bf16: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_bf16_greedy(smollm2_path, prompt_ids) -> list[list[int]]:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.bfloat16
-    )
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            x = torch.tensor([ids])
-            y = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
-                pad_token_id=model.config.eos_token_id, eos_token_id=None,
-            )
-            outs.append(y[0, len(ids):].tolist())
-    return outs
+    return hf_greedy_tokens(smollm2_path, prompt_ids, torch.bfloat16, MAX_TOKENS)
 
 
 def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
