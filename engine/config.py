@@ -137,6 +137,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         s, c = self.scheduler, self.cache
+        check_execution_modes(self.model, s)
         if s.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if s.max_num_seqs < 1:
@@ -154,3 +155,16 @@ class EngineConfig:
         from engine.platform import resolve_engine_dtype
 
         self.model.dtype = resolve_engine_dtype(self.model.dtype, self.device.device, self.model.model)
+
+
+def check_execution_modes(model: ModelConfig, scheduler: SchedulerConfig) -> None:
+    """ValueError for a combination the engine cannot run yet.
+
+    async_scheduling runs the forward on the executor's thread, where the compiled forward
+    (enforce_eager=False) fails dynamo's guards on every step until the recompile limit stops it.
+    """
+    if scheduler.async_scheduling and not model.enforce_eager:
+        raise ValueError(
+            "async_scheduling=True with enforce_eager=False is not supported yet (the compiled forward "
+            "recompiles on the executor thread); choose one of them"
+        )

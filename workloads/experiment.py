@@ -131,9 +131,10 @@ def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         if extra:
             (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
         result, reference = _timed(cfg, lambda: _drive(cfg, target, specs, run_dir))
+        compile_s = _compile_time(target)  # read before shutdown drops the engine
     finally:
         _shutdown(target)
-    return _write_results(cfg, run_dir, result, reference, _compile_time(target))
+    return _write_results(cfg, run_dir, result, reference, compile_s)
 
 
 def _compile_time(target: Any) -> float | None:
