@@ -317,3 +317,28 @@ def one_line(exc: BaseException) -> str:
     skip = ("full_key:", "object_type=", "reference_type=", "To append to your config use")
     keep = [ln for ln in lines if not ln.startswith(skip)]
     return "; ".join(dict.fromkeys(keep)) or type(exc).__name__
+
+
+def compose_typed(schema: type, config_name: str, overrides: list[str]) -> Any:
+    """Compose conf/<config_name>.yaml with `overrides` into its typed `schema` object.
+
+    ValueError with one line (unknown key or group option, a yaml key the schema lacks, a value
+    of the wrong type) instead of Hydra's multi-line report; the front doors print it as is.
+    """
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    problem = check_overrides(schema, overrides)
+    if problem:
+        raise ValueError(problem)
+    register_schemas()
+    try:
+        with initialize_config_module(config_module="conf", version_base=None):
+            composed = compose(config_name=config_name, overrides=overrides)
+        cfg = OmegaConf.to_object(composed)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ValueError(one_line(exc)) from None
+    assert isinstance(cfg, schema)
+    return cfg

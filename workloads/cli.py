@@ -20,7 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from conf.schema import RunConfig, check_overrides, one_line, register_schemas
+from conf.schema import RunConfig, check_overrides, compose_typed, register_schemas
 
 register_schemas()
 _FAILED: list[str] = []  # run folders whose experiment failed (Hydra drops the task's return value)
@@ -75,20 +75,12 @@ def precheck(argv: list[str]) -> str | None:
     also one line rather than Hydra's multi-line report; a sweep (`-m`) is left to Hydra.
     """
     overrides = hydra_overrides(argv)
-    problem = check_overrides(RunConfig, overrides)
-    if problem or "-m" in argv or "--multirun" in argv:
-        return problem
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
+    if "-m" in argv or "--multirun" in argv:
+        return check_overrides(RunConfig, overrides)
     try:
-        with initialize_config_module(config_module="conf", version_base=None):
-            composed = compose(config_name="run", overrides=[o for o in overrides if not o.startswith("hydra")])
-        OmegaConf.to_object(composed)
-    except (HydraException, OmegaConfBaseException) as exc:
-        return one_line(exc)
+        compose_typed(RunConfig, "run", [o for o in overrides if not o.startswith("hydra")])
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

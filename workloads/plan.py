@@ -448,24 +448,12 @@ def _is_model_option(name: str) -> bool:
 
 def load_config(overrides: list[str]) -> PlanConfig:
     """Compose conf/plan.yaml with `overrides` into the typed PlanConfig; PlanError (one line)."""
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from conf.schema import compose_typed
 
-    from conf.schema import check_overrides, one_line, register_schemas
-
-    problem = check_overrides(PlanConfig, overrides)
-    if problem:
-        raise PlanError(problem)
-    register_schemas()
     try:
-        with initialize_config_module(config_module="conf", version_base=None):
-            composed = compose(config_name="plan", overrides=overrides)
-        cfg = OmegaConf.to_object(composed)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise PlanError(one_line(exc)) from None
-    assert isinstance(cfg, PlanConfig)
+        cfg: PlanConfig = compose_typed(PlanConfig, "plan", overrides)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
     return cfg
 
 

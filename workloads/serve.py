@@ -22,24 +22,12 @@ from engine.entrypoints.serve import ConfigError, engine_threads, flags_to_overr
 
 def load_config(overrides: list[str]) -> tuple[EngineConfig, ServerSettings]:
     """Compose conf/serve.yaml with `overrides`; ConfigError (one line) on anything unknown."""
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from conf.schema import ServeConfig, compose_typed
 
-    from conf.schema import ServeConfig, check_overrides, one_line, register_schemas
-
-    problem = check_overrides(ServeConfig, overrides)
-    if problem:
-        raise ConfigError(problem)
-    register_schemas()
     try:
-        with initialize_config_module(config_module="conf", version_base=None):
-            composed = compose(config_name="serve", overrides=overrides)
-        cfg = OmegaConf.to_object(composed)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(one_line(exc)) from None
-    assert isinstance(cfg, ServeConfig)
+        cfg: ServeConfig = compose_typed(ServeConfig, "serve", overrides)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         engine = cfg.engine_config(shape_dir=tempfile.mkdtemp(prefix="servelab-shape-") if cfg.model.arch else None)
     except ValueError as exc:
