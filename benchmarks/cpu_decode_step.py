@@ -1,7 +1,7 @@
 """One model step of the default model on the CPU, timed and profiled, per dtype (a micro-benchmark).
 
     python benchmarks/cpu_decode_step.py [--dtype bfloat16,float32] [--batch 64] [--context 192]
-        [--prefill-query 0] [--iters 20] [--profile] [--threads N] [--attention cpp,sdpa]
+        [--prefill-query 0] [--iters 20] [--profile] [--threads N] [--no-prepack] [--attention cpp,sdpa]
 
 Builds SmolLM2-135M (the real GGUF weights) with `engine.model.loader.load_model`, a paged KV
 cache, and a step of `--batch` requests, each with `--context` tokens in the cache: a decode
@@ -53,6 +53,8 @@ def step_metadata(batch: int, context: int, q: int) -> AttentionMetadata:
 def run(dtype: str, args: argparse.Namespace) -> None:
     backend = TorchAttentionBackend()
     model = load_model(ModelConfig(dtype=dtype), backend, "cpu")
+    packed = 0 if args.no_prepack else model.prepack()
+    print(f"{dtype}: {packed} weight matrices prepacked for oneDNN")
     arch = model.arch
     q = max(1, args.prefill_query)
     md = step_metadata(args.batch, args.context, q)
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-prepack", action="store_true", help="keep plain weights (the engine's prepack_weights=false)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--attention", default="cpp", help="cpp | sdpa | cpp,sdpa (A/B, alternating steps)")
     args = p.parse_args(argv)

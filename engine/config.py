@@ -38,6 +38,8 @@ class ModelConfig:
     # Override of the architecture's layer count (dummy shapes run faster with fewer).
     num_layers_override: int | None = None
     enforce_eager: bool = True  # vLLM's name: False compiles the forward (torch.compile / CUDA graphs)
+    # bfloat16 on a CPU: reorder the linear weights once into oneDNN's layout (engine/model/cpu_linear.py).
+    prepack_weights: bool = True
 
 
 @dataclass
@@ -137,7 +139,6 @@ class EngineConfig:
 
     def validate(self) -> None:
         s, c = self.scheduler, self.cache
-        check_execution_modes(self.model, s)
         if s.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if s.max_num_seqs < 1:
@@ -155,16 +156,3 @@ class EngineConfig:
         from engine.platform import resolve_engine_dtype
 
         self.model.dtype = resolve_engine_dtype(self.model.dtype, self.device.device, self.model.model)
-
-
-def check_execution_modes(model: ModelConfig, scheduler: SchedulerConfig) -> None:
-    """ValueError for a combination the engine cannot run yet.
-
-    async_scheduling runs the forward on the executor's thread, where the compiled forward
-    (enforce_eager=False) fails dynamo's guards on every step until the recompile limit stops it.
-    """
-    if scheduler.async_scheduling and not model.enforce_eager:
-        raise ValueError(
-            "async_scheduling=True with enforce_eager=False is not supported yet (the compiled forward "
-            "recompiles on the executor thread); choose one of them"
-        )

@@ -77,29 +77,20 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _configure(llm: LLM, async_scheduling: bool, num_blocks: int | None = None, **sched: object) -> bool:
-    """Swap the scheduler; False (after checking the engine refuses it with a clear error) for the
-    one combination the engine does not run yet: async scheduling with the compiled forward."""
+def _configure(llm: LLM, async_scheduling: bool, num_blocks: int | None = None, **sched: object) -> None:
+    """Swap the scheduler (async scheduling on or off, budgets) over the same loaded model."""
     base = SchedulerConfig(max_num_seqs=16, async_scheduling=async_scheduling)
-    new = dataclasses.replace(base, **sched)
-    if async_scheduling and not llm.engine_core.config.model.enforce_eager:
-        with pytest.raises(ValueError, match="not supported yet"):
-            llm.engine_core.reconfigure(new, CacheConfig(num_blocks=256), num_blocks)
-        return False
-    llm.engine_core.reconfigure(new, CacheConfig(num_blocks=256), num_blocks)
-    return True
+    llm.engine_core.reconfigure(dataclasses.replace(base, **sched), CacheConfig(num_blocks=256), num_blocks)
 
 
 def test_one_at_a_time(llm, prompt_ids, hf_greedy, async_scheduling):
-    if not _configure(llm, async_scheduling):
-        return  # refused with a clear error (checked in _configure)
+    _configure(llm, async_scheduling)
     for ids, expected in zip(prompt_ids, hf_greedy, strict=True):
         assert _run(llm, [ids]) == [expected]
 
 
 def test_all_together(llm, prompt_ids, hf_greedy, async_scheduling):
-    if not _configure(llm, async_scheduling):
-        return  # refused with a clear error (checked in _configure)
+    _configure(llm, async_scheduling)
     start = len(llm.step_stats)
     assert _run(llm, prompt_ids) == hf_greedy
     compiled = llm.engine_core.config.model.enforce_eager is False
@@ -107,8 +98,7 @@ def test_all_together(llm, prompt_ids, hf_greedy, async_scheduling):
 
 
 def test_chunked_prefill(llm, prompt_ids, hf_greedy, async_scheduling):
-    if not _configure(llm, async_scheduling, max_num_batched_tokens=3):
-        return  # refused with a clear error (checked in _configure)
+    _configure(llm, async_scheduling, max_num_batched_tokens=3)
     start = len(llm.step_stats)
     assert _run(llm, prompt_ids) == hf_greedy
     steps = llm.step_stats[start:]
@@ -118,8 +108,7 @@ def test_chunked_prefill(llm, prompt_ids, hf_greedy, async_scheduling):
 
 
 def test_prefix_hits(llm, prompt_ids, hf_greedy, async_scheduling):
-    if not _configure(llm, async_scheduling):
-        return  # refused with a clear error (checked in _configure)
+    _configure(llm, async_scheduling)
     start = len(llm.step_stats)
     # the two SYSTEM prompts share a long prefix; the repeat of prompt 6 is an exact hit
     order = [6, 7, 6, 0]
@@ -132,8 +121,7 @@ def test_prefix_hits(llm, prompt_ids, hf_greedy, async_scheduling):
 
 def test_preemption(llm, prompt_ids, hf_greedy, async_scheduling):
     # 12 blocks of 16 tokens cannot hold all nine sequences at once
-    if not _configure(llm, async_scheduling, num_blocks=12):
-        return  # refused with a clear error (checked in _configure)
+    _configure(llm, async_scheduling, num_blocks=12)
     start = len(llm.step_stats)
     assert _run(llm, prompt_ids) == hf_greedy
     assert sum(s.num_preemptions for s in llm.step_stats[start:]) > 0

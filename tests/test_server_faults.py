@@ -13,6 +13,7 @@ Dummy weights with two layers keep start-up short; none of this depends on what 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -156,10 +157,8 @@ def test_engine_killed_under_load_fails_every_request_and_leaves_no_process(
     # server's pipe; on a loaded machine that can take a moment after the server itself is gone.
     procs = []
     for pid in tree:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
     _, alive = psutil.wait_procs(procs, timeout=15)
     left = []
     for p in alive:

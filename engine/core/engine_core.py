@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, check_execution_modes
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sched.scheduler import Scheduler
 from engine.core.sched.stats import SchedulerStats
 from engine.executor.base import Executor
@@ -295,7 +295,6 @@ class EngineCore:
             raise RuntimeError("reconfigure() needs an idle engine")
         sched = scheduler_config or self.config.scheduler
         cache = cache_config or self.config.cache
-        check_execution_modes(self.config.model, sched)
         if num_blocks is not None and num_blocks > self.num_blocks:
             raise ValueError(f"num_blocks: at most {self.num_blocks} were allocated")
         if sched.max_num_seqs > self.config.scheduler.max_num_seqs:

@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.model.arch import ModelArch
+from engine.model.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from engine.model.moe import MoEBlock
 
@@ -128,6 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.model = LlamaModel(arch, attn_backend, max_positions or arch.max_position_embeddings)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.packed_lm_head: torch.Tensor | None = None  # set by prepack()
 
     def forward(
         self,
@@ -141,7 +143,20 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        packed = self.packed_lm_head
+        if packed is not None and hidden.dtype == weight.dtype and not torch.compiler.is_compiling():
+            return packed_linear(hidden, packed).float()
         return F.linear(hidden, weight).float()
+
+    def prepack(self) -> int:
+        """Prepack the linear weights and the LM head for oneDNN where that applies
+        (engine/model/cpu_linear.py); returns how many matrices were packed."""
+        n = prepack_linears(self)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if n and prepack_supported(weight):
+            self.packed_lm_head = pack_weight(weight)
+            n += self.lm_head is None  # the tied LM head is a matrix of its own
+        return n
 
     # ---- weights -----------------------------------------------------------------
     def hf_weight_names(self) -> list[str]:

@@ -223,6 +223,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         return self.run_step(inp)
 
+    @torch.inference_mode()  # the step's tensors are inference tensors on any thread (dynamo guards on it)
     def prepare_step(self, so: SchedulerOutput) -> StepInputs | None:
         """Apply the SchedulerOutput to the persistent batch and build the step's inputs
         (None: nothing scheduled). Must be called in step order, each followed by its

@@ -48,6 +48,10 @@ class Worker:
         torch.manual_seed(self.config.model.seed)
         backend = get_attention_backend(self.config.attention.backend, self.device)
         self.model = load_model(self.config.model, backend, self.device)
+        if self.config.model.prepack_weights and hasattr(self.model, "prepack"):
+            packed = self.model.prepack()
+            if packed:
+                logger.info("prepacked %d weight matrices for oneDNN", packed)
         arch = self.model.arch
         self.arch = arch
         self.max_model_len = arch.max_model_len(self.config.model.max_model_len)

@@ -1,0 +1,63 @@
+"""Prepacked oneDNN linears (engine/model/cpu_linear.py) against plain `F.linear`, bfloat16 on a CPU.
+
+Both multiply the same bfloat16 values with float32 accumulation and round once, in another
+blocking order: they agree to ~1 bfloat16 ulp of the output (rtol 1e-2 plus a small atol).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
+
+pytestmark = pytest.mark.skipif(
+    not prepack_supported(torch.empty(1, 1, dtype=torch.bfloat16)), reason="this torch has no oneDNN (mkldnn)"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (3072, 576)])
+def test_packed_linear_matches_plain(rows: int, shape: tuple[int, int]) -> None:
+    torch.manual_seed(rows)
+    w = (torch.randn(shape) / shape[1] ** 0.5).bfloat16()
+    x = torch.randn(rows, shape[1]).bfloat16()
+    got, want = packed_linear(x, pack_weight(w)), F.linear(x.float(), w.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-2)
+    # 3-D inputs and non-contiguous rows take the reshape path
+    x3 = torch.randn(2, rows, shape[1]).bfloat16().transpose(0, 1)
+    torch.testing.assert_close(packed_linear(x3, pack_weight(w)).float(), F.linear(x3, w).float(), rtol=1e-2, atol=2e-2)
+
+
+def test_prepack_linears_only_touches_bf16_cpu_layers() -> None:
+    model = nn.Sequential(nn.Linear(64, 32, bias=False), nn.Linear(32, 16)).bfloat16()
+    model.append(nn.Linear(16, 8).float())  # float32: left as it is
+    x = torch.randn(5, 64).bfloat16()
+    with torch.inference_mode():
+        before = model[1](model[0](x))
+        assert prepack_linears(model) == 2
+        after = model[1](model[0](x))
+    assert "forward" in model[0].__dict__ and "forward" in model[1].__dict__ and "forward" not in model[2].__dict__
+    torch.testing.assert_close(after.float(), before.float(), rtol=1e-2, atol=2e-2)
+    # with autograd on, the plain weight is used (the packed op has no backward)
+    y = model[1](model[0](x.requires_grad_()))
+    y.sum().backward()
+    assert x.grad is not None
+
+
+def test_engine_tokens_equal_with_and_without_prepacking() -> None:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9] * 10, list(range(100, 140))]
+    outs = []
+    for prepack in (True, False):
+        llm = LLM(model="smollm2", load_format="dummy", num_layers_override=2, dtype="bfloat16",
+                  prepack_weights=prepack, num_blocks=64, max_num_seqs=4)
+        assert (llm.engine_core.executor.worker.model.packed_lm_head is not None) == prepack  # type: ignore[attr-defined]
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outs[0] == outs[1]
