@@ -4,7 +4,7 @@ Performance notes (CPU decode is bound by per-op overhead as much as by bandwidt
 RMSNorm fuses the residual add; the rotary cos/sin table is built once and gathered
 once per forward (not per layer); rotate-half RoPE is 4 ops with a signed sin table;
 the MLP's gate and up projections are one fused GEMM. Float32 and bfloat16 CPU tensors use
-the fused C++ kernels of `cpu_kernels` (residual-add + RMSNorm in place, in-place RoPE;
+the fused C++ kernels of `cpu_kernels` (residual-add + RMSNorm in place, in-place RoPE, SiLU(gate) * up;
 `torch.ops.servelab.*`), computed in float32 and rounded once per output.
 """
 
@@ -140,7 +140,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        # torch.ops.servelab.silu_mul exists (and is tested) but measured 7x slower than these
-        # two vectorised torch ops at [64, 2 x 1536] in both dtypes: its exp does not vectorise yet.
+        fused = _fused(gate_up)
+        if fused is not None:  # one pass, float32 inside, rounded once: 1.6-2x torch's silu + mul
+            return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)  # [T, H]
