@@ -85,6 +85,9 @@ class ArrivalSection:
     rate_end: float | None = None  # ramp: end rate
     burstiness: float = 1.0  # gamma shape; 1 = Poisson
     concurrency: int = 8  # closed loop users
+    # Open loop: at most this many requests in flight; a due arrival waits for a free slot
+    # (vLLM's `--max-concurrency`). None: no cap.
+    max_concurrency: int | None = None
 
 
 @dataclass
@@ -123,6 +126,11 @@ class WorkloadSection:
     warmup_requests: int = 4
     seed: int = 0
     prompt_as_token_ids: bool = False
+    # Text put before every prompt so a long-lived server's prefix cache cannot answer a rerun
+    # of the same seed from the previous run: "" none, "auto" a new random salt per run, or the text.
+    prompt_salt: str = ""
+    # Short form of `arrival.process=closed arrival.concurrency=N`: a closed loop of N users.
+    concurrency: int | None = None
     ignore_eos: bool = True
     prompt_len: LengthSection = field(default_factory=LengthSection)
     output_len: LengthSection = field(default_factory=lambda: LengthSection(value=64))

@@ -91,3 +91,27 @@ def test_driver_closed_loop_user_finishes_its_session_first() -> None:
     t0, t1, x = sorted(result.records, key=lambda r: r.start_s)
     assert t1.scheduled_s == pytest.approx(t0.done_s + 0.05) and t1.turn == 1
     assert x.start_s >= t1.done_s
+
+
+def _run_cfg(*overrides: str):  # type: ignore[no-untyped-def]
+    from conf.schema import RunConfig, compose_typed
+
+    return compose_typed(RunConfig, "run", list(overrides))
+
+
+def test_send_limits_from_the_config() -> None:
+    from workloads.experiment import send_limits
+
+    assert send_limits(_run_cfg()) == (False, None)
+    assert send_limits(_run_cfg("workload.arrival.max_concurrency=16")) == (False, 16)
+    assert send_limits(_run_cfg("workload.arrival.process=closed", "workload.arrival.concurrency=3")) == (True, 3)
+    assert send_limits(_run_cfg("workload.concurrency=5")) == (True, 5)  # the short form
+    with pytest.raises(ValueError, match="max_concurrency must be >= 1"):
+        send_limits(_run_cfg("workload.arrival.max_concurrency=0"))
+
+
+def test_hydra_flags_go_before_the_overrides() -> None:
+    from workloads.cli import flags_first
+
+    assert flags_first(["target=openai", "--cfg", "job", "x=1"]) == ["--cfg", "job", "target=openai", "x=1"]
+    assert flags_first(["-m", "a=1,2", "b=3"]) == ["-m", "a=1,2", "b=3"]

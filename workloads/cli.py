@@ -67,6 +67,19 @@ def hydra_overrides(argv: list[str]) -> list[str]:
     return out
 
 
+def flags_first(argv: list[str]) -> list[str]:
+    """Hydra's flags (with their values) before the overrides: argparse takes the overrides as one
+    positional list, so `target=openai --cfg job x=1` would leave `x=1` unrecognised."""
+    overrides = hydra_overrides(argv)
+    flags, rest = [], list(overrides)
+    for arg in argv:
+        if rest and arg == rest[0]:
+            rest.pop(0)
+        else:
+            flags.append(arg)
+    return [*flags, *overrides]
+
+
 def precheck(argv: list[str]) -> str | None:
     """Why this command line cannot compose (one line), or None.
 
@@ -93,8 +106,9 @@ def main() -> None:
         print(f"servelab-run: {problem}", file=sys.stderr)
         sys.exit(2)
     quiet = ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    if not any(a.startswith("hydra/job_logging") or a.startswith("hydra/hydra_logging") for a in argv):
-        sys.argv = [sys.argv[0], *argv, *quiet]
+    if any(a.startswith("hydra/job_logging") or a.startswith("hydra/hydra_logging") for a in argv):
+        quiet = []
+    sys.argv = [sys.argv[0], *flags_first(argv), *quiet]
     _main()
     if _FAILED:
         sys.exit(1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from workloads.targets.base import Target
 ProgressFn = Callable[[int, float], None]  # (requests done, current rate in req/s)
 _TIMER_SLACK_S = 0.0011  # wake this early from a timer, then yield until due
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class RunResult:
@@ -50,6 +53,7 @@ class RunResult:
     stop_reason: str = ""  # "" | "max_duration" | "cancelled"
     steps: list[StepStats] | None = None
     scraped: list[dict[str, float]] = field(default_factory=list)
+    metrics_error: str | None = None
 
     @property
     def interrupted(self) -> bool:
@@ -93,6 +97,7 @@ class Driver:
         self._t0 = 0.0
         self._bar: tqdm | None = None
         self._scraped: list[dict[str, float]] = []
+        self.metrics_error: str | None = None  # why the server's /metrics could not be read
 
     def now(self) -> float:
         """Seconds since the run start."""
@@ -123,6 +128,8 @@ class Driver:
                 stop_reason = "max_duration"
             else:
                 main.result()
+                if scraper is not None and self.metrics_error is None:
+                    await self._scrape_once()  # the counters' final values, after the last request
         except asyncio.CancelledError:
             stop_reason = "cancelled"
         finally:
@@ -130,7 +137,7 @@ class Driver:
         return RunResult(
             records=sorted(self.records, key=lambda r: (r.scheduled_s, r.request_id)),
             t0_wall=t0_wall, wall_s=self.now(), stop_reason=stop_reason,
-            steps=self.target.step_stats(), scraped=self._scraped,
+            steps=self.target.step_stats(), scraped=self._scraped, metrics_error=self.metrics_error,
         )
 
     async def _shutdown(self, main: asyncio.Future, scraper: asyncio.Future | None) -> None:
@@ -243,11 +250,21 @@ class Driver:
             await asyncio.sleep(0)
 
     async def _scrape(self) -> None:
-        while True:
-            row = await self.target.scrape_metrics()
-            if row is not None:
-                self._scraped.append({"time": self.now(), **row})
+        while await self._scrape_once():
             await asyncio.sleep(self.scrape_interval_s or 1.0)
+
+    async def _scrape_once(self) -> bool:
+        """One row of server metrics; False once the server said it has none (then stop asking)."""
+        row = await self.target.scrape_metrics()
+        if row is not None:
+            self._scraped.append({"time": self.now(), **row})
+            return True
+        error = getattr(self.target, "metrics_error", None)
+        if error:
+            logger.warning("server metrics unavailable (%s); not polling /metrics again this run", error)
+            self.metrics_error = error
+            return False
+        return True
 
 
 async def run_workload(specs: list[RequestSpec], target: Target, **driver_kwargs) -> RunResult:

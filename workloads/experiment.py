@@ -74,10 +74,20 @@ def _timed(cfg: RunConfig, work: Callable[[], T]) -> tuple[T, float | None]:
     return result, (before + measure_time_reference()) / 2
 
 
-def closed_loop_concurrency(cfg: RunConfig) -> int | None:
-    """Users in flight for a closed-loop synthetic workload; None for open-loop arrivals."""
-    arr = cfg.workload.arrival
-    return int(arr.concurrency) if cfg.workload.kind == "synthetic" and arr.process == "closed" else None
+def send_limits(cfg: RunConfig) -> tuple[bool, int | None]:
+    """(closed loop?, concurrency): a closed loop's users (`workload.concurrency=N`, or
+    `arrival.process=closed` with `arrival.concurrency`), else the open loop's in-flight cap
+    (`arrival.max_concurrency`, None: none)."""
+    w, arr = cfg.workload, cfg.workload.arrival
+    if w.concurrency is not None:
+        if w.concurrency < 1:
+            raise ValueError(f"workload.concurrency must be >= 1, got {w.concurrency}")
+        return True, int(w.concurrency)
+    if w.kind == "synthetic" and arr.process == "closed":
+        return True, int(arr.concurrency)
+    if arr.max_concurrency is not None and arr.max_concurrency < 1:
+        raise ValueError(f"workload.arrival.max_concurrency must be >= 1, got {arr.max_concurrency}")
+    return False, arr.max_concurrency
 
 
 def slo_of(cfg: RunConfig) -> dict[str, float | None]:
@@ -202,10 +212,10 @@ def _hooks_factory(cfg: RunConfig, run_dir: Path):
 def _drive(cfg: RunConfig, target: Any, specs: list, run_dir: Path) -> RunResult:
     from profiling.telemetry import TelemetrySampler
 
-    concurrency = closed_loop_concurrency(cfg)
+    closed_loop, concurrency = send_limits(cfg)
     scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai") else None
     journal = runfolder.RequestJournal(run_dir)
-    driver = Driver(target, closed_loop=concurrency is not None, concurrency=concurrency,
+    driver = Driver(target, closed_loop=closed_loop, concurrency=concurrency,
                     max_duration_s=cfg.run.max_duration_s, progress=True, scrape_interval_s=scrape,
                     on_record=journal)
 
@@ -252,6 +262,8 @@ def _write_results(
     if reference is not None:
         summary["time_reference_s"] = reference
     summary["target"] = cfg.target.kind
+    if result.metrics_error:
+        summary["server_metrics"] = f"unavailable: {result.metrics_error}"
     if cfg.target.kind != "simulated":  # the dtype that ran ("auto" resolved, engine/platform.py)
         from engine.platform import resolve_engine_dtype
 
@@ -279,8 +291,11 @@ def _run_simulated(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -
     specs, extra = build_workload(cfg.workload, tokenizer, executor_max_len(executor, engine_config))
     if extra:
         (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
-    concurrency = closed_loop_concurrency(cfg)
-    res = simulate(specs, engine_config, executor, progress=True, closed_loop=concurrency is not None,
+    closed_loop, concurrency = send_limits(cfg)
+    if not closed_loop and concurrency is not None:
+        raise ValueError("workload.arrival.max_concurrency: the simulated target does not cap an open loop yet; "
+                         "use a closed loop (workload.concurrency=N) or another target")
+    res = simulate(specs, engine_config, executor, progress=True, closed_loop=closed_loop,
                    concurrency=concurrency, tokenize=tokenizer.encode, max_duration_s=cfg.run.max_duration_s)
     result = RunResult(records=res.records, t0_wall=0.0, wall_s=res.sim_s, steps=res.steps)
     summary = _write_results(cfg, run_dir, result, None)

@@ -76,9 +76,36 @@ def build_workload(cfg: Any, tokenizer: Any, max_model_len: int) -> tuple[list[R
         raise ValueError(f"workload.kind: unknown {cfg.kind!r} (synthetic|trace)")
     for s in specs:
         s.ignore_eos = bool(cfg.ignore_eos)
+    salt = resolve_salt(str(getattr(cfg, "prompt_salt", "") or ""))
+    if salt:
+        salt_prompts(specs, salt, builder)
+        info = {**info, "prompt_salt": salt}
     specs = sort_workload(specs)
     mark_warmup(specs, int(cfg.warmup_requests))
     return specs, info
+
+
+def resolve_salt(setting: str) -> str:
+    """`workload.prompt_salt`: "" none, "auto" a new random salt per run, else the text itself."""
+    if setting == "auto":
+        import secrets
+
+        return f"[run {secrets.token_hex(4)}] "
+    return setting
+
+
+def salt_prompts(specs: list[RequestSpec], salt: str, builder: PromptBuilder) -> None:
+    """Start every prompt with `salt`, so a long-lived server's prefix cache cannot answer this
+    run from an earlier run's identical prompts (prefixes shared within the run stay shared).
+    `prompt_len` grows by the salt's tokens (text prompts: re-counted whole)."""
+    salt_ids = builder.encode(salt)
+    for spec in specs:
+        if spec.prompt_token_ids is not None:
+            spec.prompt_token_ids = salt_ids + list(spec.prompt_token_ids)
+            spec.prompt_len = len(spec.prompt_token_ids)
+        elif isinstance(spec.prompt, str):
+            spec.prompt = salt + spec.prompt
+            spec.prompt_len = len(builder.encode(spec.prompt))
 
 
 def _synthetic(cfg: Any, builder: PromptBuilder, rng: np.random.Generator, max_model_len: int) -> list[RequestSpec]:

@@ -40,7 +40,9 @@ DEFINITIONS = {
     "max_concurrent_requests": "most requests in flight at once (start to completion)",
     "driver_bottleneck": f"p99 lateness above {DRIVER_LATE_P99_MS} ms: the client, not the server, limited the run",
     "server_queued/prefill/decode": "engine timestamps: arrival->scheduled, scheduled->first token, first->last",
-    "prefix_cache_hit_rate": "prefix-cache hit tokens / queried tokens over all engine steps",
+    "prefix_cache_hit_rate": "prefix-cache hit tokens / queried tokens over all engine steps (HTTP targets: the "
+    "server's vllm:prefix_cache_* counters over the run, warm-up included)",
+    "prompt_token_mismatch": "completed requests whose server-counted prompt tokens differ from the workload's",
     "mean_tokens_per_step": "(prefill + decode tokens scheduled) / engine steps",
     "failed": "requests without a content chunk or with an error; excluded from latency statistics",
     "slo_miss_causes": "per SLO metric, requests missing it by dominant cause (workloads/attribution.py): queueing, "
@@ -119,8 +121,14 @@ def summarize(
     out |= stats_ms([g for r in done for g in r.itls_s], "itl")
     out |= stats_ms([r.e2el_s for r in done], "e2el")
     out |= _client_side(measured)
+    out |= _prompt_token_mismatch(done)
     out |= _server_side(done)
-    out |= step_summary(steps)
+    if steps is not None and "source" in steps and (steps["source"] == "metrics").all():
+        # A server's scraped gauges and counters: its own figures where the client has none.
+        out |= {k: v for k, v in scraped_summary(steps).items() if out.get(k) is None}
+        out |= {k: v for k, v in step_summary(None).items() if k not in out}
+    else:
+        out |= step_summary(steps)
     out |= _miss_causes(measured, steps, slo)
     out["errors"] = list(dict.fromkeys(r.error for r in failed))[:MAX_ERRORS]
     out["definitions"] = dict(DEFINITIONS)
@@ -156,6 +164,24 @@ def _client_side(measured: list[RequestRecord]) -> dict[str, Any]:
     }
 
 
+def _prompt_token_mismatch(done: list[RequestRecord]) -> dict[str, Any]:
+    """Requests whose server-counted prompt tokens differ from what the workload sent (a chat
+    template's tokens, another tokenizer): the input-token figures are then the server's."""
+    off = [r for r in done if r.sent_prompt_tokens and r.prompt_tokens != r.sent_prompt_tokens]
+    if not off:
+        return {"prompt_token_mismatch": 0}
+    r = off[0]
+    extra = float(np.mean([r.prompt_tokens - r.sent_prompt_tokens for r in off]))
+    return {
+        "prompt_token_mismatch": len(off),
+        "prompt_token_mismatch_note": (
+            f"{len(off)} of {len(done)} requests: the server counted other prompt lengths than the workload "
+            f"sent (e.g. {r.request_id}: sent {r.sent_prompt_tokens}, server counted {r.prompt_tokens}; "
+            f"mean difference {extra:+.1f} tokens); token throughputs use the server's counts"
+        ),
+    }
+
+
 def _server_side(done: list[RequestRecord]) -> dict[str, float]:
     out = {}
     for name in ("queued", "prefill", "decode"):
@@ -163,6 +189,33 @@ def _server_side(done: list[RequestRecord]) -> dict[str, float]:
         vals = [v for v in vals if v is not None]
         if vals:
             out[f"mean_server_{name}_ms"] = float(np.mean(vals)) * 1000.0
+    return out
+
+
+def scraped_summary(scraped: pd.DataFrame | None) -> dict[str, Any]:
+    """From a server's scraped counters (first to last row of `steps.csv`, source=metrics):
+    num_preemptions, prefix_cache_hit_rate and mean_server_{queued,prefill,decode}_ms over the
+    run (warm-up requests included: the server does not know them). Keys with no counters
+    are left out."""
+    if scraped is None or len(scraped) < 2:
+        return {}
+    first, last = scraped.iloc[0], scraped.iloc[-1]
+
+    def delta(key: str) -> float | None:
+        if key not in scraped or pd.isna(first[key]) or pd.isna(last[key]):
+            return None
+        return float(last[key]) - float(first[key])
+
+    out: dict[str, Any] = {}
+    if (pre := delta("num_preemptions")) is not None:
+        out["num_preemptions"] = int(pre)
+    queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
+    if queries and hits is not None:
+        out["prefix_cache_hit_rate"] = hits / queries
+    for name, key in (("queued", "queue_time"), ("prefill", "prefill_time"), ("decode", "decode_time")):
+        total, count = delta(f"{key}_sum"), delta(f"{key}_count")
+        if total is not None and count:
+            out[f"mean_server_{name}_ms"] = total / count * 1000.0
     return out
 
 

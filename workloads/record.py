@@ -90,6 +90,9 @@ class RequestRecord:
     server_queued_s: float | None = None
     server_prefill_s: float | None = None
     server_decode_s: float | None = None
+    # The prompt length the workload meant to send; `prompt_tokens` is the server's count when it
+    # gave one (a chat template, a tokenizer other than the workload's make them differ).
+    sent_prompt_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -165,6 +168,7 @@ def build_record(
         token_times=token_times,
         done_s=done_s,
         prompt_tokens=prompt_tokens or spec.prompt_len,
+        sent_prompt_tokens=spec.prompt_len,
         output_tokens=len(token_times) if output_tokens is None else output_tokens,
         finish_reason=finish_reason,
         error=error,

@@ -24,7 +24,7 @@ REQUEST_COLUMNS = [
     "request_id", "is_warmup", "scheduled_s", "start_s", "first_token_s", "end_s", "done_s",
     "client_queue_ms", "lateness_ms", "ttft_ms", "tpot_ms", "e2el_ms", "prompt_tokens",
     "output_tokens", "finish_reason", "error", "server_queued_ms", "server_prefill_ms",
-    "server_decode_ms", "token_times", "itls_ms", "group",
+    "server_decode_ms", "token_times", "itls_ms", "group", "sent_prompt_tokens",
 ]
 STEP_COLUMNS = [*StepStats.__struct_fields__, "kv_usage"]
 
@@ -46,7 +46,7 @@ def request_row(r: RequestRecord) -> dict[str, Any]:
         "server_decode_ms": _ms(r.server_decode_s),
         "token_times": json.dumps(r.token_times if r.ok else []),
         "itls_ms": json.dumps([g * 1000.0 for g in r.itls_s]),
-        "group": r.group,
+        "group": r.group, "sent_prompt_tokens": r.sent_prompt_tokens,
     }
 
 
@@ -126,6 +126,7 @@ def records_from_frame(df: pd.DataFrame) -> list[RequestRecord]:
             is_warmup=bool(row["is_warmup"]), group=row["group"],
             server_queued_s=_opt(row["server_queued_ms"]), server_prefill_s=_opt(row["server_prefill_ms"]),
             server_decode_s=_opt(row["server_decode_ms"]),
+            sent_prompt_tokens=int(row.get("sent_prompt_tokens") or 0),
         ))
     return out
 

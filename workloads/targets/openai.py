@@ -35,6 +35,23 @@ _GAUGES = {
 }
 
 
+# Cumulative server counters (Prometheus counters carry `_total`; histograms `_sum` / `_count`),
+# kept in each scraped row so a run's summary can take their change over the run.
+_COUNTERS = {
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    "vllm:num_preemptions_total": "num_preemptions",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:request_queue_time_seconds_sum": "queue_time_sum",
+    "vllm:request_queue_time_seconds_count": "queue_time_count",
+    "vllm:request_prefill_time_seconds_sum": "prefill_time_sum",
+    "vllm:request_prefill_time_seconds_count": "prefill_time_count",
+    "vllm:request_decode_time_seconds_sum": "decode_time_sum",
+    "vllm:request_decode_time_seconds_count": "decode_time_count",
+}
+
+
 class _Stream:
     """Accumulates one SSE response; `feed` takes one decoded event."""
 
@@ -205,12 +222,15 @@ class OpenAITarget:
         return stream.finish()
 
     async def scrape_metrics(self) -> dict[str, float] | None:
-        """One row of server gauges from GET /metrics (Prometheus text); None if unavailable."""
+        """One row of server gauges and counters from GET /metrics (Prometheus text); None if
+        unavailable. A non-200 answer sets `metrics_error` (the server has no such endpoint:
+        the driver stops asking and the summary says why the server figures are missing)."""
         if self._session is None:
             return None
         try:
             async with self._session.get(f"{self.base_url}/metrics") as resp:
                 if resp.status != 200:
+                    self.metrics_error = f"GET /metrics answered HTTP {resp.status}"
                     return None
                 return parse_gauges(await resp.text())
         except aiohttp.ClientError:
@@ -230,7 +250,7 @@ async def _read_sse(resp: aiohttp.ClientResponse, stream: _Stream) -> None:
 
 
 def parse_gauges(text: str) -> dict[str, float]:
-    """Known queue / KV gauges from Prometheus text.
+    """Known queue / KV gauges and cumulative counters (`_COUNTERS`) from Prometheus text.
 
     One metric's label sets are summed (several engines behind one server); when several
     names mean the same figure (vLLM exports `kv_cache_usage_perc` and its deprecated alias
@@ -242,10 +262,10 @@ def parse_gauges(text: str) -> dict[str, float]:
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in _GAUGES:
+        if name in _GAUGES or name in _COUNTERS:
             per_name[name] = per_name.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
     out: dict[str, float] = {}
-    for name, key in _GAUGES.items():
+    for name, key in (*_GAUGES.items(), *_COUNTERS.items()):
         if name in per_name and key not in out:
             out[key] = per_name[name]
     return out
