@@ -325,7 +325,7 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def comm_stats(runner_out: ModelRunnerOutput) -> dict[str, float]:
+def comm_stats(runner_out: ModelRunnerOutput) -> dict[str, Any]:
     """StepStats' communication columns from a step's per-collective seconds."""
     times = runner_out.comm_times
     return {

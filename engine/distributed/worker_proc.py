@@ -79,8 +79,7 @@ def serve(rank: int, local_rank: int, executor_addr: str, watch_parent: bool) ->
         sock.send_multipart((wire.ERROR, encoder.encode(f"{type(exc).__name__}: {exc}")))
         return 1
     finally:
-        if worker is not None:
-            worker.shutdown()
+        # No destroy_process_group: with a peer already gone it can wait; the process exit frees the group.
         sock.close()
         ctx.term()
 

@@ -21,6 +21,7 @@ rank 0's failing collective or the worker timeout).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 50
 STARTUP_TIMEOUT_S = 600.0
+CONFIG_ERROR = "ValueError: "  # a worker's start-up ValueError is a config error, re-raised as one
 
 
 def free_port(host: str) -> int:
@@ -63,13 +65,13 @@ class MultiprocExecutor(Executor):
         self.port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{self.port}"
         self._dead: str | None = None
+        self._starting = True
         self._decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
         self._encoder = msgspec.msgpack.Encoder()
 
     # ---- start-up --------------------------------------------------------------------
     def initialize(self) -> int:
         par = self.config.parallel
-        self._check_splits()
         master_port = par.master_port or free_port(par.master_addr)
         env = dict(os.environ, MASTER_ADDR=par.master_addr, MASTER_PORT=str(master_port),
                    WORLD_SIZE=str(self.world_size))
@@ -86,22 +88,13 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        self._starting = False
         first = readies[0]
         self.max_model_len, self.eos_token_id, self.vocab_size = first.max_model_len, first.eos_token_id, \
             first.vocab_size
         logger.info("multi-process executor: %d ranks (pids %s), %d KV blocks each", self.world_size,
                     [r.pid for r in readies], first.num_blocks)
         return first.num_blocks
-
-    def _check_splits(self) -> None:
-        """A model that cannot split over these ranks fails here, in one line, before any process starts."""
-        from engine.distributed.sharding import rank_plan
-        from engine.model.loader import resolve_model
-
-        arch, _, _ = resolve_model(self.config.model)
-        par = self.config.parallel
-        for rank in range(self.world_size):
-            rank_plan(arch, self.world_size, rank, par.enable_expert_parallel)
 
     def _start_workers(self) -> list[wire.WorkerReady]:
         config = self._encoder.encode(self.config)
@@ -143,7 +136,15 @@ class MultiprocExecutor(Executor):
         ident, kind, payload = self._sock.recv_multipart()
         rank = int(ident.decode().removeprefix("rank"))
         if kind == wire.ERROR:
-            self._fail(f"worker rank {rank} failed: {msgspec.msgpack.decode(payload, type=str)}")
+            error = msgspec.msgpack.decode(payload, type=str)
+            if self._starting and error.startswith(CONFIG_ERROR):
+                # a setting the model cannot run with (e.g. heads that do not split): the user's error
+                self._dead = error
+                self._kill_workers()
+                raise ValueError(error.removeprefix(CONFIG_ERROR))
+            time.sleep(POLL_MS / 1000)  # a rank failing in a collective: name the dead peer, if one died
+            self._check_alive()
+            self._fail(f"worker rank {rank} failed: {error}")
         return rank, kind, payload
 
     def _check_alive(self) -> None:
@@ -162,10 +163,8 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         if self._dead is None and not self._sock.closed:
             for rank in self.procs:
-                try:
+                with contextlib.suppress(zmq.ZMQError):
                     self._sock.send_multipart((wire.identity(rank), wire.SHUTDOWN, b""), flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
         self._kill_workers(grace_s=5.0)
         if not self._sock.closed:
             self._sock.close()
@@ -174,10 +173,8 @@ class MultiprocExecutor(Executor):
     def _kill_workers(self, grace_s: float = 0.0) -> None:
         deadline = time.monotonic() + grace_s
         for proc in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()

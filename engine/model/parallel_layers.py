@@ -33,7 +33,7 @@ from engine.distributed.moe_dispatch import MoEDispatcher, make_dispatcher
 from engine.distributed.sharding import RankPlan, local_arch, shard_param, split_range
 from engine.model.arch import ModelArch
 from engine.model.dummy import DUMMY_STD
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.model.moe import MoEBlock, route
 
 
@@ -124,11 +124,12 @@ class ParallelLlamaForCausalLM(LlamaForCausalLM):
         a, h = self.arch, arch.hidden_size
         self.model.embed_tokens = VocabParallelEmbedding(plan.vocab[0], plan.vocab[1], h)
         for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.o_proj = RowParallelLinear(a.q_size, h, bias=False)
             if not a.is_moe:
                 layer.mlp.down_proj = RowParallelLinear(a.intermediate_size, h, bias=False)
             elif plan.expert_parallel:
-                layer.block_sparse_moe = ExpertParallelMoE(
+                layer.block_sparse_moe = ExpertParallelMoE(  # type: ignore[assignment]
                     h, a.intermediate_size, a.num_experts, a.num_experts_per_tok, plan.experts
                 )
             else:
@@ -159,7 +160,7 @@ def load_parallel_model(
     weights: each full tensor is drawn in turn with the one-rank generator sequence and cut,
     so every tensor-parallel size holds the same weights as one rank (peak: one full tensor).
     """
-    from engine.model.loader import _dtype, load_model, resolve_model, resolve_source
+    from engine.model.loader import _dtype, resolve_model, resolve_source
 
     arch, weights_fn, _ = resolve_model(model_config)
     plan = plan_for(arch)
@@ -179,11 +180,15 @@ def load_parallel_model(
             else:
                 full = torch.empty(meta.shape, dtype=dtype).normal_(0.0, DUMMY_STD, generator=gen)
             params[name].copy_(shard_param(name, full, arch, plan))
-    else:
-        full_params = dict(load_model(model_config, attn_backend, torch.device("cpu")).named_parameters())
+    else:  # the one-rank model on the CPU (as engine.model.loader.load_model builds it), then sliced
+        with torch.device("meta"):
+            full_model = LlamaForCausalLM(arch, attn_backend)
+        full_model = full_model.to(dtype).to_empty(device=torch.device("cpu"))
+        full_model.load_weights(weights_fn())
+        full_params = dict(full_model.named_parameters())
         for name, param in params.items():
             param.copy_(shard_param(name, full_params[name].data, arch, plan))
-        del full_params
+        del full_params, full_model
     model._column_major_linears()
     if plan.expert_parallel:
         model.set_dispatcher(make_dispatcher(arch.num_experts, arch.hidden_size * dtype.itemsize, device))
