@@ -90,7 +90,8 @@ class ParallelConfig:
     one rank, mp for more). Ranks join a torch.distributed group through env:// rendezvous at
     `master_addr:master_port` (0: a free port on this machine); `nnodes` > 1 starts only this
     node's `tensor_parallel_size // nnodes` ranks, the other nodes start theirs with
-    `python -m engine.distributed.worker_proc` (docs/distributed.md).
+    `python -m engine.distributed.worker_proc --executor tcp://<master_addr>:<master_port + 1>`
+    (the executor listens on the port after the rendezvous port; docs/distributed.md).
     """
 
     tensor_parallel_size: int = 1
@@ -124,8 +125,10 @@ class ParallelConfig:
             raise ValueError(f"nnodes must divide tensor_parallel_size ({tp}), got {self.nnodes}")
         if self.dist_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"dist_backend must be auto, gloo or nccl, got {self.dist_backend!r}")
-        if not 0 <= self.master_port < 65536:
-            raise ValueError(f"master_port must be in 0..65535, got {self.master_port}")
+        if not 0 <= self.master_port < 65535:
+            raise ValueError(f"master_port must be in 0..65534, got {self.master_port}")
+        if self.nnodes > 1 and (self.master_port == 0 or self.master_addr in ("127.0.0.1", "localhost")):
+            raise ValueError("nnodes > 1 needs master_addr (this node's address the others reach) and a fixed master_port")
 
 
 # Keyword arguments of `EngineConfig.from_kwargs` under another name: key -> (section, field).

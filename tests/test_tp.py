@@ -171,3 +171,52 @@ def test_dead_worker_fails_the_step_and_leaves_no_process(tmp_path) -> None:
     with pytest.raises(ExecutorDiedError):
         core.executor.check_health()
     core.shutdown()
+
+
+# ---- two "nodes" on one machine: env:// rendezvous, a rank started by hand ---------------------
+def _node_address() -> str:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this picks the outgoing interface
+            return str(s.getsockname()[0])
+        except OSError:
+            return ""
+
+
+def test_second_node_joins_through_env_rendezvous(tmp_path) -> None:
+    import subprocess
+    import sys
+    import threading
+
+    from engine.executor.multiproc import free_port
+    from engine.llm import LLM
+
+    addr = _node_address()
+    if not addr or addr.startswith("127."):
+        pytest.skip("no non-loopback IPv4 address to stand for node 0")
+    port = free_port(addr)
+    model = _tiny_shape(tmp_path)
+    env = dict(os.environ, RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR=addr, MASTER_PORT=str(port))
+    cmd = [sys.executable, "-m", "engine.distributed.worker_proc", "--executor", f"tcp://{addr}:{port + 1}"]
+    # "node 1": started by hand, as torchrun would, once node 0's executor listens
+    node1: list[subprocess.Popen[bytes]] = []
+    timer = threading.Timer(1.0, lambda: node1.append(subprocess.Popen(cmd, env=env)))
+    timer.start()
+    try:
+        llm = LLM(model=model, dtype="float32", tensor_parallel_size=2, nnodes=2, master_addr=addr,
+                  master_port=port, num_blocks=8, max_num_seqs=2)
+        assert list(llm.engine_core.executor.procs) == [0]  # node 0 started only its own rank
+        sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        one = LLM(model=model, dtype="float32", num_blocks=8, max_num_seqs=2)
+        prompt = [[1, 2, 3, 4, 5]]
+        assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == \
+            one.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+        llm.engine_core.shutdown()
+        assert node1[0].wait(timeout=30) == 0  # the hand-started rank obeyed SHUTDOWN
+    finally:
+        timer.cancel()
+        for p in node1:
+            if p.poll() is None:
+                p.kill()

@@ -14,8 +14,8 @@ this process (PR_SET_PDEATHSIG) and exit when it goes silent.
 
 Multi-node (`ParallelConfig.nnodes > 1`): this executor starts ranks 0 .. tp/nnodes - 1 and
 waits for the others, started on their nodes with `python -m engine.distributed.worker_proc
---executor tcp://<master_addr>:<port>` (the port is logged at start-up) under torchrun's
-environment variables; only local ranks are watched for death (remote ones surface through
+--executor tcp://<master_addr>:<master_port + 1>` under torchrun's environment variables
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); only local ranks are watched for death (remote ones surface through
 rank 0's failing collective or the worker timeout).
 """
 
@@ -61,9 +61,13 @@ class MultiprocExecutor(Executor):
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished rank fails, not drops
-        host = par.master_addr if par.nnodes > 1 else "127.0.0.1"
-        self.port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{self.port}"
+        if par.nnodes > 1:  # a known port the other nodes' ranks connect to
+            self.port = par.master_port + 1
+            self._sock.bind(f"tcp://{par.master_addr}:{self.port}")
+            self.address = f"tcp://{par.master_addr}:{self.port}"
+        else:
+            self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+            self.address = f"tcp://127.0.0.1:{self.port}"
         self._dead: str | None = None
         self._starting = True
         self._decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
@@ -162,7 +166,7 @@ class MultiprocExecutor(Executor):
     # ---- shutdown --------------------------------------------------------------------
     def shutdown(self) -> None:
         if self._dead is None and not self._sock.closed:
-            for rank in self.procs:
+            for rank in range(self.world_size):  # other nodes' ranks too
                 with contextlib.suppress(zmq.ZMQError):
                     self._sock.send_multipart((wire.identity(rank), wire.SHUTDOWN, b""), flags=zmq.NOBLOCK)
         self._kill_workers(grace_s=5.0)
