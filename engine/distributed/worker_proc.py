@@ -1,8 +1,8 @@
 """Entry point of one worker process: `python -m engine.distributed.worker_proc`.
 
 The multi-process executor starts one per local rank; on other nodes (multi-node tensor
-parallel) start them by hand or with torchrun, which sets RANK / LOCAL_RANK / WORLD_SIZE /
-MASTER_ADDR / MASTER_PORT (flags override the variables):
+parallel) start them by hand with torchrun's variables RANK / LOCAL_RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT set (flags override the first two; docs/distributed.md):
 
     python -m engine.distributed.worker_proc --executor tcp://node0:5555
 
