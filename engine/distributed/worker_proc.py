@@ -100,7 +100,13 @@ def main(argv: list[str] | None = None) -> None:
         _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the executor decides when ranks stop
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
-    sys.exit(serve(args.rank, args.local_rank, args.executor, args.watch_parent))
+    code = serve(args.rank, args.local_rank, args.executor, args.watch_parent)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: with the process group still up (a peer may be gone, so it
+    # is never destroyed) it can wait seconds on gloo's threads; the socket is already closed.
+    os._exit(code)
 
 
 if __name__ == "__main__":
