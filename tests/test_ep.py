@@ -129,3 +129,32 @@ def test_expert_parallel_matches_one_rank(tiny_mixtral: str) -> None:
     tp_tokens, tp_lp = _logprob_run(tiny_mixtral, tensor_parallel_size=2)  # experts sliced, not partitioned
     assert tp_tokens == ref_tokens
     _assert_same_logprobs(tp_lp, ref_lp)
+
+
+# ---- the simulator names TP and EP -----------------------------------------------------------------
+def test_roofline_prices_expert_parallel_all_to_all() -> None:
+    from engine.sim.hardware import HardwareProfile
+    from engine.sim.model_counts import load_arch
+    from engine.sim.roofline import RooflineStepModel
+    from engine.sim.step_batch import StepBatch
+
+    arch, hw = load_arch("mixtral-8x7b"), HardwareProfile.load("h200")
+    batch = StepBatch(num_tokens=256, num_sampled=256, attn_pairs=256 * 512, kv_tokens_read=256 * 512)
+    tp_only = RooflineStepModel(arch, hw, tp=8)
+    ep = RooflineStepModel(arch, hw, tp=8, ep=True)
+    parts = ep.breakdown(batch)
+    assert "all_to_all" not in tp_only.breakdown(batch) and parts["all_to_all"] > 0
+    assert ep.step_time(batch) == pytest.approx(sum(parts.values()))
+    with pytest.raises(ValueError, match="ep: model 'llama-3-8b' has no experts"):
+        RooflineStepModel(load_arch("llama-3-8b"), hw, tp=8, ep=True)
+
+
+def test_simulator_takes_the_engine_parallel_settings() -> None:
+    from conf.schema import RunConfig
+
+    cfg = RunConfig()
+    cfg.parallel.tensor_parallel_size, cfg.parallel.enable_expert_parallel = 8, True
+    assert cfg.sim_parallel() == (8, True)
+    cfg.sim.tp = 4
+    with pytest.raises(ValueError, match="sim.tp=4 and parallel.tensor_parallel_size=8 disagree"):
+        cfg.sim_parallel()
