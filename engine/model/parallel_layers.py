@@ -135,6 +135,11 @@ class ParallelLlamaForCausalLM(LlamaForCausalLM):
             else:
                 layer.block_sparse_moe = TPMoEBlock(h, a.intermediate_size, a.num_experts, a.num_experts_per_tok)
 
+    def prepack(self) -> int:
+        """No oneDNN prepacking here: it swaps every `nn.Linear`'s forward for a packed GEMM, which
+        would drop the all-reduce of `RowParallelLinear` (and the LM head's gather). Returns 0."""
+        return 0
+
     def set_dispatcher(self, dispatcher: MoEDispatcher) -> None:
         for module in self.modules():
             if isinstance(module, ExpertParallelMoE):
