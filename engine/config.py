@@ -195,9 +195,6 @@ class EngineConfig:
     def validate(self) -> None:
         s, c = self.scheduler, self.cache
         check_execution_modes(self.model, s)
-        self.parallel.validate()
-        if self.parallel.tensor_parallel_size > 1 and not self.model.enforce_eager:
-            raise ValueError("tensor_parallel_size > 1 with enforce_eager=False is not supported yet; use enforce_eager=True")
         if s.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if s.max_num_seqs < 1:
@@ -212,6 +209,9 @@ class EngineConfig:
             raise ValueError("num_blocks must be >= 2")
         if self.model.dtype != "auto" and self.model.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(MODEL_DTYPES)}, got {self.model.dtype!r}")
+        self.parallel.validate()
+        if self.parallel.tensor_parallel_size > 1 and not self.model.enforce_eager:
+            raise ValueError("tensor_parallel_size > 1 with enforce_eager=False is not supported yet; use enforce_eager=True")
         from engine.platform import resolve_engine_dtype
 
         self.model.dtype = resolve_engine_dtype(self.model.dtype, self.device.device, self.model.model)
