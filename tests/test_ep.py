@@ -6,8 +6,8 @@
   brings each (token, rank) row back once.
 - `test_expert_parallel_matches_one_rank`: a tiny Mixtral-shaped model with dummy weights
   (2 layers, 4 experts, top-2) gives the same greedy tokens and top-20 logprobs (fp32, tight
-  tolerance) with tensor_parallel_size=2 + enable_expert_parallel as on one rank, and as
-  tensor parallel MoE without expert parallelism.
+  tolerance) with tensor_parallel_size=2 + enable_expert_parallel as on one rank. The dispatch
+  test's ranks also check the tensor-parallel MoE block (experts sliced, no EP) against one rank.
 """
 
 from __future__ import annotations
@@ -48,10 +48,34 @@ def _dispatch_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         recv = d.dispatch(x, topk, weights, layout)
         back = d.combine(recv.x, recv.handle)  # identity experts: each rank returns what it got
         torch.save({"topk": topk, "x": x, "weights": weights, "recv_x": recv.x, "recv_idx": recv.topk_idx,
-                    "recv_w": recv.topk_weights, "back": back, "per_rank": layout.num_tokens_per_rank},
-                   Path(out_dir) / f"rank{rank}.pt")
+                    "recv_w": recv.topk_weights, "back": back, "per_rank": layout.num_tokens_per_rank,
+                    "tp_moe_error": _tp_moe_error(rank, world)}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _tp_moe_error(rank: int, world: int) -> float:
+    """Max |difference| between one rank's MoEBlock and the tensor-parallel TPMoEBlock (each
+    expert's intermediate rows sliced, outputs all-reduced) on the same tokens."""
+    from engine.distributed import parallel_state as ps
+    from engine.distributed.sharding import _rows, split_range
+    from engine.model.moe import MoEBlock
+    from engine.model.parallel_layers import TPMoEBlock
+
+    ps.init_distributed(rank, world)  # the group exists: only records the rank
+    torch.manual_seed(0)  # same weights and tokens on both ranks
+    hidden, inter = 16, 12
+    full = MoEBlock(hidden, inter, E, K)
+    for p in full.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    start, count = split_range(inter, world, rank)
+    part = TPMoEBlock(hidden, count, E, K)
+    with torch.no_grad():
+        part.gate.weight.copy_(full.gate.weight)
+        part.w13.copy_(_rows(full.w13, 1, (start, count), (inter + start, count)))
+        part.w2.copy_(full.w2.narrow(2, start, count))
+        x = torch.randn(9, hidden)
+        return float((part(x) - full(x)).abs().max())
 
 
 def test_dispatch_reaches_exactly_the_expert_ranks(tmp_path: Path) -> None:
@@ -69,6 +93,7 @@ def test_dispatch_reaches_exactly_the_expert_ranks(tmp_path: Path) -> None:
                 sent[r].append(1000 * src + t)
             # combine: the row came back once from each owner rank, nothing else
             assert torch.allclose(d["back"][t], d["x"][t] * len(owners))
+    assert all(d["tp_moe_error"] < 1e-5 for d in data)  # tensor-parallel MoE (no EP) equals one rank
     for r in range(world):
         got = data[r]["recv_x"][:, 0].long().tolist()
         assert sorted(got) == sorted(sent[r])  # exactly the tokens with an expert here, once each
@@ -126,9 +151,6 @@ def test_expert_parallel_matches_one_rank(tiny_mixtral: str) -> None:
     ep_tokens, ep_lp = _logprob_run(tiny_mixtral, tensor_parallel_size=2, enable_expert_parallel=True)
     assert ep_tokens == ref_tokens
     _assert_same_logprobs(ep_lp, ref_lp)
-    tp_tokens, tp_lp = _logprob_run(tiny_mixtral, tensor_parallel_size=2)  # experts sliced, not partitioned
-    assert tp_tokens == ref_tokens
-    _assert_same_logprobs(tp_lp, ref_lp)
 
 
 # ---- the simulator names TP and EP -----------------------------------------------------------------
