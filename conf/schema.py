@@ -55,7 +55,7 @@ class EngineSections(EngineConfig):
             path.write_text(yaml.safe_dump(dict(self.model.arch), sort_keys=False))
             model.model = str(path)
         cfg = EngineConfig(model=model, cache=self.cache, scheduler=self.scheduler, attention=self.attention,
-                           device=self.device)  # fmt: skip
+                           device=self.device, parallel=self.parallel)  # fmt: skip
         cfg.validate()
         return cfg
 
@@ -190,7 +190,10 @@ class ReportSection:
 @dataclass
 class SimSection:
     hardware: str = "h200"
+    # Tensor-parallel ranks and expert parallelism of the simulated engine. 1 / false: the engine's
+    # own parallel.tensor_parallel_size / parallel.enable_expert_parallel (RunConfig.sim_parallel).
     tp: int = 1
+    ep: bool = False
     step_model: str = "roofline"  # roofline | path to a calibration file
     dtype: str = "bf16"  # weights and KV cache on the simulated hardware: bf16 | fp16 | fp32 | fp8
     gpu_memory_utilization: float = 0.9  # fraction of device memory for weights + KV cache
@@ -216,6 +219,15 @@ class RunConfig(EngineSections):
     slo: SLOSection = field(default_factory=SLOSection)
     sim: SimSection = field(default_factory=SimSection)
     run: RunSection = field(default_factory=RunSection)
+
+    def sim_parallel(self) -> tuple[int, bool]:
+        """(tensor-parallel size, expert parallel) the simulator models: `sim.tp` / `sim.ep`, or the
+        engine's `parallel.*` where those are left at 1 / false; ValueError when both name a TP size
+        and they differ."""
+        tp, ptp = int(self.sim.tp), int(self.parallel.tensor_parallel_size)
+        if tp > 1 and ptp > 1 and tp != ptp:
+            raise ValueError(f"sim.tp={tp} and parallel.tensor_parallel_size={ptp} disagree; set one of them")
+        return max(tp, ptp), bool(self.sim.ep or self.parallel.enable_expert_parallel)
 
 
 @dataclass

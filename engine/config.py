@@ -78,6 +78,61 @@ class DeviceConfig:
     num_threads: int = 0
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("auto", "uni", "mp")
+
+
+@dataclass
+class ParallelConfig:
+    """How many ranks run the model and how they split it (engine/distributed/, docs/distributed.md).
+
+    `tensor_parallel_size` ranks each hold a slice of every layer (vLLM's name); with
+    `enable_expert_parallel` the MoE experts are partitioned over the same ranks instead of
+    sliced. `distributed_executor_backend`: "uni" (one worker in the EngineCore's process),
+    "mp" (one worker process per rank, started by the EngineCore's executor), "auto" (uni for
+    one rank, mp for more). Ranks join a torch.distributed group through env:// rendezvous at
+    `master_addr:master_port` (0: a free port on this machine); `nnodes` > 1 starts only this
+    node's `tensor_parallel_size // nnodes` ranks, the other nodes start theirs with
+    `python -m engine.distributed.worker_proc --executor tcp://<master_addr>:<master_port + 1>`
+    (the executor listens on the port after the rendezvous port; docs/distributed.md).
+    """
+
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: str = "auto"  # auto | uni | mp
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    nnodes: int = 1
+    # torch.distributed backend: auto (nccl on a GPU, gloo on a CPU) | gloo | nccl
+    dist_backend: str = "auto"
+    # Seconds a step may wait on a silent worker before the executor gives up on it.
+    worker_timeout_s: float = 300.0
+
+    def uses_workers(self) -> bool:
+        """True when the executor runs ranks in their own processes."""
+        backend = self.distributed_executor_backend
+        return backend == "mp" or (backend == "auto" and self.tensor_parallel_size > 1)
+
+    def validate(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and tp > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={tp} needs 'mp'")
+        if self.nnodes < 1 or tp % self.nnodes:
+            raise ValueError(f"nnodes must divide tensor_parallel_size ({tp}), got {self.nnodes}")
+        if self.dist_backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"dist_backend must be auto, gloo or nccl, got {self.dist_backend!r}")
+        if not 0 <= self.master_port < 65535:
+            raise ValueError(f"master_port must be in 0..65534, got {self.master_port}")
+        if self.nnodes > 1 and (self.master_port == 0 or self.master_addr in ("127.0.0.1", "localhost")):
+            raise ValueError("nnodes > 1 needs master_addr (this node's address the others reach) and a fixed master_port")
+
+
 # Keyword arguments of `EngineConfig.from_kwargs` under another name: key -> (section, field).
 KWARG_ALIASES: dict[str, tuple[str, str]] = {
     "num_gpu_blocks_override": ("cache", "num_blocks"),  # vLLM's name for the KV block count
@@ -92,6 +147,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
@@ -99,7 +155,8 @@ class EngineConfig:
 
         Each keyword names a field of one section, under vLLM's engine-argument name where
         the meaning is the same (`dtype`, `seed`, `max_model_len`, `enforce_eager`,
-        `block_size`, `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`);
+        `block_size`, `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`,
+        `tensor_parallel_size`, `enable_expert_parallel`, `distributed_executor_backend`);
         `KWARG_ALIASES` adds vLLM's `num_gpu_blocks_override` (= `num_blocks`) and
         `attention_backend` (= `AttentionConfig.backend`). An unknown keyword is a ValueError.
         """
@@ -153,6 +210,9 @@ class EngineConfig:
             raise ValueError("num_blocks must be >= 2")
         if self.model.dtype != "auto" and self.model.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(MODEL_DTYPES)}, got {self.model.dtype!r}")
+        self.parallel.validate()
+        if self.parallel.tensor_parallel_size > 1 and not self.model.enforce_eager:
+            raise ValueError("tensor_parallel_size > 1 with enforce_eager=False is not supported yet; use enforce_eager=True")
         from engine.platform import resolve_engine_dtype
 
         self.model.dtype = resolve_engine_dtype(self.model.dtype, self.device.device, self.model.model)

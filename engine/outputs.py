@@ -57,6 +57,13 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     # Steps in flight once this one was submitted, itself included: 1 without async
     # scheduling; 2 when it was scheduled while the previous step ran.
     batch_queue_depth: int = 1
+    # Seconds of collectives on rank 0 this step (tensor / expert parallel; 0 with one rank):
+    # all of them, and the all-reduces (after attention and MLP, the embedding), the MoE
+    # dispatch and combine among them (engine/distributed/parallel_state.py).
+    comm_time: float = 0.0
+    all_reduce_time: float = 0.0
+    dispatch_time: float = 0.0
+    combine_time: float = 0.0
 
     @property
     def kv_usage(self) -> float:

@@ -107,3 +107,6 @@ class ModelRunnerOutput:
     # token count it computed (the step's tokens padded up to a compiled batch size).
     compiled: bool = False
     padded_tokens: int = 0
+    # Seconds this step spent in each kind of collective on rank 0 ("all_reduce", "gather",
+    # "broadcast", "dispatch", "combine"); empty with one rank (engine/distributed/parallel_state.py).
+    comm_times: dict[str, float] = field(default_factory=dict)

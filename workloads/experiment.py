@@ -284,9 +284,10 @@ def _run_simulated(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -
     from workloads.simulate import simulate
 
     s = cfg.sim
-    executor = SimulatedExecutor.from_names(engine_config, engine_config.model.model, s.hardware, tp=int(s.tp),
+    tp, ep = cfg.sim_parallel()
+    executor = SimulatedExecutor.from_names(engine_config, engine_config.model.model, s.hardware, tp=tp,
                                             step_model=s.step_model, dtype=s.dtype, token_id=int(s.token_id),
-                                            gpu_memory_utilization=s.gpu_memory_utilization)
+                                            gpu_memory_utilization=s.gpu_memory_utilization, ep=ep)
     tokenizer = get_tokenizer(engine_config.model)
     specs, extra = build_workload(cfg.workload, tokenizer, executor_max_len(executor, engine_config))
     if extra:

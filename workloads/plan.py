@@ -194,6 +194,10 @@ class Planner:
             raise PlanError(f"bad model or hardware config: {e}") from None
         if self.sim.tp < 1:
             raise PlanError("sim.tp (--tp) must be >= 1")
+        try:
+            self.tp, self.ep = cfg.sim_parallel()
+        except ValueError as e:
+            raise PlanError(str(e)) from None
         self.slo, self.request_slo = slo_of(cfg)
         self.rows: list[dict[str, Any]] = []
         self.workload: Workload | None = None
@@ -210,16 +214,17 @@ class Planner:
     def executor(self, cfg: EngineConfig) -> SimulatedExecutor:
         s = self.sim
         try:
-            ex = SimulatedExecutor.from_names(cfg, self.arch, s.hardware, tp=s.tp, step_model=s.step_model,
-                                              dtype=s.dtype, gpu_memory_utilization=s.gpu_memory_utilization)  # fmt: skip
+            ex = SimulatedExecutor.from_names(cfg, self.arch, s.hardware, tp=self.tp, step_model=s.step_model,
+                                              dtype=s.dtype, gpu_memory_utilization=s.gpu_memory_utilization,
+                                              ep=self.ep)  # fmt: skip
             num_blocks = ex.initialize()
         except FileNotFoundError as e:
             raise PlanError(str(e)) from None
         except (ValueError, KeyError) as e:
-            raise PlanError(f"cannot simulate {self.model} on {s.tp} x {s.hardware}: {e}") from None
+            raise PlanError(f"cannot simulate {self.model} on {self.tp} x {s.hardware}: {e}") from None
         if num_blocks <= 0:
             raise PlanError(
-                f"{self.model} does not fit on {s.tp} x {s.hardware} (no memory left for the KV cache)"
+                f"{self.model} does not fit on {self.tp} x {s.hardware} (no memory left for the KV cache)"
             )
         return ex
 
@@ -278,7 +283,8 @@ def settings_of(cfg: PlanConfig) -> dict[str, Any]:
     """What was planned, flat (plan.json "args", read by plan.html and by people)."""
     p, w = cfg.plan, cfg.workload
     return {
-        "model": cfg.model.model, "hardware": cfg.sim.hardware, "tp": cfg.sim.tp, "dtype": cfg.sim.dtype,
+        "model": cfg.model.model, "hardware": cfg.sim.hardware, "tp": cfg.sim_parallel()[0],
+        "ep": cfg.sim_parallel()[1], "dtype": cfg.sim.dtype,
         "step_model": cfg.sim.step_model, "num_blocks": cfg.cache.num_blocks,
         "gpu_memory_utilization": cfg.sim.gpu_memory_utilization,
         "enable_prefix_caching": cfg.cache.enable_prefix_caching,

@@ -140,7 +140,8 @@ def report_html(rows: Sequence[dict[str, Any]], out: dict[str, Any]) -> str:
     if out.get("replicas") is not None:
         best_line += f"; {out['replicas']} replica(s) for {args['target_rate']:.4g} req/s"
     table = pd.DataFrame(list(rows), columns=COLUMNS).to_html(index=False, float_format=lambda v: f"{v:.4g}")
-    title = f"servelab-plan: {args['model']} on {args['tp']} x {args['hardware']}"
+    parallel = f"TP={args['tp']}" + (", EP" if args.get("ep") else "")
+    title = f"servelab-plan: {args['model']} on {args['tp']} x {args['hardware']} ({parallel})"
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             "<style>body{font-family:sans-serif;margin:2em} table{border-collapse:collapse;font-size:12px}"
             "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}</style></head><body>"

@@ -237,14 +237,17 @@ class EngineCoreClient:
         self._send(msg.ADD, self._encoder.encode(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Abort in the core; a no-op once the core is gone (nothing left to free)."""
+        """Abort in the core; a no-op once the core is gone (nothing left to free), or going: a core
+        exiting on a fatal step error has no peer socket left, and the send would fail with Again."""
         if request_ids and self.is_healthy():
-            self._send(msg.ABORT, self._encoder.encode(request_ids))
+            with contextlib.suppress(zmq.Again):
+                self._send(msg.ABORT, self._encoder.encode(request_ids))
 
     def finish_requests(self, request_ids: list[str]) -> None:
         """Finish as stopped in the core (a stop string found on the front end); a no-op once it is gone."""
         if request_ids and self.is_healthy():
-            self._send(msg.FINISH, self._encoder.encode(request_ids))
+            with contextlib.suppress(zmq.Again):
+                self._send(msg.FINISH, self._encoder.encode(request_ids))
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 5.0) -> Any:
         """Run a utility method (see messages.UTILITY_METHODS) in the core between steps."""

@@ -11,7 +11,8 @@ engine or the process boundary held it back.
 
 Failure policy:
 - an exception inside `engine.step()` finishes every in-flight request with
-  `FinishReason.ERROR` and the error text; the loop keeps serving;
+  `FinishReason.ERROR` and the error text; the loop keeps serving, unless the exception is
+  fatal (`ExecutorDiedError`: a tensor-parallel rank died), which then ends the process;
 - an exception anywhere else (start-up, socket, abort) is fatal: the process exits
   non-zero and the client's watchdog fails every in-flight request.
 """
@@ -128,6 +129,8 @@ class EngineCoreProc:
             if idle and not parent_alive():
                 logger.warning("engine core: parent process is gone, exiting")
                 break
+            if idle:  # a rank that died while idle ends the process too (raises ExecutorDiedError)
+                getattr(getattr(self.engine, "executor", None), "check_health", lambda: None)()
             if self.engine.has_unfinished_requests():
                 self._step()
 
@@ -186,17 +189,21 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        fatal: Exception | None = None
         try:
             outputs = self.engine.step()
         except Exception as exc:
             logger.exception("engine core: step failed; failing in-flight requests")
             outputs = self._fail_in_flight(exc)
+            fatal = exc if getattr(exc, "fatal", False) else None
         t1 = time.perf_counter()
         for out in outputs.outputs:
             if out.finish_reason is not None:
                 self.in_flight.discard(out.request_id)
         if outputs.outputs or outputs.stats is not None:
             self.send(msg.OUTPUTS, outputs)
+        if fatal is not None:  # the executor lost a rank: no later step can run (engine/executor/base.py)
+            raise fatal
         stats = self.loop_stats
         stats.steps += 1
         stats.step_s += t1 - t0

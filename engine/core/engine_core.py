@@ -73,9 +73,7 @@ class EngineCore:
         config.validate()
         self.config = config
         if executor is None:
-            from engine.executor.inprocess import InProcessExecutor
-
-            executor = InProcessExecutor(config)
+            executor = make_executor(config)
         self.executor = executor
         self.num_blocks = executor.initialize()
         self.max_model_len = executor.max_model_len
@@ -185,6 +183,7 @@ class EngineCore:
             update_time=t[3] - t[2],
             step_time=t[4] - t[0],
             batch_queue_depth=1,
+            **comm_stats(runner_out),
             **self.scheduler.make_stats().as_dict(),
         )
 
@@ -277,6 +276,7 @@ class EngineCore:
             compiled=runner_out.compiled,
             padded_tokens=runner_out.padded_tokens,
             batch_queue_depth=entry.depth,
+            **comm_stats(runner_out),
             **values,
         )
 
@@ -322,6 +322,28 @@ class EngineCore:
     def shutdown(self) -> None:
         self.hooks.close()
         self.executor.shutdown()
+
+
+def comm_stats(runner_out: ModelRunnerOutput) -> dict[str, Any]:
+    """StepStats' communication columns from a step's per-collective seconds."""
+    times = runner_out.comm_times
+    return {
+        "comm_time": sum(times.values()),
+        "all_reduce_time": times.get("all_reduce", 0.0),
+        "dispatch_time": times.get("dispatch", 0.0),
+        "combine_time": times.get("combine", 0.0),
+    }
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """The executor `config.parallel` asks for: one in-process worker, or one process per rank."""
+    if config.parallel.uses_workers():
+        from engine.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    from engine.executor.inprocess import InProcessExecutor
+
+    return InProcessExecutor(config)
 
 
 def finish_reason_str(value: int | None) -> str | None:

@@ -1,6 +1,7 @@
 """The executor seam: EngineCore hands it a SchedulerOutput, it returns sampled tokens.
 
-Implementations: `InProcessExecutor` (one worker in this process) and the capacity
+Implementations: `InProcessExecutor` (one worker in this process), `MultiprocExecutor`
+(one worker process per tensor-parallel rank, engine/executor/multiproc.py) and the capacity
 planner's `SimulatedExecutor` (no model; a step-time model advances a virtual clock).
 The EngineCore takes every timestamp from `executor.clock()` so that a simulated run
 has simulated timestamps end to end.
@@ -21,6 +22,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.step_io import ModelRunnerOutput, SchedulerOutput
+
+
+class ExecutorDiedError(RuntimeError):
+    """The executor lost a rank (its process died or failed): no later step can run.
+
+    Fatal for the EngineCore process: it fails the in-flight requests and exits, so the
+    front end reports the engine dead (`/health` 503)."""
+
+    fatal = True
 
 
 class Executor(ABC):
@@ -50,6 +60,9 @@ class Executor(ABC):
     def clock(self) -> float:
         """Seconds since the epoch, on this executor's clock (virtual for simulations)."""
         return time.time()
+
+    def check_health(self) -> None:  # noqa: B027
+        """Raise ExecutorDiedError when the executor can no longer run a step (cheap; called when idle)."""
 
     def shutdown(self) -> None:  # noqa: B027
         """Release devices and memory."""

@@ -42,10 +42,12 @@ def build_step_model(
     tp: int = 1,
     dtype: str = "bf16",
     kv_dtype: str | None = None,
+    ep: bool = False,
 ) -> StepModel:
-    """'roofline' or the path of a saved `CalibratedStepModel` (.json / .yaml)."""
+    """'roofline' or the path of a saved `CalibratedStepModel` (.json / .yaml); `ep`: expert parallel
+    over the `tp` ranks (roofline only)."""
     if spec == "roofline":
-        return RooflineStepModel(arch, hw, tp=tp, dtype=dtype, kv_dtype=kv_dtype)
+        return RooflineStepModel(arch, hw, tp=tp, dtype=dtype, kv_dtype=kv_dtype, ep=ep)
     return CalibratedStepModel.load(spec)
 
 
@@ -101,6 +103,7 @@ class SimulatedExecutor(Executor):
         tp: int = 1,
         step_model: str = "roofline",
         dtype: str = "bf16",
+        ep: bool = False,
         **kwargs: object,
     ) -> SimulatedExecutor:
         """Build from names or paths: a model shape (`engine.sim.model_counts.load_arch`), a hardware
@@ -108,7 +111,7 @@ class SimulatedExecutor(Executor):
         arch = model if isinstance(model, ModelArch) else load_arch(model)
         hw = HardwareProfile.load(hardware)
         kv = kwargs.get("kv_dtype")
-        sm = build_step_model(step_model, arch, hw, tp, dtype, kv if isinstance(kv, str) else None)
+        sm = build_step_model(step_model, arch, hw, tp, dtype, kv if isinstance(kv, str) else None, ep=ep)
         return cls(config, sm, arch, hardware=hw, tp=tp, dtype=dtype, **kwargs)  # type: ignore[arg-type]
 
     # ---- Executor -----------------------------------------------------------------

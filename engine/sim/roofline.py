@@ -11,6 +11,11 @@ requests, L = layers, tp = tensor-parallel size, w/kv/a = weight/KV/activation b
              bytes = 2 * L * kv_heads_rank * head_dim * kv * (ctx read + q written)
 - lm_head:   FLOPs = 2 * S * hidden * vocab / tp; bytes = hidden * vocab / tp * w (0 if S = 0)
 - allreduce: 2 per layer, ring: 2 * L * (2 * (tp-1)/tp * T * hidden * a / comm_bw + latency)
+- all_to_all (expert parallel, `ep`): MoE dispatch + combine per layer, each rank sending its
+             T/tp tokens' k hidden states, (tp-1)/tp of them to other ranks, and getting them back:
+             2 * L * (T/tp * k * (tp-1)/tp * hidden * a / comm_bw + latency); the expert weights
+             a rank reads are min(E/tp, max(1, T*k/tp)) whole experts instead of min(E, T*k)
+             slices of 1/tp (engine/distributed: EP keeps the all-reduce after the MoE block)
 - overhead:  hw.step_overhead_s
 
 Each compute part costs max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth); the
@@ -45,7 +50,10 @@ class RooflineStepModel:
         tp: int = 1,
         dtype: str = "bf16",
         kv_dtype: str | None = None,
+        ep: bool = False,
     ) -> None:
+        if ep and not arch.is_moe:
+            raise ValueError(f"ep: model {arch.name!r} has no experts")
         if tp < 1 or arch.num_heads % tp:
             raise ValueError(f"tp={tp} must be >= 1 and divide num_heads={arch.num_heads}")
         if tp > hw.num_devices:
@@ -53,6 +61,7 @@ class RooflineStepModel:
         if tp > 1 and hw.comm_bw <= 0:
             raise ValueError(f"hardware {hw.name!r} has no interconnect bandwidth for tp={tp}")
         self.arch, self.hw, self.tp = arch, hw, tp
+        self.ep = ep and tp > 1
         self.dtype = canonical_dtype(dtype)
         self.kv_dtype = canonical_dtype(kv_dtype or dtype)
         self._flops_per_s = hw.flops(self.dtype)
@@ -85,9 +94,22 @@ class RooflineStepModel:
             return self._roof(2 * T * L * self._dense_w, L * self._dense_w * self._w)
         k = s.num_experts_per_tok
         flops = 2 * T * L * (self._attn_w + k * self._expert_w + self._router_w)
-        touched = min(s.num_experts, T * k)
-        nbytes = L * (self._attn_w + touched * self._expert_w + self._router_w) * self._w
+        nbytes = L * (self._attn_w + self._experts_read(T) + self._router_w) * self._w
         return self._roof(flops, nbytes)
+
+    def _experts_read(self, T: int) -> float:
+        """Expert weights (elements) one rank reads for T tokens, per layer."""
+        s, k = self.arch, self.arch.num_experts_per_tok
+        if self.ep:  # whole experts, E / tp of them on this rank
+            return min(s.num_experts / self.tp, max(1.0, T * k / self.tp)) * self._expert_w * self.tp
+        return min(s.num_experts, T * k) * self._expert_w
+
+    def all_to_all(self, batch: StepBatch) -> PartCost:
+        if not self.ep:
+            return PartCost(0.0, 0.0, 0.0)
+        tp, k = self.tp, self.arch.num_experts_per_tok
+        moved = 2 * batch.num_tokens / tp * k * (tp - 1) / tp * self.arch.hidden_size * self.act_bytes
+        return PartCost(0.0, self._L * moved, self._L * (moved / self.hw.comm_bw + 2 * self.hw.allreduce_latency_s))
 
     def attention(self, batch: StepBatch) -> PartCost:
         flops = self._attn_flops_per_pair * batch.attn_pairs
@@ -115,6 +137,7 @@ class RooflineStepModel:
             "attention": self.attention(batch),
             "lm_head": self.lm_head(batch),
             "allreduce": self.allreduce(batch),
+            **({"all_to_all": self.all_to_all(batch)} if self.ep else {}),
             "overhead": overhead,
         }
 
@@ -132,8 +155,7 @@ class RooflineStepModel:
         if arch.is_moe:
             k = arch.num_experts_per_tok
             lin_flops = 2 * T * L * (self._attn_w + k * self._expert_w + self._router_w)
-            touched = min(arch.num_experts, T * k)
-            lin_bytes = L * (self._attn_w + touched * self._expert_w + self._router_w) * w
+            lin_bytes = L * (self._attn_w + self._experts_read(T) + self._router_w) * w
         else:
             lin_flops, lin_bytes = 2 * T * L * self._dense_w, L * self._dense_w * w
         S = batch.num_sampled
@@ -147,4 +169,6 @@ class RooflineStepModel:
         if self.tp > 1:
             moved = 2 * (self.tp - 1) / self.tp * T * arch.hidden_size * self.act_bytes
             seconds += 2 * L * (moved / self.hw.comm_bw + self.hw.allreduce_latency_s)
+        if self.ep:
+            seconds += self.all_to_all(batch).seconds
         return seconds

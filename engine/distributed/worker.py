@@ -1,0 +1,103 @@
+"""The worker of one tensor-parallel rank: its slice of the model, its KV cache, its runner.
+
+Differences from the one-rank `Worker`:
+- it joins the process group first (env:// rendezvous, `parallel_state.init_distributed`);
+- the model is `ParallelLlamaForCausalLM`, sliced at load time;
+- the KV cache holds this rank's KV heads; every rank sizes it from its own bytes per block,
+  then all ranks agree on the smallest block count (the scheduler sees one pool);
+- rank 0 samples from the gathered logits and broadcasts the ids; the other ranks receive
+  them, so every rank's persistent batch holds the same tokens for the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.registry import get_attention_backend
+from engine.config import EngineConfig
+from engine.distributed import parallel_state as ps
+from engine.distributed.sharding import rank_plan
+from engine.outputs import TokenLogprobs
+from engine.sample.sampler import Sampler, SamplingBatch
+from engine.step_io import ModelRunnerOutput, SchedulerOutput
+from engine.worker.model_runner import ModelRunner
+from engine.worker.worker import Worker, kv_bytes_per_block
+
+logger = logging.getLogger(__name__)
+
+
+class BroadcastingSampler(Sampler):
+    """Rank 0: sample, then send the ids to the other ranks."""
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
+        ids, logprobs = super().sample(logits, batch)
+        if ids:
+            ps.broadcast_from_driver(torch.tensor(ids, dtype=torch.int64, device=_comm_device()))
+        return ids, logprobs
+
+
+class ReceivingSampler(Sampler):
+    """Ranks > 0: no logits here; take rank 0's ids."""
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
+        n = len(batch.params)
+        if n == 0:
+            return [], []
+        ids = ps.broadcast_from_driver(torch.empty(n, dtype=torch.int64, device=_comm_device()))
+        return ids.tolist(), [None] * n
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else \
+        torch.device("cpu")
+
+
+class ParallelWorker(Worker):
+    def __init__(self, config: EngineConfig, rank: int, local_rank: int = 0) -> None:
+        if config.device.device in ("auto", "cuda") and torch.cuda.is_available():
+            config.device.device = f"cuda:{local_rank}"
+            torch.cuda.set_device(local_rank)
+        super().__init__(config)
+        self.rank = rank
+        self.world_size = config.parallel.tensor_parallel_size
+
+    def load_and_allocate(self) -> int:
+        from engine.model.parallel_layers import load_parallel_model
+
+        par = self.config.parallel
+        info = ps.init_distributed(self.rank, self.world_size, par.dist_backend, par.worker_timeout_s)
+        torch.manual_seed(self.config.model.seed)
+        backend = get_attention_backend(self.config.attention.backend, self.device)
+        self.model = load_parallel_model(
+            self.config.model, backend, self.device,
+            lambda arch: rank_plan(arch, info.world_size, info.rank, par.enable_expert_parallel),
+        )
+        arch = self.model.arch  # this rank's shapes: its KV heads
+        self.arch = self.model.full_arch
+        self.max_model_len = arch.max_model_len(self.config.model.max_model_len)
+        cache = self.config.cache
+        per_block = kv_bytes_per_block(arch.num_layers, cache.block_size, arch.num_kv_heads, arch.head_dim, self.kv_dtype)
+        num_blocks = cache.num_blocks or max(2, int(cache.kv_cache_memory_gb * (1 << 30) // per_block))
+        num_blocks = ps.all_reduce_min(num_blocks)
+        shape = (2, num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim)
+        kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(arch.num_layers)]
+        logger.info("rank %d/%d: %d q heads, %d KV heads; KV cache %d blocks (%.1f MiB)", info.rank,
+                    info.world_size, arch.num_heads, arch.num_kv_heads, num_blocks, num_blocks * per_block / (1 << 20))
+        self.model_runner = ModelRunner(
+            self.model, backend, kv_caches, cache.block_size, self.max_model_len,
+            self.config.scheduler.max_num_seqs, self.device, enforce_eager=True,
+        )
+        if info.world_size > 1:
+            self.model_runner.sampler = BroadcastingSampler() if info.is_driver else ReceivingSampler()
+        return num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        ps.take_comm_times()  # a step's counters start at zero
+        out = super().execute_model(scheduler_output)
+        out.comm_times = ps.take_comm_times()
+        return out
+
+    def shutdown(self) -> None:
+        ps.destroy_distributed()
