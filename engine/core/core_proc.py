@@ -197,17 +197,17 @@ class EngineCoreProc:
             outputs = self._fail_in_flight(exc)
             fatal = exc if getattr(exc, "fatal", False) else None
         t1 = time.perf_counter()
+        stats = self.loop_stats
+        stats.steps += 1  # counted before the outputs leave: whoever receives them sees this step
+        stats.step_s += t1 - t0
         for out in outputs.outputs:
             if out.finish_reason is not None:
                 self.in_flight.discard(out.request_id)
         if outputs.outputs or outputs.stats is not None:
             self.send(msg.OUTPUTS, outputs)
+        stats.io_s += time.perf_counter() - t1
         if fatal is not None:  # the executor lost a rank: no later step can run (engine/executor/base.py)
             raise fatal
-        stats = self.loop_stats
-        stats.steps += 1
-        stats.step_s += t1 - t0
-        stats.io_s += time.perf_counter() - t1
 
     def _fail_in_flight(self, exc: Exception) -> EngineCoreOutputs:
         ids = sorted(self.in_flight)
