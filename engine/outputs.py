@@ -52,6 +52,8 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     num_preemptions: int = 0  # this step
     num_finished: int = 0
     num_kv_tokens_read: int = 0  # sum of num_computed_tokens of the scheduled requests before the step
+    num_draft_tokens: int = 0  # speculative drafts verified this step
+    num_accepted_tokens: int = 0  # of which accepted (acceptance rate = accepted / drafts)
     compiled: bool = False  # the forward ran a compiled graph (enforce_eager=False)
     padded_tokens: int = 0  # tokens the forward computed: the step's tokens padded to the graph's batch size
     # Steps in flight once this one was submitted, itself included: 1 without async
@@ -76,6 +78,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_token_time: float = 0.0
     finished_time: float = 0.0
     error: str | None = None
+    # Speculative decoding totals of the request so far: drafts verified, drafts accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
