@@ -52,6 +52,7 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     num_preemptions: int = 0  # this step
     num_finished: int = 0
     num_kv_tokens_read: int = 0  # sum of num_computed_tokens of the scheduled requests before the step
+    num_drafts: int = 0  # requests verified with draft tokens this step (vLLM's spec_decode_num_drafts)
     num_draft_tokens: int = 0  # speculative drafts verified this step
     num_accepted_tokens: int = 0  # of which accepted (acceptance rate = accepted / drafts)
     compiled: bool = False  # the forward ran a compiled graph (enforce_eager=False)
@@ -101,6 +102,9 @@ class RequestMetrics:
     finished_time: float = 0.0
     # time.time() of the step that produced each output token (per token, not per chunk).
     token_times: list[float] = field(default_factory=list)
+    # Speculative decoding: draft tokens verified for this request, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def queued_time(self) -> float:

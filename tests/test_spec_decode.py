@@ -217,14 +217,15 @@ def _configure(llm: LLM, num_blocks: int = 128, **sched: object) -> None:
     ("case", "num_blocks", "sched"),
     [
         ("together", 128, {}),
-        ("chunked_prefill", 128, {"max_num_batched_tokens": 6}),
+        ("chunked_prefill", 128, {"max_num_batched_tokens": 8}),
         ("preemption", 10, {}),
     ],
 )
 def test_greedy_with_speculation_equals_greedy_without(engines: tuple[LLM, LLM], case: str, num_blocks: int,
                                                        sched: dict) -> None:
     plain, spec = engines
-    prompts = ORACLE_PROMPTS + REPETITIVE_PROMPTS
+    # Every oracle prompt together; a subset under the slower constraints.
+    prompts = ORACLE_PROMPTS + REPETITIVE_PROMPTS if case == "together" else ORACLE_PROMPTS[:3] + REPETITIVE_PROMPTS
     for llm in engines:
         _configure(llm, num_blocks, **sched)
     expected = _greedy_ids(plain, prompts)
@@ -240,7 +241,7 @@ def test_greedy_with_speculation_equals_greedy_without(engines: tuple[LLM, LLM],
                  for llm in engines]
         assert steps[0] == 24 and steps[1] < 16, steps
     if case == "chunked_prefill":
-        assert max(s.num_prefill_tokens + s.num_decode_tokens + s.num_draft_tokens for s in stats) <= 6
+        assert max(s.num_prefill_tokens + s.num_decode_tokens + s.num_draft_tokens for s in stats) <= 8
     if case == "preemption":
         assert sum(s.num_preemptions for s in stats) > 0
 
@@ -248,9 +249,9 @@ def test_greedy_with_speculation_equals_greedy_without(engines: tuple[LLM, LLM],
 def test_sampled_with_speculation_runs_seeded_and_reproducible(engines: tuple[LLM, LLM]) -> None:
     _, spec = engines
     _configure(spec)
-    params = SamplingParams(max_tokens=24, temperature=0.7, seed=11, ignore_eos=True)
-    a = spec.generate(REPETITIVE_PROMPTS, params, use_tqdm=False)
-    b = spec.generate(REPETITIVE_PROMPTS, params, use_tqdm=False)
+    params = SamplingParams(max_tokens=16, temperature=0.7, seed=11, ignore_eos=True)
+    a = spec.generate(REPETITIVE_PROMPTS[::2], params, use_tqdm=False)
+    b = spec.generate(REPETITIVE_PROMPTS[::2], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    assert all(len(o.outputs[0].token_ids) == 24 for o in a)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in a)
     assert sum(s.num_accepted_tokens for s in spec.step_stats) > 0

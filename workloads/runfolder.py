@@ -25,8 +25,11 @@ REQUEST_COLUMNS = [
     "client_queue_ms", "lateness_ms", "ttft_ms", "tpot_ms", "e2el_ms", "prompt_tokens",
     "output_tokens", "finish_reason", "error", "server_queued_ms", "server_prefill_ms",
     "server_decode_ms", "token_times", "itls_ms", "group",
+    "spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_rate",
 ]
-STEP_COLUMNS = [*StepStats.__struct_fields__, "kv_usage"]
+# Derived per step: spec_acceptance_rate = accepted / draft tokens; spec_mean_accepted_length =
+# 1 + accepted / requests verified with drafts (vLLM's mean acceptance length), empty without drafts.
+STEP_COLUMNS = [*StepStats.__struct_fields__, "kv_usage", "spec_acceptance_rate", "spec_mean_accepted_length"]
 
 
 def _ms(v: float | None) -> float | None:
@@ -47,7 +50,14 @@ def request_row(r: RequestRecord) -> dict[str, Any]:
         "token_times": json.dumps(r.token_times if r.ok else []),
         "itls_ms": json.dumps([g * 1000.0 for g in r.itls_s]),
         "group": r.group,
+        "spec_draft_tokens": r.spec_draft_tokens,
+        "spec_accepted_tokens": r.spec_accepted_tokens,
+        "spec_acceptance_rate": _ratio(r.spec_accepted_tokens, r.spec_draft_tokens),
     }
+
+
+def _ratio(num: int | None, den: int | None) -> float | None:
+    return None if not den or num is None else num / den
 
 
 JOURNAL = "requests.partial.jsonl"
@@ -137,6 +147,10 @@ def steps_frame(steps: Sequence[StepStats], t0_wall: float) -> pd.DataFrame:
         row = {f: getattr(s, f) for f in StepStats.__struct_fields__}
         row["time"] = s.time - t0_wall
         row["kv_usage"] = s.kv_usage
+        row["spec_acceptance_rate"] = _ratio(s.num_accepted_tokens, s.num_draft_tokens)
+        row["spec_mean_accepted_length"] = (
+            1.0 + s.num_accepted_tokens / s.num_drafts if s.num_drafts else None
+        )
         rows.append(row)
     return pd.DataFrame(rows, columns=STEP_COLUMNS)
 

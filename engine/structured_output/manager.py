@@ -27,10 +27,12 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import llguidance as llg
 import numpy as np
 
 from engine.request import Request
 from engine.structured_output import grammar
+from engine.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ TokenizerSource = Callable[[], tuple[str, int | None]]
 @dataclass(slots=True)
 class _Awaiting:
     request: Request
-    template: Future  # Future[llg.LLMatcher]
+    template: Future[llg.LLMatcher]
 
 
 class StructuredOutputManager:
@@ -50,10 +52,10 @@ class StructuredOutputManager:
         self._tokenizer_source = tokenizer_source
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
-        self._tokenizer = None
-        self._templates: dict[tuple[str, str], Future] = {}
+        self._tokenizer: llg.LLTokenizer | None = None
+        self._templates: dict[tuple[str, str], Future[llg.LLMatcher]] = {}
         self._awaiting: dict[str, _Awaiting] = {}
-        self._matchers: dict = {}  # req_id -> llg.LLMatcher
+        self._matchers: dict[str, llg.LLMatcher] = {}
         self.vocab_words = 0  # int32 words per bitmask row, known once the tokenizer is
         self.num_compiles = 0  # distinct grammars compiled (cache misses)
 
@@ -69,16 +71,17 @@ class StructuredOutputManager:
             self._templates[key] = future
         self._awaiting[request.request_id] = _Awaiting(request, future)
 
-    def _compile(self, params) -> object:
+    def _compile(self, params: StructuredOutputsParams) -> llg.LLMatcher:
         with self._lock:
-            if self._tokenizer is None:
+            tok = self._tokenizer
+            if tok is None:
                 tokenizer_json, eos = self._tokenizer_source()
                 tok = grammar.make_tokenizer(tokenizer_json, eos)
                 self.vocab_words = (tok.vocab_size + 31) // 32
                 self._tokenizer = tok
-        text = grammar.check(params, self._tokenizer)
+        text = grammar.check(params, tok)
         self.num_compiles += 1
-        return grammar.compile_matcher(self._tokenizer, text)
+        return grammar.compile_matcher(tok, text)
 
     @property
     def num_awaiting(self) -> int:
@@ -132,7 +135,7 @@ class StructuredOutputManager:
         for rid in req_ids:
             matcher = self._matchers.get(rid)
             request = requests.get(rid) if matcher is not None else None
-            if request is None or request.num_computed_tokens < request.num_tokens:
+            if matcher is None or request is None or request.num_computed_tokens < request.num_tokens:
                 continue
             row = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
             if matcher.is_error() or not row.any():

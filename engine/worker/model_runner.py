@@ -268,7 +268,7 @@ class ModelRunner:
         with self.hooks.phase("forward"):
             hidden, mode = self._forward(inp)
             logits = self.model.compute_logits(hidden[inp.logits_indices])
-            if inp.grammar_rows is not None:
+            if inp.grammar_rows is not None and inp.grammar_bitmask is not None:
                 logits = apply_bitmask(logits, inp.grammar_rows, inp.grammar_bitmask)
         t2 = time.perf_counter()
         with self.hooks.phase("sample"):

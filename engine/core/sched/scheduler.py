@@ -311,6 +311,7 @@ class Scheduler:
         request.num_computed_tokens -= num_drafts - num_accepted
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
+        self._step.num_drafts += 1
         self._step.num_draft_tokens += num_drafts
         self._step.num_accepted_tokens += num_accepted
 
@@ -433,6 +434,7 @@ class Scheduler:
             num_preemptions=s.num_preemptions,
             num_finished=s.num_finished,
             num_kv_tokens_read=s.num_kv_tokens_read,
+            num_drafts=s.num_drafts,
             num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens,
         )

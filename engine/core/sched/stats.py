@@ -25,6 +25,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_finished: int = 0  # stopped or length-capped in update_from_output (not aborts)
     num_kv_tokens_read: int = 0  # sum of num_computed_tokens of the scheduled requests before the step
+    num_drafts: int = 0  # requests verified with draft tokens this step (vLLM's spec_decode_num_drafts)
     num_draft_tokens: int = 0  # speculative drafts verified this step
     num_accepted_tokens: int = 0  # of which accepted (acceptance rate = accepted / drafts)
 
