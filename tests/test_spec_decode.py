@@ -200,7 +200,7 @@ def engines() -> Iterator[tuple[LLM, LLM]]:
     spec.engine_core.shutdown()
 
 
-def _greedy_ids(llm: LLM, prompts: list[str], max_tokens: int = 24) -> list[list[int]]:
+def _greedy_ids(llm: LLM, prompts: list[str], max_tokens: int = 16) -> list[list[int]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.engine_core.scheduler.assert_idle()
@@ -236,10 +236,10 @@ def test_greedy_with_speculation_equals_greedy_without(engines: tuple[LLM, LLM],
     drafts, accepted = sum(s.num_draft_tokens for s in stats), sum(s.num_accepted_tokens for s in stats)
     assert accepted > 0 and drafts >= accepted
     if case == "together":  # the first repetitive request needs fewer steps than tokens
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         steps = [len(set(llm.generate(REPETITIVE_PROMPTS[:1], params, use_tqdm=False)[0].metrics.token_times))
                  for llm in engines]
-        assert steps[0] == 24 and steps[1] < 16, steps
+        assert steps[0] == 16 and steps[1] < 10, steps
     if case == "chunked_prefill":
         assert max(s.num_prefill_tokens + s.num_decode_tokens + s.num_draft_tokens for s in stats) <= 8
     if case == "preemption":
@@ -255,3 +255,41 @@ def test_sampled_with_speculation_runs_seeded_and_reproducible(engines: tuple[LL
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert all(len(o.outputs[0].token_ids) == 16 for o in a)
     assert sum(s.num_accepted_tokens for s in spec.step_stats) > 0
+
+
+# ---- measurement --------------------------------------------------------------------------------
+
+
+def test_spec_metrics_in_steps_requests_and_prometheus() -> None:
+    from engine.metrics.prometheus import PrometheusMetrics
+    from engine.outputs import StepStats
+    from workloads.record import RequestRecord
+    from workloads.runfolder import request_row, steps_frame
+
+    stats = [StepStats(step=0, time=1.0, num_drafts=2, num_draft_tokens=6, num_accepted_tokens=3),
+             StepStats(step=1, time=2.0)]
+    frame = steps_frame(stats, t0_wall=0.0)
+    assert frame["spec_acceptance_rate"].tolist()[0] == 0.5
+    assert frame["spec_mean_accepted_length"].tolist()[0] == 2.5  # 1 + 3 accepted / 2 requests
+    assert frame["spec_acceptance_rate"].isna().tolist() == [False, True]
+    row = request_row(RequestRecord(request_id="r", scheduled_s=0.0, start_s=0.0, token_times=[1.0],
+                                    spec_draft_tokens=8, spec_accepted_tokens=6))
+    assert (row["spec_draft_tokens"], row["spec_accepted_tokens"], row["spec_acceptance_rate"]) == (8, 6, 0.75)
+    metrics = PrometheusMetrics("m")
+    for s in stats:
+        metrics.on_step(s)
+    text = metrics.render().decode()
+    for name, value in (("vllm:spec_decode_num_drafts_total", 2.0), ("vllm:spec_decode_num_draft_tokens_total", 6.0),
+                        ("vllm:spec_decode_num_accepted_tokens_total", 3.0)):
+        line = next(ln for ln in text.splitlines() if ln.startswith(name + "{"))
+        assert float(line.rsplit(" ", 1)[1]) == value, line
+
+
+def test_engine_outputs_carry_per_request_spec_counts(engines: tuple[LLM, LLM]) -> None:
+    _, spec = engines
+    _configure(spec)
+    out = spec.generate(REPETITIVE_PROMPTS[:1], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0]
+    m = out.metrics
+    assert m.num_draft_tokens >= m.num_accepted_tokens > 0
+    assert m.num_accepted_tokens == sum(s.num_accepted_tokens for s in spec.step_stats)
