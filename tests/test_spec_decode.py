@@ -272,6 +272,10 @@ def test_spec_metrics_in_steps_requests_and_prometheus() -> None:
     assert frame["spec_acceptance_rate"].tolist()[0] == 0.5
     assert frame["spec_mean_accepted_length"].tolist()[0] == 2.5  # 1 + 3 accepted / 2 requests
     assert frame["spec_acceptance_rate"].isna().tolist() == [False, True]
+    from reports.sections_engine import _speculation_figure
+
+    assert _speculation_figure(frame, frame["time"]) is not None  # acceptance over time in the report
+    assert _speculation_figure(frame.iloc[1:], frame["time"].iloc[1:]) is None  # no drafts: no figure
     row = request_row(RequestRecord(request_id="r", scheduled_s=0.0, start_s=0.0, token_times=[1.0],
                                     spec_draft_tokens=8, spec_accepted_tokens=6))
     assert (row["spec_draft_tokens"], row["spec_accepted_tokens"], row["spec_acceptance_rate"]) == (8, 6, 0.75)

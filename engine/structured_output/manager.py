@@ -59,6 +59,10 @@ class StructuredOutputManager:
         self.vocab_words = 0  # int32 words per bitmask row, known once the tokenizer is
         self.num_compiles = 0  # distinct grammars compiled (cache misses)
 
+    def set_tokenizer_source(self, source: TokenizerSource) -> None:
+        """Use a tokenizer the caller already has (the offline LLM's), before the first compile."""
+        self._tokenizer_source = source
+
     # ---- admission ---------------------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Start (or reuse) the compile of `request`'s grammar; the request waits here."""
