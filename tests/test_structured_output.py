@@ -233,3 +233,15 @@ def test_grammar_compiled_once_per_schema(llm: LLM) -> None:
     before = manager.num_compiles
     _chat(llm, ["JSON please.", "More JSON.", "Again."], _params(StructuredOutputsParams(json=schema)))  # type: ignore[arg-type]
     assert manager.num_compiles == before + 1
+
+
+def test_async_scheduling_refuses_constrained_requests(llm: LLM) -> None:
+    core = llm.engine_core
+    core.reconfigure(SchedulerConfig(max_num_batched_tokens=64, async_scheduling=True), CacheConfig(), num_blocks=64)
+    try:
+        outs = llm.generate(["x", "y"], [_params(StructuredOutputsParams(choice=["a"])), SamplingParams(max_tokens=2)],
+                            use_tqdm=False)
+        assert outs[0].outputs[0].finish_reason == "error"
+        assert outs[1].outputs[0].finish_reason == "length"  # the unconstrained one runs
+    finally:
+        core.reconfigure(SchedulerConfig(max_num_batched_tokens=64), CacheConfig(), num_blocks=64)
