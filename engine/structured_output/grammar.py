@@ -11,6 +11,7 @@ grammar can spend its whole budget on spaces and newlines.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import llguidance as llg
@@ -43,9 +44,9 @@ def check(params: StructuredOutputsParams, tokenizer: llg.LLTokenizer | None = N
     field = _FIELD[params.key[0]]
     try:
         text = grammar_text(params)
-    except ValueError as exc:
-        raise ValueError(f"{field}: {_one_line(str(exc))}") from None
-    error = llg.LLMatcher.validate_grammar(text, tokenizer)
+        error = llg.LLMatcher.validate_grammar(text, tokenizer)
+    except Exception as exc:  # llguidance raises ValueError, or others for odd input: all are the request's fault
+        raise ValueError(f"{field}: invalid {params.key[0]} ({_one_line(str(exc)) or type(exc).__name__})") from None
     if error and not error.startswith("WARNING"):
         raise ValueError(f"{field}: invalid {params.key[0]} ({_one_line(error)})")
     return text
@@ -70,8 +71,7 @@ _FIELD = {"json": "response_format", "json_object": "response_format", "regex": 
 
 
 def _lark_string(s: str) -> str:
-    escaped = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{escaped}"'
+    return json.dumps(s, ensure_ascii=False)  # a JSON string literal is a valid Lark string literal (escapes included)
 
 
 def _one_line(msg: str) -> str:
