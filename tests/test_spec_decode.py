@@ -273,6 +273,11 @@ def test_spec_metrics_in_steps_requests_and_prometheus() -> None:
     assert frame["spec_mean_accepted_length"].tolist()[0] == 2.5  # 1 + 3 accepted / 2 requests
     assert frame["spec_acceptance_rate"].isna().tolist() == [False, True]
     from reports.sections_engine import _speculation_figure
+    from workloads.metrics import step_summary
+
+    summary = step_summary(frame)
+    assert summary["spec_decode_acceptance_rate"] == 0.5 and summary["spec_decode_mean_acceptance_length"] == 2.5
+    assert "spec_decode_acceptance_rate" not in step_summary(frame.iloc[1:])
 
     assert _speculation_figure(frame, frame["time"]) is not None  # acceptance over time in the report
     assert _speculation_figure(frame.iloc[1:], frame["time"].iloc[1:]) is None  # no drafts: no figure
