@@ -106,6 +106,21 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
 
 
+def _speculative_from(value: Any) -> SpeculativeConfig:
+    """`speculative_config=` as vLLM takes it: a dict (or None: off)."""
+    if value is None:
+        return SpeculativeConfig()
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config: expected a dict, got {type(value).__name__}")
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    return SpeculativeConfig(**value)
+
+
 # Keyword arguments of `EngineConfig.from_kwargs` under another name: key -> (section, field).
 KWARG_ALIASES: dict[str, tuple[str, str]] = {
     "num_gpu_blocks_override": ("cache", "num_blocks"),  # vLLM's name for the KV block count
@@ -170,11 +185,11 @@ class EngineConfig:
         return cfg
 
     def validate(self) -> None:
+        self.speculative_config.validate()
+        if self.speculative_config.enabled and self.scheduler.async_scheduling:
+            raise ValueError("speculative_config with async_scheduling=True is not supported yet; choose one of them")
         s, c = self.scheduler, self.cache
         check_execution_modes(self.model, s)
-        self.speculative_config.validate()
-        if self.speculative_config.enabled and s.async_scheduling:
-            raise ValueError("speculative_config with async_scheduling=True is not supported yet; choose one of them")
         if s.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if s.max_num_seqs < 1:
@@ -205,18 +220,3 @@ def check_execution_modes(model: ModelConfig, scheduler: SchedulerConfig) -> Non
             "async_scheduling=True with enforce_eager=False is not supported yet (the compiled forward "
             "recompiles on the executor thread); choose one of them"
         )
-
-
-def _speculative_from(value: Any) -> SpeculativeConfig:
-    """`speculative_config=` as vLLM takes it: a dict (or None: off)."""
-    if value is None:
-        return SpeculativeConfig()
-    if isinstance(value, SpeculativeConfig):
-        return value
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative_config: expected a dict, got {type(value).__name__}")
-    known = {f.name for f in fields(SpeculativeConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
-    return SpeculativeConfig(**value)
