@@ -157,6 +157,9 @@ class EngineCore:
         if self.batch_queue is not None:
             return self.step_with_batch_queue()
         self._admit_compiled()
+        sched = self.scheduler
+        if self.structured_output.num_awaiting and not sched.has_unfinished_requests() and not sched.finished_req_ids:
+            return EngineCoreOutputs(outputs=[], stats=None, timestamp=self.clock())  # only grammars compiling
         step = self.step_index
         self.hooks.step_begin(step)
         c0 = self.clock()
