@@ -55,6 +55,7 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     num_drafts: int = 0  # requests verified with draft tokens this step (vLLM's spec_decode_num_drafts)
     num_draft_tokens: int = 0  # speculative drafts verified this step
     num_accepted_tokens: int = 0  # of which accepted (acceptance rate = accepted / drafts)
+    num_accepted_tokens_per_pos: list[int] = []  # accepted drafts by position in the draft, this step
     compiled: bool = False  # the forward ran a compiled graph (enforce_eager=False)
     padded_tokens: int = 0  # tokens the forward computed: the step's tokens padded to the graph's batch size
     # Steps in flight once this one was submitted, itself included: 1 without async

@@ -109,6 +109,7 @@ def test_scheduler_budgets_drafts_and_rolls_back_rejected_kv() -> None:
     assert (req.num_draft_tokens, req.num_accepted_tokens) == (3, 1)
     stats = sched.make_stats()
     assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 1)
+    assert stats.num_accepted_tokens_per_pos == [1]
 
 
 def test_drafts_trimmed_to_the_budget_and_dropped_on_preemption() -> None:
@@ -288,10 +289,12 @@ def test_spec_metrics_in_steps_requests_and_prometheus() -> None:
     from workloads.record import RequestRecord
     from workloads.runfolder import request_row, steps_frame
 
-    stats = [StepStats(step=0, time=1.0, num_drafts=2, num_draft_tokens=6, num_accepted_tokens=3),
+    stats = [StepStats(step=0, time=1.0, num_drafts=2, num_draft_tokens=6, num_accepted_tokens=3,
+                       num_accepted_tokens_per_pos=[2, 1]),
              StepStats(step=1, time=2.0)]
     frame = steps_frame(stats, t0_wall=0.0)
     assert frame["spec_acceptance_rate"].tolist()[0] == 0.5
+    assert frame["num_accepted_tokens_per_pos"].tolist() == ["[2, 1]", "[]"]
     assert frame["spec_mean_accepted_length"].tolist()[0] == 2.5  # 1 + 3 accepted / 2 requests
     assert frame["spec_acceptance_rate"].isna().tolist() == [False, True]
     from reports.sections_engine import _speculation_figure
@@ -311,8 +314,9 @@ def test_spec_metrics_in_steps_requests_and_prometheus() -> None:
         metrics.on_step(s)
     text = metrics.render().decode()
     for name, value in (("vllm:spec_decode_num_drafts_total", 2.0), ("vllm:spec_decode_num_draft_tokens_total", 6.0),
-                        ("vllm:spec_decode_num_accepted_tokens_total", 3.0)):
-        line = next(ln for ln in text.splitlines() if ln.startswith(name + "{"))
+                        ("vllm:spec_decode_num_accepted_tokens_total", 3.0),
+                        ("vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=\"m\",position=\"1\"}", 1.0)):
+        line = next(ln for ln in text.splitlines() if ln.startswith(name if name.endswith("}") else name + "{"))
         assert float(line.rsplit(" ", 1)[1]) == value, line
 
 

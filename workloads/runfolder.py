@@ -145,6 +145,7 @@ def steps_frame(steps: Sequence[StepStats], t0_wall: float) -> pd.DataFrame:
     rows = []
     for s in steps:
         row = {f: getattr(s, f) for f in StepStats.__struct_fields__}
+        row["num_accepted_tokens_per_pos"] = json.dumps(s.num_accepted_tokens_per_pos)
         row["time"] = s.time - t0_wall
         row["kv_usage"] = s.kv_usage
         row["spec_acceptance_rate"] = _ratio(s.num_accepted_tokens, s.num_draft_tokens)

@@ -314,6 +314,10 @@ class Scheduler:
         self._step.num_drafts += 1
         self._step.num_draft_tokens += num_drafts
         self._step.num_accepted_tokens += num_accepted
+        per_pos = self._step.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
 
     def _append_tokens(self, request: Request, token_ids: list[int], now: float) -> list[int]:
         if len(token_ids) == 1:  # the common case, without the loop
@@ -437,6 +441,7 @@ class Scheduler:
             num_drafts=s.num_drafts,
             num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens,
+            num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos),
         )
 
     def assert_idle(self) -> None:
