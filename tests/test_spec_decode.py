@@ -248,7 +248,7 @@ def test_greedy_with_speculation_equals_greedy_without(engines: tuple[LLM, LLM],
                                                        sched: dict) -> None:
     plain, spec = engines
     # Every oracle prompt together; a subset under the slower constraints.
-    prompts = ORACLE_PROMPTS + REPETITIVE_PROMPTS if case == "together" else ORACLE_PROMPTS[:3] + REPETITIVE_PROMPTS
+    prompts = ORACLE_PROMPTS + REPETITIVE_PROMPTS if case == "together" else ORACLE_PROMPTS[:2] + REPETITIVE_PROMPTS
     for llm in engines:
         _configure(llm, num_blocks, **sched)
     expected = _greedy_ids(plain, prompts)
