@@ -90,11 +90,11 @@ class RequestRecord:
     turn: int = 0
     output_text: str = ""
     output_token_ids: list[int] | None = None
+    spec_draft_tokens: int | None = None  # speculative decoding (in-process targets)
+    spec_accepted_tokens: int | None = None
     server_queued_s: float | None = None
     server_prefill_s: float | None = None
     server_decode_s: float | None = None
-    spec_draft_tokens: int | None = None
-    spec_accepted_tokens: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -25,11 +25,12 @@ REQUEST_COLUMNS = [
     "client_queue_ms", "lateness_ms", "ttft_ms", "tpot_ms", "e2el_ms", "prompt_tokens",
     "output_tokens", "finish_reason", "error", "server_queued_ms", "server_prefill_ms",
     "server_decode_ms", "token_times", "itls_ms", "group",
-    "spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_rate",
 ]
 # Derived per step: spec_acceptance_rate = accepted / draft tokens; spec_mean_accepted_length =
 # 1 + accepted / requests verified with drafts (vLLM's mean acceptance length), empty without drafts.
 STEP_COLUMNS = [*StepStats.__struct_fields__, "kv_usage", "spec_acceptance_rate", "spec_mean_accepted_length"]
+# Speculative decoding per request (in-process targets; empty for the others).
+REQUEST_COLUMNS += ["spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_rate"]
 
 
 def _ms(v: float | None) -> float | None:
@@ -39,6 +40,8 @@ def _ms(v: float | None) -> float | None:
 def request_row(r: RequestRecord) -> dict[str, Any]:
     """One requests.csv row; a failed request has empty latency fields."""
     return {
+        "spec_draft_tokens": r.spec_draft_tokens, "spec_accepted_tokens": r.spec_accepted_tokens,
+        "spec_acceptance_rate": _ratio(r.spec_accepted_tokens, r.spec_draft_tokens),
         "request_id": r.request_id, "is_warmup": r.is_warmup, "scheduled_s": r.scheduled_s,
         "start_s": r.start_s, "first_token_s": r.first_token_s, "end_s": r.end_s, "done_s": r.done_s,
         "client_queue_ms": r.client_queue_s * 1000.0, "lateness_ms": r.lateness_s * 1000.0,
@@ -50,9 +53,6 @@ def request_row(r: RequestRecord) -> dict[str, Any]:
         "token_times": json.dumps(r.token_times if r.ok else []),
         "itls_ms": json.dumps([g * 1000.0 for g in r.itls_s]),
         "group": r.group,
-        "spec_draft_tokens": r.spec_draft_tokens,
-        "spec_accepted_tokens": r.spec_accepted_tokens,
-        "spec_acceptance_rate": _ratio(r.spec_accepted_tokens, r.spec_draft_tokens),
     }
 
 
