@@ -55,7 +55,8 @@ class EngineSections(EngineConfig):
             path.write_text(yaml.safe_dump(dict(self.model.arch), sort_keys=False))
             model.model = str(path)
         cfg = EngineConfig(model=model, cache=self.cache, scheduler=self.scheduler, attention=self.attention,
-                           device=self.device, parallel=self.parallel)  # fmt: skip
+                           device=self.device, parallel=self.parallel,
+                           speculative_config=self.speculative_config)  # fmt: skip
         cfg.validate()
         return cfg
 

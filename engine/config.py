@@ -131,6 +131,49 @@ class ParallelConfig:
             raise ValueError(f"master_port must be in 0..65534, got {self.master_port}")
         if self.nnodes > 1 and (self.master_port == 0 or self.master_addr in ("127.0.0.1", "localhost")):
             raise ValueError("nnodes > 1 needs master_addr (this node's address the others reach) and a fixed master_port")
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`), engine/spec_decode/.
+
+    `method`: None (off) or "ngram" (prompt lookup: drafts are the tokens that followed
+    the most recent earlier occurrence of the request's last n tokens, n from
+    `prompt_lookup_max` down to `prompt_lookup_min`). Up to `num_speculative_tokens`
+    drafts per request per step, verified in one forward.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    def validate(self) -> None:
+        if self.method is None:
+            return
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config.method: only 'ngram' is supported, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+
+def _speculative_from(value: Any) -> SpeculativeConfig:
+    """`speculative_config=` as vLLM takes it: a dict (or None: off)."""
+    if value is None:
+        return SpeculativeConfig()
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config: expected a dict, got {type(value).__name__}")
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    return SpeculativeConfig(**value)
 
 
 # Keyword arguments of `EngineConfig.from_kwargs` under another name: key -> (section, field).
@@ -148,6 +191,7 @@ class EngineConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
@@ -164,6 +208,9 @@ class EngineConfig:
         cfg.model.model = model
         sections: list[Any] = [getattr(cfg, f.name) for f in fields(cls)]
         for key, value in kwargs.items():
+            if key == "speculative_config":  # vLLM passes the whole section as a dict
+                cfg.speculative_config = _speculative_from(value)
+                continue
             if key in KWARG_ALIASES:
                 section_name, name = KWARG_ALIASES[key]
                 setattr(getattr(cfg, section_name), name, value)
@@ -195,6 +242,9 @@ class EngineConfig:
         return cfg
 
     def validate(self) -> None:
+        self.speculative_config.validate()
+        if self.speculative_config.enabled and self.scheduler.async_scheduling:
+            raise ValueError("speculative_config with async_scheduling=True is not supported yet; choose one of them")
         s, c = self.scheduler, self.cache
         if s.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")

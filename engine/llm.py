@@ -49,6 +49,8 @@ class LLM:
         self.config = config if config is not None else EngineConfig.from_kwargs(model=model, **engine_args)
         self.engine_core = EngineCore(self.config)
         self.tokenizer = get_tokenizer(self.config.model)
+        tok = self.tokenizer  # grammars compile against the same vocabulary, loaded once
+        self.engine_core.structured_output.set_tokenizer_source(lambda: (tok.backend.to_str(), tok.eos_token_id))
         vocab = getattr(self.engine_core.executor, "vocab_size", None)
         self.processor = InputProcessor(self.tokenizer, self.engine_core.max_model_len, vocab)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -116,6 +116,7 @@ class OutputProcessor:
         m.first_scheduled_time = eco.first_scheduled_time or m.first_scheduled_time
         m.first_token_time = eco.first_token_time or m.first_token_time
         m.token_times.extend([ts] * len(new_ids))
+        m.num_draft_tokens, m.num_accepted_tokens = eco.num_draft_tokens, eco.num_accepted_tokens
         state.num_cached_tokens = max(state.num_cached_tokens, eco.num_cached_tokens)
         state.token_ids.extend(new_ids)
         if state.logprobs is not None and eco.new_logprobs:

@@ -52,6 +52,10 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     num_preemptions: int = 0  # this step
     num_finished: int = 0
     num_kv_tokens_read: int = 0  # sum of num_computed_tokens of the scheduled requests before the step
+    num_drafts: int = 0  # requests verified with draft tokens this step (vLLM's spec_decode_num_drafts)
+    num_draft_tokens: int = 0  # speculative drafts verified this step
+    num_accepted_tokens: int = 0  # of which accepted (acceptance rate = accepted / drafts)
+    num_accepted_tokens_per_pos: list[int] = []  # accepted drafts by position in the draft, this step
     compiled: bool = False  # the forward ran a compiled graph (enforce_eager=False)
     padded_tokens: int = 0  # tokens the forward computed: the step's tokens padded to the graph's batch size
     # Steps in flight once this one was submitted, itself included: 1 without async
@@ -83,6 +87,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_token_time: float = 0.0
     finished_time: float = 0.0
     error: str | None = None
+    # Speculative decoding totals of the request so far: drafts verified, drafts accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -103,6 +110,9 @@ class RequestMetrics:
     finished_time: float = 0.0
     # time.time() of the step that produced each output token (per token, not per chunk).
     token_times: list[float] = field(default_factory=list)
+    # Speculative decoding: draft tokens verified for this request, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def queued_time(self) -> float:

@@ -146,6 +146,10 @@ class InputProcessor:
             raise ValueError("prompt: required")
         else:
             prompt_ids = self.tokenize_prompt(prompt)
+        if params.structured_outputs is not None:
+            from engine.structured_output.grammar import check
+
+            check(params.structured_outputs)  # a bad schema / regex / grammar is a 400 here, not in the core
         return ProcessedRequest(
             prompt_token_ids=prompt_ids,
             params=params,

@@ -98,6 +98,11 @@ class Request:
         # Tokens sampled by steps in flight whose ids are not known yet (async scheduling).
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 before
+        # Speculative decoding: draft tokens proposed for the next step (engine/spec_decode/),
+        # and this request's totals of drafts scheduled and accepted.
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -123,6 +128,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Known tokens plus the draft tokens proposed for the next step (vLLM's name)."""
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

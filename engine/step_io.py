@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -77,6 +79,13 @@ class SchedulerOutput:
     # Prefix-cache lookups of this step's admissions, in tokens.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Speculative decoding (vLLM's name): req_id -> draft tokens scheduled after its last
+    # known token. `num_scheduled_tokens` counts them (1 + len(drafts) for a decode); the
+    # runner verifies them in this one forward and returns 1..len(drafts)+1 tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured output: req_id -> int32 bitmask row [ceil(vocab / 32)] (bit t of word
+    # t // 32 set: token t allowed), for constrained requests that sample this step.
+    grammar_bitmask: dict[str, np.ndarray] | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from reports.kernel_summary import kernel_breakdown
-from reports.page import Section, html_table, new_figure, render
+from reports.page import Figure, Section, html_table, new_figure, render
 from reports.run_data import RunData
 
 
@@ -64,9 +64,29 @@ def kv_and_batch(run: RunData) -> Section:
         s.figures.append(
             render(fig, "Running vs waiting", "Requests in the running batch and in the waiting queue.")
         )
+    spec = _speculation_figure(steps, t)
+    if spec is not None:
+        s.figures.append(spec)
     if "source" in steps and (steps["source"] == "metrics").any():
         s.notes.append("Engine state scraped from the server's /metrics endpoint (no per-step stats).")
     return s
+
+
+def _speculation_figure(steps: pd.DataFrame, t: pd.Series) -> Figure | None:
+    """Speculative decoding acceptance over time (steps.csv of a run with speculative_config)."""
+    if not {"num_draft_tokens", "num_accepted_tokens"} <= set(steps) or steps["num_draft_tokens"].sum() <= 0:
+        return None
+    drafts, accepted = steps["num_draft_tokens"].astype(float), steps["num_accepted_tokens"].astype(float)
+    fig, (ax,) = new_figure(7, 2.4)
+    ax.plot(t, accepted.cumsum() / drafts.cumsum().replace(0, np.nan) * 100, label="so far")
+    per_step = (accepted / drafts.replace(0, np.nan) * 100).rolling(20, min_periods=1).mean()
+    ax.plot(t, per_step, alpha=0.6, label="last 20 steps")
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("draft acceptance (%)")
+    ax.set_xlabel("time (s)")
+    ax.legend()
+    return render(fig, "Speculative decoding acceptance",
+                  "Accepted / verified draft tokens: cumulative, and a rolling mean over 20 steps.")
 
 
 def preemption_prefix(run: RunData) -> Section:

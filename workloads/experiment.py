@@ -350,6 +350,7 @@ def _run_offline(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> 
             prompt_tokens=len(out.prompt_token_ids), output_tokens=len(comp.token_ids),
             finish_reason=comp.finish_reason or "",
             server_queued_s=m.queued_time, server_prefill_s=m.prefill_time, server_decode_s=m.decode_time,
+            spec_draft_tokens=m.num_draft_tokens, spec_accepted_tokens=m.num_accepted_tokens,
         ))
     result = RunResult(records=records, t0_wall=t0_wall, wall_s=done, steps=llm.step_stats)
     return _write_results(cfg, run_dir, result, reference, compile_time_s)

@@ -230,4 +230,16 @@ def step_summary(steps: pd.DataFrame | None) -> dict[str, Any]:
         "num_preemptions": int(steps["num_preemptions"].sum()),
         "prefix_cache_hit_rate": float(steps["prefix_cache_hits"].sum()) / queries if queries else None,
         "mean_tokens_per_step": float((steps["num_prefill_tokens"] + steps["num_decode_tokens"]).mean()),
+        **_spec_summary(steps),
     }
+
+
+def _spec_summary(steps: pd.DataFrame) -> dict[str, Any]:
+    """Speculative decoding over the run (vLLM's names), when the steps verified drafts."""
+    if "num_draft_tokens" not in steps or not steps["num_draft_tokens"].sum():
+        return {}
+    drafts, tokens = float(steps["num_drafts"].sum()), float(steps["num_draft_tokens"].sum())
+    accepted = float(steps["num_accepted_tokens"].sum())
+    return {"spec_decode_acceptance_rate": accepted / tokens,
+            "spec_decode_mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
+            "spec_decode_num_draft_tokens": int(tokens), "spec_decode_num_accepted_tokens": int(accepted)}

@@ -41,6 +41,9 @@ class TargetResult:
     server_queued_s: float | None = None
     server_prefill_s: float | None = None
     server_decode_s: float | None = None
+    # Speculative decoding (in-process targets): drafts verified / accepted for this request.
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
 
 
 def token_times_from_chunks(chunk_times: list[float], chunk_tokens: list[int]) -> list[float]:
@@ -87,6 +90,8 @@ class RequestRecord:
     turn: int = 0
     output_text: str = ""
     output_token_ids: list[int] | None = None
+    spec_draft_tokens: int | None = None  # speculative decoding (in-process targets)
+    spec_accepted_tokens: int | None = None
     server_queued_s: float | None = None
     server_prefill_s: float | None = None
     server_decode_s: float | None = None
@@ -151,6 +156,8 @@ def build_record(
     server_queued_s: float | None = None,
     server_prefill_s: float | None = None,
     server_decode_s: float | None = None,
+    spec_draft_tokens: int | None = None,
+    spec_accepted_tokens: int | None = None,
 ) -> RequestRecord:
     """The one builder of a run's records (driver, simulator, offline runs, scripted ideals).
 
@@ -182,6 +189,8 @@ def build_record(
         server_queued_s=server_queued_s,
         server_prefill_s=server_prefill_s,
         server_decode_s=server_decode_s,
+        spec_draft_tokens=spec_draft_tokens,
+        spec_accepted_tokens=spec_accepted_tokens,
     )
 
 
@@ -216,4 +225,6 @@ def record_from_result(
         server_queued_s=result.server_queued_s,
         server_prefill_s=result.server_prefill_s,
         server_decode_s=result.server_decode_s,
+        spec_draft_tokens=result.spec_draft_tokens,
+        spec_accepted_tokens=result.spec_accepted_tokens,
     )

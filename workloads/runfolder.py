@@ -26,7 +26,11 @@ REQUEST_COLUMNS = [
     "output_tokens", "finish_reason", "error", "server_queued_ms", "server_prefill_ms",
     "server_decode_ms", "token_times", "itls_ms", "group", "sent_prompt_tokens",
 ]
-STEP_COLUMNS = [*StepStats.__struct_fields__, "kv_usage"]
+# Derived per step: spec_acceptance_rate = accepted / draft tokens; spec_mean_accepted_length =
+# 1 + accepted / requests verified with drafts (vLLM's mean acceptance length), empty without drafts.
+STEP_COLUMNS = [*StepStats.__struct_fields__, "kv_usage", "spec_acceptance_rate", "spec_mean_accepted_length"]
+# Speculative decoding per request (in-process targets; empty for the others).
+REQUEST_COLUMNS += ["spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_rate"]
 
 
 def _ms(v: float | None) -> float | None:
@@ -36,6 +40,8 @@ def _ms(v: float | None) -> float | None:
 def request_row(r: RequestRecord) -> dict[str, Any]:
     """One requests.csv row; a failed request has empty latency fields."""
     return {
+        "spec_draft_tokens": r.spec_draft_tokens, "spec_accepted_tokens": r.spec_accepted_tokens,
+        "spec_acceptance_rate": _ratio(r.spec_accepted_tokens, r.spec_draft_tokens),
         "request_id": r.request_id, "is_warmup": r.is_warmup, "scheduled_s": r.scheduled_s,
         "start_s": r.start_s, "first_token_s": r.first_token_s, "end_s": r.end_s, "done_s": r.done_s,
         "client_queue_ms": r.client_queue_s * 1000.0, "lateness_ms": r.lateness_s * 1000.0,
@@ -48,6 +54,10 @@ def request_row(r: RequestRecord) -> dict[str, Any]:
         "itls_ms": json.dumps([g * 1000.0 for g in r.itls_s]),
         "group": r.group, "sent_prompt_tokens": r.sent_prompt_tokens,
     }
+
+
+def _ratio(num: int | None, den: int | None) -> float | None:
+    return None if not den or num is None else num / den
 
 
 JOURNAL = "requests.partial.jsonl"
@@ -136,8 +146,13 @@ def steps_frame(steps: Sequence[StepStats], t0_wall: float) -> pd.DataFrame:
     rows = []
     for s in steps:
         row = {f: getattr(s, f) for f in StepStats.__struct_fields__}
+        row["num_accepted_tokens_per_pos"] = json.dumps(s.num_accepted_tokens_per_pos)
         row["time"] = s.time - t0_wall
         row["kv_usage"] = s.kv_usage
+        row["spec_acceptance_rate"] = _ratio(s.num_accepted_tokens, s.num_draft_tokens)
+        row["spec_mean_accepted_length"] = (
+            1.0 + s.num_accepted_tokens / s.num_drafts if s.num_drafts else None
+        )
         rows.append(row)
     return pd.DataFrame(rows, columns=STEP_COLUMNS)
 

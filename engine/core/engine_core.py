@@ -35,7 +35,9 @@ from engine.hooks import NULL_HOOKS, StepHooks
 from engine.outputs import EngineCoreOutputs, FinishReason, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.proposer import NgramProposer
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
+from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,10 @@ class EngineCore:
         self.batch_queue: deque[_InFlightStep] | None = deque() if config.scheduler.async_scheduling else None
         runner = getattr(executor, "model_runner", None)
         self._runner = runner
+        # Grammars compile on the manager's thread; the tokenizer is loaded there on first use.
+        self.structured_output = StructuredOutputManager(lambda: _tokenizer_source(config))
+        spec = config.speculative_config
+        self.proposer: NgramProposer | None = NgramProposer(spec) if spec.enabled else None
 
     def set_hooks(self, hooks: StepHooks) -> None:
         """Install observation hooks (profiler) in the core and the model runner."""
@@ -108,14 +114,23 @@ class EngineCore:
             cache_salt=req.cache_salt,
             max_tokens=req.max_tokens,
         )
-        self.scheduler.add_request(request)
+        if req.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(request)
+        elif self.batch_queue is not None:
+            self.scheduler.reject_request(request, "structured_outputs: not supported with async_scheduling yet")
+        else:
+            self.structured_output.submit(request)  # queued once its grammar is compiled
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.abort_requests(list(request_ids))
+        ids = list(request_ids)
+        self.structured_output.abort(ids)
+        self.scheduler.abort_requests(ids)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish requests the front end decided are done (stop strings)."""
-        self.scheduler.finish_requests(list(request_ids), status)
+        ids = list(request_ids)
+        self.structured_output.abort(ids)
+        self.scheduler.finish_requests(ids, status)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash (False while blocks are still in use)."""
@@ -123,7 +138,11 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """A request is left, or a step is still in flight (its output must be applied)."""
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self.batch_queue)
+            or self.structured_output.num_awaiting > 0
+        )
 
     def clock(self) -> float:
         return self.executor.clock()
@@ -135,12 +154,17 @@ class EngineCore:
         With async scheduling: `step_with_batch_queue()`."""
         if self.batch_queue is not None:
             return self.step_with_batch_queue()
+        self._admit_compiled()
+        sched = self.scheduler
+        if self.structured_output.num_awaiting and not sched.has_unfinished_requests() and not sched.finished_req_ids:
+            return EngineCoreOutputs(outputs=[], stats=None, timestamp=self.clock())  # only grammars compiling
         step = self.step_index
         self.hooks.step_begin(step)
         c0 = self.clock()
         t0 = time.perf_counter()
         with self.hooks.phase("schedule"):
             so = self.scheduler.schedule()
+            so.grammar_bitmask = self.structured_output.fill_bitmask(so.num_scheduled_tokens, self.scheduler.requests)
         t1 = time.perf_counter()
         if so.total_num_scheduled_tokens > 0 or so.finished_req_ids:
             try:
@@ -156,6 +180,7 @@ class EngineCore:
         t2 = time.perf_counter()
         with self.hooks.phase("update"):
             outputs = self.scheduler.update_from_output(so, runner_out)
+            self._after_update(outputs)
         t3 = time.perf_counter()
         delay = self.config.scheduler.step_delay_ms
         if delay > 0:
@@ -167,6 +192,29 @@ class EngineCore:
         self.hooks.step_end()
         self.step_index += 1  # every step with stats has its own index (steps.csv, kernels.csv join on it)
         return EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=now)
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is ready (fail those whose grammar failed). With
+        nothing else to do, wait briefly for a compile instead of spinning."""
+        manager = self.structured_output
+        if not manager.num_awaiting:
+            return
+        if not self.scheduler.has_unfinished_requests():
+            manager.wait_for_any(timeout=0.05)
+        ready, failed = manager.take_ready()
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request, error in failed:
+            self.scheduler.reject_request(request, error)
+
+    def _after_update(self, outputs: list[Any]) -> None:
+        """Advance grammars with the tokens the scheduler kept; propose the next drafts."""
+        manager = self.structured_output
+        for out in outputs:
+            if out.new_token_ids or out.finish_reason is not None:
+                manager.accept_tokens(out.request_id, out.new_token_ids, out.finish_reason is not None)
+        if self.proposer is not None:
+            self.proposer.propose_for(self.scheduler.running, self.scheduler.max_model_len)
 
     def _make_stats(
         self, step: int, now: float, runner_out: ModelRunnerOutput, t: tuple[float, float, float, float, float]
@@ -320,6 +368,7 @@ class EngineCore:
         return results
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.hooks.close()
         self.executor.shutdown()
 
@@ -344,6 +393,12 @@ def make_executor(config: EngineConfig) -> Executor:
     from engine.executor.inprocess import InProcessExecutor
 
     return InProcessExecutor(config)
+def _tokenizer_source(config: EngineConfig) -> tuple[str, int | None]:
+    """The vocabulary the grammars are compiled against: the model's own tokenizer."""
+    from engine.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(config.model)
+    return tokenizer.backend.to_str(), tokenizer.eos_token_id
 
 
 def finish_reason_str(value: int | None) -> str | None:

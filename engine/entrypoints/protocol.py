@@ -3,6 +3,9 @@
 Unknown fields are rejected (400), types are strict (no "1" for 1, no true for 1).
 Range checks that SamplingParams also makes are repeated here only where the OpenAI
 API names the field differently; the rest surface as SamplingParams' ValueError.
+`response_format` (json_object, json_schema) and vLLM's `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar` become `SamplingParams.structured_outputs`; a schema
+or grammar that does not compile is a 400 from the input processor.
 Fields OpenAI defines but this server does not implement are accepted by name and
 answered with 400 (code "unsupported_parameter") when set (`unsupported()`).
 """
@@ -14,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output.params import from_request_fields
 
 TokenId = Annotated[int, Field(ge=0)]
 PromptType = str | list[str] | list[TokenId] | list[list[TokenId]]
@@ -52,6 +56,12 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # Structured output: OpenAI's response_format and vLLM's guided_* extensions.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -81,6 +91,9 @@ class _SamplingFields(_Strict):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=from_request_fields(
+                self.response_format, self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
+            ),
             **{k: v for k, v in optional.items() if v is not None},
         )
 
@@ -145,7 +158,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
@@ -167,8 +179,6 @@ class ChatCompletionRequest(_SamplingFields):
             return "tools"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format"
         return super().unsupported()
 
 

@@ -55,6 +55,14 @@ class PrometheusMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions.")
+        # Speculative decoding, under vLLM's names (acceptance rate = accepted / draft tokens).
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Requests verified with draft tokens.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
+            ("position",),
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced.")
         self.success = counter("vllm:request_success", "Finished requests.", ("finished_reason",))
@@ -78,6 +86,11 @@ class PrometheusMetrics:
         self._l(self.prefix_queries).inc(stats.prefix_cache_queries)
         self._l(self.prefix_hits).inc(stats.prefix_cache_hits)
         self._l(self.preemptions).inc(stats.num_preemptions)
+        self._l(self.spec_drafts).inc(stats.num_drafts)
+        self._l(self.spec_draft_tokens).inc(stats.num_draft_tokens)
+        self._l(self.spec_accepted_tokens).inc(stats.num_accepted_tokens)
+        for pos, n in enumerate(stats.num_accepted_tokens_per_pos):
+            self.spec_accepted_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(n)
 
     def on_snapshot(self, stats: EngineStats) -> None:
         self._l(self.running).set(stats.num_running)

@@ -29,7 +29,9 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.hooks import NULL_HOOKS, StepHooks
+from engine.sample.logits_mask import apply_bitmask
 from engine.sample.sampler import Sampler, SamplingBatch
+from engine.spec_decode.verify import logits_layout, sample_with_drafts
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.compiled import CompiledForward, ForwardMode
 from engine.worker.input_batch import InputBatch
@@ -49,6 +51,12 @@ class StepInputs:
     fill_dst: torch.Tensor | None = None  # [P]
     fill_src: torch.Tensor | None = None  # [P]
     prepare_time: float = 0.0
+    # Speculative decoding: per sampling request its draft tokens (None: no drafts this
+    # step); logits_indices then holds 1 + len(drafts) rows per sampling request.
+    drafts: list[list[int]] | None = None
+    # Structured output: logits rows [G] to mask and their bitmask rows [G, W] int32.
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: np.ndarray | None = None
 
 
 class CausalLM(Protocol):
@@ -123,6 +131,12 @@ class ModelRunner:
             row = self.batch.row_of[req_id]
             self.batch.append_blocks(row, block_ids)
             self.batch.num_computed[row] = num_computed
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            # Drafts sit after the known tokens (not counted in num_tokens) so that the
+            # packed input_ids pick them up; verified tokens overwrite them in _collect.
+            row = self.batch.row_of[req_id]
+            n = int(self.batch.num_tokens[row])
+            self.batch.token_ids[row, n : n + len(drafts)] = drafts
 
     # ---- inputs ----------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
@@ -177,6 +191,10 @@ class ModelRunner:
             params=[b.params[r] for r in sample_rows],  # type: ignore[misc]
             generators=[b.generators[r] for r in sample_rows],
         )
+        sampled_ids = [req_ids[i] for i in sample_idx.tolist()]
+        drafts = _drafts_of(sampled_ids, so.scheduled_spec_decode_tokens)
+        logits_rows = cu[sample_idx] - 1 if drafts is None else logits_layout(cu, sample_idx, drafts)
+        grammar_rows, grammar_bitmask = _grammar_rows(sampled_ids, drafts, so.grammar_bitmask)
         return StepInputs(
             req_ids=req_ids,
             rows=rows,
@@ -184,10 +202,13 @@ class ModelRunner:
             positions=torch.from_numpy(positions).to(dev),
             metadata=metadata,
             sample_req_idx=sample_idx,
-            logits_indices=torch.from_numpy(cu[sample_idx] - 1).to(dev),
+            logits_indices=torch.from_numpy(logits_rows).to(dev),
             sampling=sampling,
             fill_dst=fill_dst,
             fill_src=fill_src,
+            drafts=drafts,
+            grammar_rows=grammar_rows,
+            grammar_bitmask=grammar_bitmask,
         )
 
     def _placeholder_fill(
@@ -248,13 +269,19 @@ class ModelRunner:
         with self.hooks.phase("forward"):
             hidden, mode = self._forward(inp)
             logits = self.model.compute_logits(hidden[inp.logits_indices])
+            if inp.grammar_rows is not None and inp.grammar_bitmask is not None:
+                logits = apply_bitmask(logits, inp.grammar_rows, inp.grammar_bitmask)
         t2 = time.perf_counter()
         with self.hooks.phase("sample"):
             sample_rows = inp.rows[inp.sample_req_idx]
             if inp.sampling.needs_penalties:
                 self._add_penalty_ids(inp, sample_rows)
-            sampled, logprobs = self.sampler.sample(logits, inp.sampling)
-            self._last_sampled = torch.tensor(sampled, dtype=torch.int64, device=self.device)
+            if inp.drafts is None:
+                ids, logprobs = self.sampler.sample(logits, inp.sampling)
+                sampled = [[t] for t in ids]
+            else:
+                sampled, logprobs = sample_with_drafts(self.sampler, logits, inp.sampling, inp.drafts)
+            self._last_sampled = torch.tensor([t[-1] for t in sampled], dtype=torch.int64, device=self.device)
             out = self._collect(inp, sample_rows, sampled, logprobs)
         t3 = time.perf_counter()
         out.prepare_time, out.forward_time, out.sample_time = inp.prepare_time, t2 - t1, t3 - t2
@@ -268,7 +295,9 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata)
         return hidden, ForwardMode(False, inp.metadata.num_tokens)
 
-    def _collect(self, inp: StepInputs, sample_rows: np.ndarray, sampled: list[int], logprobs) -> ModelRunnerOutput:
+    def _collect(
+        self, inp: StepInputs, sample_rows: np.ndarray, sampled: list[list[int]], logprobs
+    ) -> ModelRunnerOutput:
         """Write the sampled tokens into the batch, for rows still owned by their request
         (with async scheduling a request may have finished and its row been reused)."""
         b, pending, row_of = self.batch, self._num_pending, self.batch.row_of
@@ -279,15 +308,42 @@ class ModelRunner:
                 rid = inp.req_ids[i]
                 if row_of.get(rid) != row:
                     continue  # finished or preempted meanwhile: its token is discarded
-                b.append_token(row, sampled[j])
+                for tok in sampled[j]:
+                    b.append_token(row, tok)
                 left = pending.get(rid, 1) - 1
                 if left > 0:
                     pending[rid] = left
                 else:
                     pending.pop(rid, None)
         for j, i in enumerate(inp.sample_req_idx.tolist()):
-            tok = sampled[j]
-            per_req[i] = [tok]
+            per_req[i] = sampled[j]
             if logprobs[j] is not None:
                 out_logprobs[inp.req_ids[i]] = [logprobs[j]]
         return ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=per_req, logprobs=out_logprobs)
+
+
+def _drafts_of(sampled_ids: list[str], spec: dict[str, list[int]]) -> list[list[int]] | None:
+    """Per sampling request its draft tokens, or None when no request has any this step."""
+    if not spec:
+        return None
+    return [spec.get(rid, []) for rid in sampled_ids]
+
+
+def _grammar_rows(
+    sampled_ids: list[str], drafts: list[list[int]] | None, bitmask: dict[str, np.ndarray] | None
+) -> tuple[torch.Tensor | None, np.ndarray | None]:
+    """Logits rows of the constrained sampling requests (each has one: never drafts) and
+    their bitmask rows."""
+    if not bitmask:
+        return None, None
+    rows, masks = [], []
+    offset = 0
+    for j, rid in enumerate(sampled_ids):
+        last = offset + (len(drafts[j]) if drafts is not None else 0)
+        if rid in bitmask:
+            rows.append(last)
+            masks.append(bitmask[rid])
+        offset = last + 1
+    if not rows:
+        return None, None
+    return torch.tensor(rows, dtype=torch.int64), np.stack(masks)

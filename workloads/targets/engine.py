@@ -111,6 +111,7 @@ class EngineTarget:
             res.server_queued_s = m.queued_time
             res.server_prefill_s = m.prefill_time
             res.server_decode_s = m.decode_time
+        res.spec_draft_tokens, res.spec_accepted_tokens = m.num_draft_tokens, m.num_accepted_tokens
         if comp.finish_reason == "error":
             res.error = "engine error"
 

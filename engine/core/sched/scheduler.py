@@ -103,16 +103,22 @@ class Scheduler:
         if self._block_hasher is not None and not request.block_hashes:
             request.set_block_hasher(self._block_hasher)
         if request.num_tokens > self.max_model_len:
-            request.status = RequestStatus.FINISHED_ERROR
-            request.error = (
+            self.reject_request(
+                request,
                 f"request has {request.num_tokens} tokens, more than the engine can hold "
-                f"({self.max_model_len}: max_model_len and KV cache capacity)"
+                f"({self.max_model_len}: max_model_len and KV cache capacity)",
             )
-            request.finished_time = self.clock()
-            self._pending_outputs.append(self._make_output(request, []))
             return
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def reject_request(self, request: Request, error: str) -> None:
+        """Finish a request that was never queued with an error, reported by the next
+        `update_from_output`."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = error
+        request.finished_time = self.clock()
+        self._pending_outputs.append(self._make_output(request, []))
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Finish waiting or running requests as aborted (unknown ids are ignored)."""
@@ -195,13 +201,20 @@ class Scheduler:
                 continue  # preempted earlier this step
             if placeholders.ends_in_flight(request, self.max_model_len):
                 continue  # a step in flight computes its last token
-            n = self._grant(budget, placeholders.tokens_wanted(request))
+            wanted = placeholders.tokens_wanted(request)
+            n = self._grant(budget, wanted + len(request.spec_token_ids))
+            if n == 0 and request.spec_token_ids:  # no room for the drafts: decode without them
+                n = self._grant(budget, wanted)
             if n == 0:
                 continue
             new_blocks = self._allocate_or_preempt(request, n, budget, plan)
             if new_blocks is not None:
-                plan.add_cached(request, n, new_blocks.get_block_ids())
+                # Drafts the budget left room for (num_tokens_with_spec); their KV slots are
+                # allocated now and rolled back in update_from_output if rejected.
+                spec = request.spec_token_ids[: max(0, n - wanted)]
+                plan.add_cached(request, n, new_blocks.get_block_ids(), spec)
                 budget.spend(n)
+            request.spec_token_ids = []
 
     def _allocate_or_preempt(
         self, request: Request, num_tokens: int, budget: TokenBudget, plan: StepPlan
@@ -224,6 +237,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a step in flight samples for it: discarded
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.waiting.prepend(request)
         self._step.num_preemptions += 1
@@ -267,6 +281,7 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         now = self.clock()
         all_logprobs = model_runner_output.logprobs
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for rid, token_ids in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
@@ -279,6 +294,8 @@ class Scheduler:
                 continue  # partial prefill: nothing to sample yet
             if request.num_output_placeholders:
                 placeholders.resolve(request, len(token_ids))
+            if spec and rid in spec:
+                self._roll_back_rejected(request, len(spec[rid]), len(token_ids) - 1)
             kept = self._append_tokens(request, token_ids, now)
             if request.is_finished:
                 self._finish(request, now)
@@ -287,6 +304,20 @@ class Scheduler:
             outputs.append(self._make_output(request, kept, logprobs[: len(kept)] if logprobs else None))
         self._release_inflight(scheduler_output)
         return outputs
+
+    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Speculative decoding: schedule() counted every draft as computed; the KV of the
+        rejected ones is wrong, so those slots are given back (overwritten by later steps)."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+        self._step.num_drafts += 1
+        self._step.num_draft_tokens += num_drafts
+        self._step.num_accepted_tokens += num_accepted
+        per_pos = self._step.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
 
     def _append_tokens(self, request: Request, token_ids: list[int], now: float) -> list[int]:
         if len(token_ids) == 1:  # the common case, without the loop
@@ -345,6 +376,8 @@ class Scheduler:
             first_token_time=request.first_token_time,
             finished_time=request.finished_time,
             error=request.error,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     # ---- state queries -----------------------------------------------------------
@@ -405,6 +438,10 @@ class Scheduler:
             num_preemptions=s.num_preemptions,
             num_finished=s.num_finished,
             num_kv_tokens_read=s.num_kv_tokens_read,
+            num_drafts=s.num_drafts,
+            num_draft_tokens=s.num_draft_tokens,
+            num_accepted_tokens=s.num_accepted_tokens,
+            num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos),
         )
 
     def assert_idle(self) -> None:

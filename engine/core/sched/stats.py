@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -25,6 +25,11 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_finished: int = 0  # stopped or length-capped in update_from_output (not aborts)
     num_kv_tokens_read: int = 0  # sum of num_computed_tokens of the scheduled requests before the step
+    num_drafts: int = 0  # requests verified with draft tokens this step (vLLM's spec_decode_num_drafts)
+    num_draft_tokens: int = 0  # speculative drafts verified this step
+    num_accepted_tokens: int = 0  # of which accepted (acceptance rate = accepted / drafts)
+    # Accepted drafts by position in the draft (index 0: first draft token), this step.
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _FIELDS}

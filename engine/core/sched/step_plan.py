@@ -21,13 +21,19 @@ class StepPlan:
     cached_reqs: dict[str, Request] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    # req_id -> draft tokens scheduled after its last known token (speculative decoding).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def add_new(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled[request.request_id] = num_tokens
         self.new_reqs.append(request)
 
-    def add_cached(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
+    def add_cached(
+        self, request: Request, num_tokens: int, new_block_ids: list[int], spec_tokens: list[int] | None = None
+    ) -> None:
         self.num_scheduled[request.request_id] = num_tokens
+        if spec_tokens:
+            self.spec_tokens[request.request_id] = spec_tokens
         self.cached_reqs[request.request_id] = request
         self.new_block_ids[request.request_id] = new_block_ids
 
@@ -36,6 +42,7 @@ class StepPlan:
         rid = request.request_id
         self.cached_reqs.pop(rid, None)
         self.new_block_ids.pop(rid, None)
+        self.spec_tokens.pop(rid, None)
         return self.num_scheduled.pop(rid, 0)
 
     def to_output(self, kv: KVCacheManager, finished_req_ids: set[str]) -> SchedulerOutput:
@@ -65,6 +72,7 @@ class StepPlan:
             total_num_scheduled_tokens=sum(self.num_scheduled.values()),
             finished_req_ids=finished_req_ids | {r.request_id for r in self.preempted},
             preempted_req_ids={r.request_id for r in self.preempted},
+            scheduled_spec_decode_tokens=dict(self.spec_tokens),
         )
         self._count_phases(out)
         return out
@@ -74,7 +82,7 @@ class StepPlan:
         prefill_tokens = decode_tokens = prefill_reqs = decode_reqs = 0
         for reqs in (self.new_reqs, self.cached_reqs.values()):
             for r in reqs:
-                n = num_scheduled[r.request_id]
+                n = num_scheduled[r.request_id] - len(self.spec_tokens.get(r.request_id, ()))
                 if is_decode(r, n):
                     decode_tokens += 1
                     decode_reqs += 1

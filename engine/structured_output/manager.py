@@ -1,0 +1,169 @@
+"""StructuredOutputManager: grammars for the EngineCore's constrained requests.
+
+Lifecycle of a constrained request (one whose `SamplingParams.structured_outputs` is set):
+
+1. `submit` (from `EngineCore.add_request`): its grammar is compiled on a background
+   thread (llguidance drops the GIL while compiling), once per distinct spec: the compiled
+   matcher is a template, and each request gets a cheap `deep_copy`. The request is not
+   in the scheduler yet, so it holds no budget, no KV and no queue position that others
+   would wait behind.
+2. `take_ready` (each step, before `schedule`): requests whose grammar is ready go to the
+   scheduler; a grammar that failed to compile fails its request (the HTTP layer checks
+   grammars before admission, so this is a last line of defence).
+3. `fill_bitmask` (after `schedule`, before execute): one int32 bitmask row (bit `t` of
+   word `t // 32`: token `t` is allowed) per constrained request that samples this step.
+4. `accept_tokens` (after `update_from_output`): each request's grammar consumes the tokens
+   the scheduler kept. Preemption keeps a request's output tokens (it recomputes their KV
+   only), so its grammar state stays valid; tokens the scheduler dropped (after a stop) are
+   never consumed, so there is nothing to roll back. A request is never speculated on while
+   it is constrained (`engine/spec_decode/proposer.py`), so no draft token reaches a grammar.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import llguidance as llg
+import numpy as np
+
+from engine.request import Request
+from engine.structured_output import grammar
+from engine.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# Returns (tokenizer JSON, EOS id): run once, on the compile thread (loading the GGUF
+# vocabulary takes seconds).
+TokenizerSource = Callable[[], tuple[str, int | None]]
+
+
+@dataclass(slots=True)
+class _Awaiting:
+    request: Request
+    template: Future[llg.LLMatcher]
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer_source: TokenizerSource) -> None:
+        self._tokenizer_source = tokenizer_source
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._tokenizer: llg.LLTokenizer | None = None
+        self._templates: dict[tuple[str, str], Future[llg.LLMatcher]] = {}
+        self._awaiting: dict[str, _Awaiting] = {}
+        self._matchers: dict[str, llg.LLMatcher] = {}
+        self.vocab_words = 0  # int32 words per bitmask row, known once the tokenizer is
+        self.num_compiles = 0  # distinct grammars compiled (cache misses)
+
+    def set_tokenizer_source(self, source: TokenizerSource) -> None:
+        """Use a tokenizer the caller already has (the offline LLM's), before the first compile."""
+        self._tokenizer_source = source
+
+    # ---- admission ---------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Start (or reuse) the compile of `request`'s grammar; the request waits here."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        key = params.key
+        future = self._templates.get(key)
+        if future is None:
+            future = self._pool.submit(self._compile, params)
+            self._templates[key] = future
+        self._awaiting[request.request_id] = _Awaiting(request, future)
+
+    def _compile(self, params: StructuredOutputsParams) -> llg.LLMatcher:
+        with self._lock:
+            tok = self._tokenizer
+            if tok is None:
+                tokenizer_json, eos = self._tokenizer_source()
+                tok = grammar.make_tokenizer(tokenizer_json, eos)
+                self.vocab_words = (tok.vocab_size + 31) // 32
+                self._tokenizer = tok
+        text = grammar.check(params, tok)
+        self.num_compiles += 1
+        return grammar.compile_matcher(tok, text)
+
+    @property
+    def num_awaiting(self) -> int:
+        return len(self._awaiting)
+
+    def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Requests whose grammar is ready (each now has its own matcher), and requests
+        whose grammar failed, with a one-line reason."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        for rid, entry in list(self._awaiting.items()):
+            if not entry.template.done():
+                continue
+            del self._awaiting[rid]
+            exc = entry.template.exception()
+            if exc is not None:
+                failed.append((entry.request, str(exc) or type(exc).__name__))
+                continue
+            self._matchers[rid] = entry.template.result().deep_copy()
+            ready.append(entry.request)
+        return ready, failed
+
+    def wait_for_any(self, timeout: float) -> None:
+        """Block up to `timeout` s until some awaited grammar is ready (only when the engine
+        has nothing else to do)."""
+        pending = {e.template for e in self._awaiting.values()}
+        if pending:
+            wait(pending, timeout=timeout, return_when="FIRST_COMPLETED")
+
+    def abort(self, req_ids: list[str]) -> list[Request]:
+        """Forget these requests; returns those that were still waiting for their grammar."""
+        dropped = []
+        for rid in req_ids:
+            self._matchers.pop(rid, None)
+            entry = self._awaiting.pop(rid, None)
+            if entry is not None:
+                dropped.append(entry.request)
+        return dropped
+
+    def is_constrained(self, req_id: str) -> bool:
+        return req_id in self._matchers
+
+    # ---- per step ----------------------------------------------------------------------
+    def fill_bitmask(self, req_ids: Iterable[str], requests: dict[str, Request]) -> dict[str, np.ndarray] | None:
+        """Bitmask rows [vocab_words] int32 for the constrained requests among `req_ids`
+        (scheduled this step; `requests` maps ids to requests) that sample this step (their computed tokens reach every known token). A grammar in
+        an error state allows only EOS, so the request ends instead of sampling garbage."""
+        if not self._matchers:
+            return None
+        rows: dict[str, np.ndarray] = {}
+        for rid in req_ids:
+            matcher = self._matchers.get(rid)
+            request = requests.get(rid) if matcher is not None else None
+            if matcher is None or request is None or request.num_computed_tokens < request.num_tokens:
+                continue
+            row = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
+            if matcher.is_error() or not row.any():
+                row = _only(request.eos_token_id, self.vocab_words)
+            rows[request.request_id] = row
+        return rows or None
+
+    def accept_tokens(self, req_id: str, token_ids: list[int], finished: bool) -> None:
+        matcher = self._matchers.get(req_id)
+        if matcher is None:
+            return
+        if finished:
+            del self._matchers[req_id]
+            return
+        if not matcher.consume_tokens(token_ids):
+            logger.warning("request %s: grammar rejected tokens %s (%s)", req_id, token_ids, matcher.get_error())
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _only(token_id: int | None, words: int) -> np.ndarray:
+    row = np.zeros(max(words, 1), dtype=np.int32)
+    if token_id is not None and token_id // 32 < len(row):
+        row[token_id // 32] = np.int32(np.uint32(1 << (token_id % 32)).view(np.int32))
+    return row
+
