@@ -30,7 +30,9 @@ this step computes exactly one token, its last one; everything else is prefill
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
 import numpy as np
 
 from engine.outputs import TokenLogprobs
@@ -119,3 +121,27 @@ class ModelRunnerOutput:
     # Seconds this step spent in each kind of collective on rank 0 ("all_reduce", "gather",
     # "broadcast", "dispatch", "combine"); empty with one rank (engine/distributed/parallel_state.py).
     comm_times: dict[str, float] = field(default_factory=dict)
+
+
+# ---- wire format (the multi-process executor sends SchedulerOutput to every rank) --------------
+def _enc_hook(obj: Any) -> Any:
+    """msgspec cannot encode numpy arrays (grammar bitmasks): dtype, shape and raw bytes."""
+    if isinstance(obj, np.ndarray):
+        return {"dtype": obj.dtype.str, "shape": list(obj.shape), "data": obj.tobytes()}
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(kind: type, obj: Any) -> Any:
+    if kind is np.ndarray and isinstance(obj, dict):
+        return np.frombuffer(obj["data"], dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+    raise NotImplementedError(f"cannot decode {kind}")
+
+
+def step_encoder() -> msgspec.msgpack.Encoder:
+    """The encoder of step-seam values (numpy arrays included)."""
+    return msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def step_decoder(kind: type) -> msgspec.msgpack.Decoder:
+    """The decoder of one step-seam type, `step_encoder`'s counterpart."""
+    return msgspec.msgpack.Decoder(kind, dec_hook=_dec_hook)

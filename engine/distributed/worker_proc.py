@@ -25,7 +25,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.distributed import wire
-from engine.step_io import SchedulerOutput
+from engine.step_io import SchedulerOutput, step_decoder, step_encoder
 
 logger = logging.getLogger("engine.distributed.worker_proc")
 POLL_MS = 1000
@@ -51,8 +51,8 @@ def serve(rank: int, local_rank: int, executor_addr: str, watch_parent: bool) ->
     sock.connect(executor_addr)
     sock.send_multipart((wire.HELLO, msgspec.msgpack.encode(rank)))
     worker: ParallelWorker | None = None
-    step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
-    encoder = msgspec.msgpack.Encoder()
+    decoder = step_decoder(SchedulerOutput)
+    encoder = step_encoder()
     try:
         while True:
             if not sock.poll(POLL_MS):
@@ -71,7 +71,7 @@ def serve(rank: int, local_rank: int, executor_addr: str, watch_parent: bool) ->
                 sock.send_multipart((wire.READY, encoder.encode(ready)))
             elif kind == wire.STEP:
                 assert worker is not None, "STEP before CONFIG"
-                out = worker.execute_model(step_decoder.decode(payload))
+                out = worker.execute_model(decoder.decode(payload))
                 if rank == 0:
                     sock.send_multipart((wire.OUTPUT, encoder.encode(out)))
     except Exception as exc:

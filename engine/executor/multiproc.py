@@ -35,7 +35,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.distributed import wire
 from engine.executor.base import Executor, ExecutorDiedError
-from engine.step_io import ModelRunnerOutput, SchedulerOutput
+from engine.step_io import ModelRunnerOutput, SchedulerOutput, step_decoder, step_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +70,8 @@ class MultiprocExecutor(Executor):
             self.address = f"tcp://127.0.0.1:{self.port}"
         self._dead: str | None = None
         self._starting = True
-        self._decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
-        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = step_decoder(ModelRunnerOutput)
+        self._encoder = step_encoder()
 
     # ---- start-up --------------------------------------------------------------------
     def initialize(self) -> int:
