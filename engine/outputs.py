@@ -57,6 +57,17 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     # Steps in flight once this one was submitted, itself included: 1 without async
     # scheduling; 2 when it was scheduled while the previous step ran.
     batch_queue_depth: int = 1
+    # KV connector (engine/kv_transfer/), this step; see engine/core/sched/stats.py.
+    kv_blocks_to_load: int = 0
+    kv_blocks_to_save: int = 0
+    kv_blocks_loaded: int = 0
+    kv_blocks_saved: int = 0
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
+    kv_load_time: float = 0.0
+    kv_save_time: float = 0.0
+    kv_external_hit_tokens: int = 0
+    kv_load_failures: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -76,6 +87,13 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_token_time: float = 0.0
     finished_time: float = 0.0
     error: str | None = None
+    # External KV (engine/kv_transfer/): prompt tokens loaded from a store (part of
+    # num_cached_tokens), bytes moved each way, seconds waiting for loads / saving.
+    num_external_cached_tokens: int = 0
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
+    kv_load_wait: float = 0.0
+    kv_save_time: float = 0.0
 
     @property
     def finished(self) -> bool:

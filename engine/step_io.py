@@ -3,7 +3,8 @@
 `SchedulerOutput` (with `NewRequestData` / `CachedRequestData`) goes from the
 scheduler through the executor and the worker to the model runner;
 `ModelRunnerOutput` comes back the same way. This module sits below all of them
-(it imports only `SamplingParams` and `TokenLogprobs`), so the scheduler and the
+(it imports only `SamplingParams`, `TokenLogprobs` and the connector's plain
+dataclasses from engine/kv_transfer/metadata.py), so the scheduler and the
 workers both depend on it and never on each other.
 
 Runner contract:
@@ -25,12 +26,17 @@ Prefill / decode split (for statistics only; the scheduler has no phases): a
 request's scheduled tokens count as decode when it already has output tokens and
 this step computes exactly one token, its last one; everything else is prefill
 (prompt chunks, and the recompute of a resumed request, outputs included).
+
+With a KV connector, `kv_connector_metadata` carries the step's loads (run before the
+forward) and saves (after it), and the runner's output reports the connector's results in
+`kv_connector_output`. A step may then have no scheduled tokens and still carry loads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -77,10 +83,17 @@ class SchedulerOutput:
     # Prefix-cache lookups of this step's admissions, in tokens.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # The KV connector's loads and saves for this step (None: no connector).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def has_connector_work(self) -> bool:
+        meta = self.kv_connector_metadata
+        return meta is not None and not meta.is_empty
 
     @classmethod
     def empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:
@@ -107,3 +120,4 @@ class ModelRunnerOutput:
     # token count it computed (the step's tokens padded up to a compiled batch size).
     compiled: bool = False
     padded_tokens: int = 0
+    kv_connector_output: KVConnectorOutput | None = None

@@ -25,6 +25,17 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_finished: int = 0  # stopped or length-capped in update_from_output (not aborts)
     num_kv_tokens_read: int = 0  # sum of num_computed_tokens of the scheduled requests before the step
+    # KV connector (engine/kv_transfer/), this step: blocks planned, then moved by the worker.
+    kv_blocks_to_load: int = 0
+    kv_blocks_to_save: int = 0
+    kv_blocks_loaded: int = 0
+    kv_blocks_saved: int = 0
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
+    kv_load_time: float = 0.0  # seconds the worker spent loading
+    kv_save_time: float = 0.0  # seconds the worker spent saving
+    kv_external_hit_tokens: int = 0  # prompt tokens whose KV a load brought (not recomputed)
+    kv_load_failures: int = 0  # requests whose load failed (they recompute)
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _FIELDS}
@@ -35,3 +46,5 @@ class SchedulerStats:
 
 
 _FIELDS = tuple(f.name for f in fields(SchedulerStats))
+KV_CONNECTOR_STATS = tuple(name for name in _FIELDS if name.startswith("kv_") and name != "kv_blocks_used"
+                           and name != "kv_blocks_total")  # fmt: skip
