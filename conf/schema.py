@@ -55,7 +55,7 @@ class EngineSections(EngineConfig):
             path.write_text(yaml.safe_dump(dict(self.model.arch), sort_keys=False))
             model.model = str(path)
         cfg = EngineConfig(model=model, cache=self.cache, scheduler=self.scheduler, attention=self.attention,
-                           device=self.device)  # fmt: skip
+                           device=self.device, kv_transfer=self.kv_transfer)  # fmt: skip
         cfg.validate()
         return cfg
 

@@ -47,9 +47,6 @@ def _engine(mode: str, m: MooncakeMaster, arg: str, **kw: object) -> subprocess.
 
 
 def test_second_engine_gets_every_full_block_from_the_store_and_the_same_tokens(master: MooncakeMaster) -> None:
-    import sys as _sys
-
-    _sys.path.insert(0, str(HERE))
     from mooncake_engine import greedy, make_core
 
     from engine.core.engine_core import EngineCoreRequest
