@@ -134,7 +134,8 @@ class WorkloadSection:
 
 @dataclass
 class TargetSection:
-    """inprocess | server (servelab-serve started by the harness) | openai (any URL) | simulated."""
+    """inprocess | server (servelab-serve started by the harness) | openai (any URL) | simulated |
+    pd (prefill/decode disaggregation: Mooncake master, servers and servelab-router, all local)."""
 
     kind: str = "inprocess"
     url: str | None = None
@@ -144,6 +145,9 @@ class TargetSection:
     startup_timeout_s: float = 180.0
     request_timeout_s: float = 600.0
     metrics_interval_s: float = 0.5  # /metrics scraping for HTTP targets
+    num_prefill: int = 1  # pd: prefill (kv_producer) instances
+    num_decode: int = 1  # pd: decode (kv_consumer) instances
+    router_policy: str = "round_robin"  # pd: round_robin | least_loaded
 
 
 @dataclass

@@ -114,6 +114,19 @@ class RequestMetrics:
     finished_time: float = 0.0
     # time.time() of the step that produced each output token (per token, not per chunk).
     token_times: list[float] = field(default_factory=list)
+    # External KV (engine/kv_transfer/): prompt tokens loaded from a store, bytes moved each
+    # way, seconds waiting for loads and saving (0 without a connector).
+    kv_external_tokens: int = 0
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
+    kv_load_wait: float = 0.0
+    kv_save_time: float = 0.0
+
+    def kv_figures(self) -> dict[str, float]:
+        """The external-KV figures as requests.csv names them (workloads/runfolder.py)."""
+        return {"kv_external_tokens": self.kv_external_tokens, "kv_bytes_loaded": self.kv_bytes_loaded,
+                "kv_bytes_saved": self.kv_bytes_saved, "kv_load_wait_ms": self.kv_load_wait * 1000.0,
+                "kv_save_ms": self.kv_save_time * 1000.0}  # fmt: skip
 
     @property
     def queued_time(self) -> float:

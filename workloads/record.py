@@ -41,6 +41,7 @@ class TargetResult:
     server_queued_s: float | None = None
     server_prefill_s: float | None = None
     server_decode_s: float | None = None
+    kv: dict[str, float] | None = None  # external-KV figures (RequestMetrics.kv_figures), engine targets only
 
 
 def token_times_from_chunks(chunk_times: list[float], chunk_tokens: list[int]) -> list[float]:
@@ -90,6 +91,7 @@ class RequestRecord:
     server_queued_s: float | None = None
     server_prefill_s: float | None = None
     server_decode_s: float | None = None
+    kv: dict[str, float] | None = None  # external-KV figures (requests.csv KV_COLUMNS)
 
     @property
     def ok(self) -> bool:
@@ -148,6 +150,7 @@ def build_record(
     server_queued_s: float | None = None,
     server_prefill_s: float | None = None,
     server_decode_s: float | None = None,
+    kv: dict[str, float] | None = None,
 ) -> RequestRecord:
     """The one builder of a run's records (driver, simulator, offline runs, scripted ideals).
 
@@ -178,6 +181,7 @@ def build_record(
         server_queued_s=server_queued_s,
         server_prefill_s=server_prefill_s,
         server_decode_s=server_decode_s,
+        kv=kv,
     )
 
 
@@ -212,4 +216,5 @@ def record_from_result(
         server_queued_s=result.server_queued_s,
         server_prefill_s=result.server_prefill_s,
         server_decode_s=result.server_decode_s,
+        kv=result.kv,
     )

@@ -26,6 +26,10 @@ REQUEST_COLUMNS = [
     "output_tokens", "finish_reason", "error", "server_queued_ms", "server_prefill_ms",
     "server_decode_ms", "token_times", "itls_ms", "group",
 ]
+# External KV per request (engine targets with a kv_transfer connector; empty otherwise): prompt
+# tokens loaded from the store, bytes loaded / saved, ms waiting for loads, ms spent saving.
+KV_COLUMNS = ["kv_external_tokens", "kv_bytes_loaded", "kv_bytes_saved", "kv_load_wait_ms", "kv_save_ms"]
+REQUEST_COLUMNS += KV_COLUMNS
 STEP_COLUMNS = [*StepStats.__struct_fields__, "kv_usage"]
 
 
@@ -47,6 +51,7 @@ def request_row(r: RequestRecord) -> dict[str, Any]:
         "token_times": json.dumps(r.token_times if r.ok else []),
         "itls_ms": json.dumps([g * 1000.0 for g in r.itls_s]),
         "group": r.group,
+        **(r.kv or dict.fromkeys(KV_COLUMNS)),
     }
 
 

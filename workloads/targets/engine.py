@@ -111,6 +111,8 @@ class EngineTarget:
             res.server_queued_s = m.queued_time
             res.server_prefill_s = m.prefill_time
             res.server_decode_s = m.decode_time
+        if getattr(m, "kv_bytes_loaded", 0) or getattr(m, "kv_bytes_saved", 0):
+            res.kv = m.kv_figures()
         if comp.finish_reason == "error":
             res.error = "engine error"
 
