@@ -11,9 +11,10 @@ import pytest
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore, EngineCoreRequest
 from engine.kv_transfer.base import BlockStoreConnector
-from engine.kv_transfer.metadata import BlockTransfer
+from engine.kv_transfer.metadata import BlockTransfer, KVConnectorOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 BS = 16
 OFFLOAD = {"kv_connector": "CPUOffloadConnector", "kv_role": "kv_both",
@@ -173,3 +174,18 @@ def test_kv_transfer_config_is_checked() -> None:
         EngineConfig.from_kwargs(kv_transfer_config=OFFLOAD, async_scheduling=True)
     cfg = EngineConfig.from_sections({"kv_transfer": {"kv_connector": "CPUOffloadConnector", "kv_role": "both"}})
     assert cfg.kv_transfer.kv_role == "kv_both"
+
+
+def test_blocks_of_a_request_with_saves_in_flight_are_freed_only_when_they_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core = make_core(num_blocks=16)
+    sched_half = core.kv_connector
+    assert sched_half is not None
+    monkeypatch.setattr(sched_half, "request_finished", lambda request: True)  # "my saves are asynchronous"
+    run(core, "a", ASK, max_tokens=2)
+    sched = core.scheduler
+    assert sched.kv_cache_manager.num_used_blocks > 0 and not core.has_unfinished_requests()
+    report = ModelRunnerOutput([], [], kv_connector_output=KVConnectorOutput(finished_sending={"a"}))
+    sched.update_from_output(SchedulerOutput.empty(), report)
+    sched.assert_idle()

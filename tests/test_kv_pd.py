@@ -24,6 +24,7 @@ from test_kv_mooncake import _mooncake_missing
 from test_oracle import PROMPTS, SYSTEM
 
 from engine.kv_transfer.mooncake_master import MooncakeMaster
+from workloads.targets.pd import parse_connector_counters
 
 pytestmark = pytest.mark.skipif(_mooncake_missing() is not None, reason=str(_mooncake_missing()))
 
@@ -128,6 +129,10 @@ def test_router_outputs_equal_a_single_instance(pd: dict[str, ServerProcess], ch
         loaded += cached
     # The decode server had never seen these prompts: its cached tokens came from the store.
     assert loaded >= 16 * sum(p.startswith(SYSTEM) for p in PD_PROMPTS), loaded
+    counters = {role: parse_connector_counters(urllib.request.urlopen(pd[role].base_url + "/metrics").read().decode())
+                for role in ("prefill", "decode")}  # fmt: skip
+    assert counters["prefill"]["saved_blocks"] > 0 and counters["prefill"]["loaded_blocks"] == 0, counters
+    assert counters["decode"]["loaded_blocks"] > 0 and counters["decode"]["saved_blocks"] == 0, counters
 
 
 def test_killed_decode_instance_gives_json_errors_and_the_others_keep_serving(pd: dict[str, ServerProcess]) -> None:

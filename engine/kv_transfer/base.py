@@ -247,7 +247,7 @@ class BlockStoreConnector(KVConnectorBase):
             self._staged = [[] for _ in meta.saves]
         kv = self.kv_caches[layer]
         for staged, transfer in zip(self._staged, meta.saves, strict=True):
-            staged.append(kv[:, transfer.block_ids].clone())  # [2, n, bs, h, d]
+            staged.append(kv[:, transfer.block_ids])  # advanced indexing copies: [2, n, bs, h, d]
 
     def wait_for_save(self) -> None:
         meta = self._meta

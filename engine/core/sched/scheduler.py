@@ -103,6 +103,8 @@ class Scheduler:
         # blocks until none is left.
         self._inflight: Counter[str] = Counter()
         self._deferred_free: dict[str, Request] = {}
+        # Finished requests whose connector saves are still running: freed on finished_sending.
+        self._saving: set[str] = set()
         self._step = SchedulerStats()
         self._prefix_counters_at_step_start = (0, 0)
         self.connector = kv_connector
@@ -173,6 +175,7 @@ class Scheduler:
             if self.remote_kv.finish(request):
                 return  # its load is in flight: freed when the load reports
             if self.connector.request_finished(request):
+                self._saving.add(request.request_id)
                 self._deferred_free[request.request_id] = request  # freed by finished_sending
                 return
         if self._inflight[request.request_id] > 0:
@@ -354,6 +357,7 @@ class Scheduler:
                 saver.kv_bytes_saved += nbytes
                 saver.kv_save_time += output.save_time.get(rid, 0.0)
         for rid in output.finished_sending:
+            self._saving.discard(rid)
             if rid in self._deferred_free and self._inflight[rid] == 0:
                 self.kv_cache_manager.free(self._deferred_free.pop(rid))
         s = self._step
@@ -405,7 +409,7 @@ class Scheduler:
                 inflight[rid] = left
                 continue
             del inflight[rid]
-            if deferred and rid in deferred:
+            if deferred and rid in deferred and rid not in self._saving:
                 self.kv_cache_manager.free(deferred.pop(rid))
 
     @staticmethod
