@@ -12,10 +12,13 @@ Both leave with os._exit: closing a Mooncake client whose master is gone waits o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import sys
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,13 +29,25 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 
 def make_core(master: str, metadata: str, role: str, real: bool, num_blocks: int = 32) -> EngineCore:
     args: dict[str, object] = dict(block_size=16, num_blocks=num_blocks, max_num_seqs=4)
-    # Real weights of the first 8 layers: tokens that any wrong KV changes, at a third of the cost.
+    # Real weights of the first 8 layers (tokens and KV bytes are compared), else 2 dummy layers.
     args.update(num_layers_override=8) if real else args.update(load_format="dummy", num_layers_override=2)
     extra = {"master_server_address": master, "metadata_server": metadata, "retry_after_s": 60,
              "global_segment_size": 64 << 20, "local_buffer_size": 32 << 20}  # fmt: skip
     args["kv_transfer_config"] = {"kv_connector": "MooncakeStoreConnector", "kv_role": role,
                                   "kv_connector_extra_config": extra}  # fmt: skip
     return EngineCore(EngineConfig.from_kwargs(model="smollm2", **args))
+
+
+def kv_digest(core: EngineCore, prompt: list[int]) -> str:
+    """sha256 of the device KV of the prompt's cached full blocks (all layers), to compare engines."""
+    from engine.request import Request
+
+    probe = Request("probe", prompt, greedy(1), None)
+    probe.set_block_hasher(core.scheduler._block_hasher)  # type: ignore[arg-type]
+    blocks, _ = core.scheduler.kv_cache_manager.get_computed_blocks(probe)
+    ids = [b.block_id for b in blocks.blocks]
+    kv = torch.stack([layer[:, ids] for layer in core.executor.worker.model_runner.kv_caches])  # type: ignore[attr-defined]
+    return hashlib.sha256(kv.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() + f"/{len(ids)}"
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -49,7 +64,8 @@ def produce(master: str, metadata: str, prompts: list[list[int]]) -> None:
             for out in core.step().outputs:
                 got += out.new_token_ids
         tokens.append(got)
-    print(json.dumps({"tokens": tokens}), flush=True)
+    digests = [kv_digest(core, p) for p in prompts]
+    print(json.dumps({"tokens": tokens, "kv_digests": digests}), flush=True)
     sys.stdin.read()  # the objects live in this client's segment until the test is done
     os._exit(0)
 

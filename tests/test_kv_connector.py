@@ -7,6 +7,7 @@ the mechanics tests run one layer of dummy weights.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore, EngineCoreRequest
@@ -23,7 +24,7 @@ OFFLOAD = {"kv_connector": "CPUOffloadConnector", "kv_role": "kv_both",
 
 def make_core(real: bool = False, num_blocks: int = 8, kv: dict | None = OFFLOAD) -> EngineCore:
     args: dict[str, object] = dict(block_size=BS, num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=256)
-    # Real weights of the first 8 layers: tokens that any wrong KV changes, at a third of the cost.
+    # Real weights of the first 8 layers (the tokens and the KV bytes are compared), else 1 dummy layer.
     args.update(num_layers_override=8) if real else args.update(load_format="dummy", num_layers_override=1)
     if kv is not None:
         args["kv_transfer_config"] = kv
@@ -53,12 +54,9 @@ FILLER = prompt(3, 8 * BS - 7)  # with its 6 outputs, every block of an 8-block 
 
 
 def test_cpu_tier_turns_an_evicted_prefix_into_a_hit_with_the_same_tokens() -> None:
-    cold = make_core(real=True, num_blocks=8, kv=None)
-    want, _ = run(cold, "cold", ASK)
-    cold.shutdown()
-
     core = make_core(real=True, num_blocks=8)
-    first, cached_first = run(core, "a", ASK)
+    want, cached_first = run(core, "a", ASK)  # a cold run: nothing cached anywhere yet
+    cold_kv = _prefix_kv(core)
     run(core, "filler", FILLER)  # evicts the prefix from the 8-block device cache
     assert core.scheduler.kv_cache_manager.get_computed_blocks(_request(ASK, core))[1] == 0, (
         "the filler should have evicted the prompt's blocks from the device cache"
@@ -67,9 +65,18 @@ def test_cpu_tier_turns_an_evicted_prefix_into_a_hit_with_the_same_tokens() -> N
     remote = core.scheduler.remote_kv
     assert remote is not None
     assert (cached_first, remote.total_external_hit_tokens, cached_again) == (0, 4 * BS, 4 * BS)
-    assert first == want and again == want
+    assert again == want
+    assert torch.equal(_prefix_kv(core), cold_kv), "the KV loaded from the CPU tier differs from the computed KV"
     core.scheduler.assert_idle()
     core.shutdown()
+
+
+def _prefix_kv(core: EngineCore) -> torch.Tensor:
+    """The device KV of ASK's first 4 blocks (cached by the last run), [layers, 2, 4, bs, h, d]."""
+    blocks, n = core.scheduler.kv_cache_manager.get_computed_blocks(_request(ASK, core))
+    assert n >= 4 * BS
+    ids = [b.block_id for b in blocks.blocks[:4]]
+    return torch.stack([kv[:, ids] for kv in core.executor.worker.model_runner.kv_caches])  # type: ignore[attr-defined]
 
 
 def _request(prompt_ids: list[int], core: EngineCore) -> Request:

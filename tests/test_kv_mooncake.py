@@ -47,7 +47,7 @@ def _engine(mode: str, m: MooncakeMaster, arg: str, **kw: object) -> subprocess.
 
 
 def test_second_engine_gets_every_full_block_from_the_store_and_the_same_tokens(master: MooncakeMaster) -> None:
-    from mooncake_engine import greedy, make_core
+    from mooncake_engine import greedy, kv_digest, make_core
 
     from engine.core.engine_core import EngineCoreRequest
 
@@ -57,7 +57,8 @@ def test_second_engine_gets_every_full_block_from_the_store_and_the_same_tokens(
         consumer = make_core(master.master_server_address, master.metadata_server, "kv_consumer", real=True)
         line = producer.stdout.readline() if producer.stdout else ""
         assert line, f"the producer engine exited with {producer.poll()}"
-        (cold,) = json.loads(line)["tokens"]  # the producer had no hit: a cold run
+        produced = json.loads(line)
+        (cold,), (cold_kv,) = produced["tokens"], produced["kv_digests"]  # the producer ran cold
         consumer.add_request(EngineCoreRequest("c", prompt, greedy(6), None, 0.0, 6))
         got: list[int] = []
         cached = 0
@@ -69,6 +70,7 @@ def test_second_engine_gets_every_full_block_from_the_store_and_the_same_tokens(
         assert remote is not None
         assert (remote.total_external_hit_tokens, cached, remote.total_load_failures) == (4 * 16, 4 * 16, 0)
         assert got == cold
+        assert kv_digest(consumer, prompt) == cold_kv, "the KV from the store differs from the producer's"
         consumer.scheduler.assert_idle()
         consumer.shutdown()
     finally:
