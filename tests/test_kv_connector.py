@@ -196,3 +196,25 @@ def test_blocks_of_a_request_with_saves_in_flight_are_freed_only_when_they_repor
     report = ModelRunnerOutput([], [], kv_connector_output=KVConnectorOutput(finished_sending={"a"}))
     sched.update_from_output(SchedulerOutput.empty(), report)
     sched.assert_idle()
+
+
+def test_loads_under_memory_pressure_never_deadlock_and_leak_nothing() -> None:
+    """Long prompts sharing prefixes in a cache that holds about one of them (the shape of
+    `workload=shared_prefix` on 40 blocks): loads, preemptions and evictions interleave; every
+    request finishes and every block comes back."""
+    core = make_core(num_blocks=40, kv={**OFFLOAD, "kv_connector_extra_config": {"num_cpu_blocks": 128}})
+    core.scheduler.config.max_num_batched_tokens = 2048
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prefixes = [prompt(20 + g, 16 * BS) for g in range(4)]
+    for i in range(12):
+        body = prefixes[i % 4] + prompt(40 + i, 50 + (37 * i) % 200)
+        core.add_request(EngineCoreRequest(f"r{i}", body, params, None, 0.0, 4))
+    done: set[str] = set()
+    for _ in range(400):
+        if not core.has_unfinished_requests():
+            break
+        done |= {o.request_id for o in core.step().outputs if o.finish_reason is not None}
+    assert done == {f"r{i}" for i in range(12)}, f"unfinished: {core.scheduler.requests}"
+    remote = core.scheduler.remote_kv
+    assert remote is not None and remote.total_external_hit_tokens > 0
+    core.scheduler.assert_idle()

@@ -89,8 +89,9 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
-        `delay_cache_blocks`: register no new block in the prefix cache now (their KV is
-        being loaded from an external store; `cache_blocks` registers them once it is).
+        `delay_cache_blocks`: an allocation for an external load: register no new block in
+        the prefix cache now (`cache_blocks` registers them once their KV is loaded) and count
+        no prefix-cache query (the admission after the load counts it).
 
         `new_computed_blocks` / `num_new_computed_tokens` are a prefix hit from
         `get_computed_blocks` (only on admission, when the request holds no blocks).
@@ -133,7 +134,7 @@ class KVCacheManager:
         if is_admission:
             req_blocks = self.req_to_blocks[request.request_id] = []
             self._num_cached_blocks[request.request_id] = 0
-            if self.enable_caching:
+            if self.enable_caching and not delay_cache_blocks:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_new_computed_tokens
         assert req_blocks is not None

@@ -2,13 +2,18 @@
 
 A waiting request at the queue head first takes its local prefix hit; the connector then says
 how many more tokens its store holds (`get_num_new_matched_tokens`). With none, admission goes
-on as usual. With some, the scheduler allocates blocks for local + external tokens (hashes of
-the external blocks are registered only once their KV is loaded), the request leaves the queue
-for WAITING_FOR_REMOTE_KVS holding those blocks, and the connector records the load. When the
-worker reports the load finished, the request returns to the queue head with the loaded tokens
-computed; when it reports it failed, with only its local hit computed (the other blocks are
-recomputed by the normal steps: never wrong tokens). An answer of "not known yet" parks the
-request for this step so the requests behind it go ahead.
+on as usual. With some, the scheduler allocates blocks for local + external tokens (the external
+blocks' hashes are registered only once their KV is loaded), the request leaves the queue for
+WAITING_FOR_REMOTE_KVS holding those blocks, and the connector records the load.
+
+When the worker reports the load, the request gives its blocks back and returns to the queue
+head: a successful load has registered the loaded blocks in the prefix cache first, so the
+admission that follows (next step) takes them as an ordinary local hit; a failed load
+registered nothing, and the request is admitted with its local hit only and never asks the
+store again (the normal steps recompute the rest: never wrong tokens). Giving the blocks back
+matters: a waiting request that held blocks could leave the preempted requests ahead of it
+without room, with nothing running to free any. An answer of "not known yet" parks the request
+for this step so the requests behind it go ahead.
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ class RemoteKVWaits:
         self._local_hit: dict[str, int] = {}  # tokens hit locally when the load started
         self._num_external: dict[str, int] = {}  # tokens the load brings
         self._load_started: dict[str, float] = {}
-        # Requests whose load ended and that hold their blocks: admitted without a lookup.
-        self.loaded: set[str] = set()
+        # Requests whose load failed: admitted without asking the store again.
+        self._no_lookup: set[str] = set()
         # Finished while their load was in flight: freed when it reports.
         self._free_after_load: dict[str, Request] = {}
         # Step counters, and the same since start (the engine's own counters).
@@ -49,6 +54,8 @@ class RemoteKVWaits:
 
     def external_hit(self, request: Request, num_local_hit: int) -> int | None:
         """Tokens the store holds past the local hit (None: not known yet)."""
+        if request.request_id in self._no_lookup:
+            return 0
         num, _ = self.connector.get_num_new_matched_tokens(request, num_local_hit)
         return num
 
@@ -87,6 +94,7 @@ class RemoteKVWaits:
             if rid in output.failed_recving:
                 self.load_failures += 1
                 self.total_load_failures += 1
+                self._no_lookup.add(rid)
                 request.num_computed_tokens = num_local
             else:
                 request.num_computed_tokens = num_local + num_external
@@ -94,15 +102,16 @@ class RemoteKVWaits:
                 self.external_hit_tokens += num_external
                 self.total_external_hit_tokens += num_external
                 self.kv.cache_blocks(request, request.num_computed_tokens)
+            self.kv.free(request)  # the loaded blocks stay cached: the admission hits them
+            request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
-            self.loaded.add(rid)
             back.append(request)
         return back
 
     def finish(self, request: Request) -> bool:
         """`request` finished; True when it was waiting for a load (blocks freed later)."""
         rid = request.request_id
-        self.loaded.discard(rid)
+        self._no_lookup.discard(rid)
         if self.waiting_for_remote.pop(rid, None) is None:
             return False
         self._free_after_load[rid] = request

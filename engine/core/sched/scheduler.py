@@ -269,29 +269,22 @@ class Scheduler:
     def _schedule_waiting(self, budget: TokenBudget, plan: StepPlan) -> None:
         while self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            loaded = self.remote_kv is not None and request.request_id in self.remote_kv.loaded
-            if loaded:  # its external load ended: it holds its blocks, loaded tokens computed
-                hit_blocks, num_hit, num_new_hit = KVCacheBlocks(), request.num_computed_tokens, 0
-            else:
-                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-                num_new_hit = num_hit
-                if self.remote_kv is not None:
-                    num_external = self.remote_kv.external_hit(request, num_hit)
-                    if num_external is None:  # not known yet: the requests behind go ahead
-                        self._parked.append(self.waiting.pop())
-                        continue
-                    if num_external > 0:
-                        if not self.remote_kv.start_load(request, hit_blocks, num_hit, num_external):
-                            return  # no blocks for it: the head waits
-                        self.waiting.pop()
-                        continue
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            if self.remote_kv is not None:
+                num_external = self.remote_kv.external_hit(request, num_hit)
+                if num_external is None:  # not known yet: the requests behind go ahead
+                    self._parked.append(self.waiting.pop())
+                    continue
+                if num_external > 0:
+                    if not self.remote_kv.start_load(request, hit_blocks, num_hit, num_external):
+                        return  # no blocks for it: the head waits
+                    self.waiting.pop()
+                    continue
             n = self._grant(budget, request.num_tokens - num_hit)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, n, hit_blocks, num_new_hit) if n else None
+            new_blocks = self.kv_cache_manager.allocate_slots(request, n, hit_blocks, num_hit) if n else None
             if new_blocks is None:
                 return  # the head waits; nothing behind it overtakes
             self.waiting.pop()
-            if loaded:
-                self.remote_kv.loaded.discard(request.request_id)  # type: ignore[union-attr]
             self._admit(request, num_hit)
             plan.add_new(request, n)
             budget.spend(n)
@@ -349,8 +342,8 @@ class Scheduler:
         """Loads that ended rejoin the queue head; saves are credited to their requests."""
         assert self.remote_kv is not None and self.connector is not None
         self.connector.update_connector_output(output)
-        for loaded in reversed(self.remote_kv.apply_output(output)):
-            self.waiting.prepend(loaded)
+        for ready in reversed(self.remote_kv.apply_output(output)):
+            self.waiting.prepend(ready)
         for rid, nbytes in output.bytes_saved.items():
             saver = self.requests.get(rid)
             if saver is not None:
