@@ -56,7 +56,7 @@ class EngineSections(EngineConfig):
             model.model = str(path)
         cfg = EngineConfig(model=model, cache=self.cache, scheduler=self.scheduler, attention=self.attention,
                            device=self.device, parallel=self.parallel,
-                           speculative_config=self.speculative_config)  # fmt: skip
+                           speculative_config=self.speculative_config, kv_transfer=self.kv_transfer)  # fmt: skip
         cfg.validate()
         return cfg
 
@@ -143,7 +143,8 @@ class WorkloadSection:
 
 @dataclass
 class TargetSection:
-    """inprocess | server (servelab-serve started by the harness) | openai (any URL) | simulated."""
+    """inprocess | server (servelab-serve started by the harness) | openai (any URL) | simulated |
+    pd (prefill/decode disaggregation: Mooncake master, servers and servelab-router, all local)."""
 
     kind: str = "inprocess"
     url: str | None = None
@@ -153,6 +154,9 @@ class TargetSection:
     startup_timeout_s: float = 180.0
     request_timeout_s: float = 600.0
     metrics_interval_s: float = 0.5  # /metrics scraping for HTTP targets
+    num_prefill: int = 1  # pd: prefill (kv_producer) instances
+    num_decode: int = 1  # pd: decode (kv_consumer) instances
+    router_policy: str = "round_robin"  # pd: round_robin | least_loaded
 
 
 @dataclass

@@ -176,6 +176,45 @@ def _speculative_from(value: Any) -> SpeculativeConfig:
     return SpeculativeConfig(**value)
 
 
+KV_CONNECTORS = ("CPUOffloadConnector", "MooncakeStoreConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """vLLM's `kv_transfer_config`: an external KV store behind the connector boundary
+    (engine/kv_transfer/). `kv_connector` None: no connector.
+
+    `kv_role`: kv_producer saves computed blocks and never loads (a prefill instance),
+    kv_consumer loads and never saves (a decode instance), kv_both does both (offload,
+    a shared store); "producer" / "consumer" / "both" are accepted as short names.
+    `kv_connector_extra_config`: the connector's own options (docs/kv_transfer.md).
+    """
+
+    kv_connector: str | None = None
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def validate(self) -> None:
+        if self.kv_role in ("producer", "consumer", "both"):
+            self.kv_role = f"kv_{self.kv_role}"
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer.kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(
+                f"kv_transfer.kv_connector must be one of {', '.join(KV_CONNECTORS)} (or null), "
+                f"got {self.kv_connector!r}"
+            )
+
+
 # Keyword arguments of `EngineConfig.from_kwargs` under another name: key -> (section, field).
 KWARG_ALIASES: dict[str, tuple[str, str]] = {
     "num_gpu_blocks_override": ("cache", "num_blocks"),  # vLLM's name for the KV block count
@@ -193,6 +232,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
+
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword arguments, as `LLM(model=..., block_size=16)`.
@@ -202,7 +244,8 @@ class EngineConfig:
         `block_size`, `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`,
         `tensor_parallel_size`, `enable_expert_parallel`, `distributed_executor_backend`);
         `KWARG_ALIASES` adds vLLM's `num_gpu_blocks_override` (= `num_blocks`) and
-        `attention_backend` (= `AttentionConfig.backend`). An unknown keyword is a ValueError.
+        `attention_backend` (= `AttentionConfig.backend`); `kv_transfer_config` takes a
+        `KVTransferConfig` or a dict of its fields. An unknown keyword is a ValueError.
         """
         cfg = cls()
         cfg.model.model = model
@@ -210,6 +253,10 @@ class EngineConfig:
         for key, value in kwargs.items():
             if key == "speculative_config":  # vLLM passes the whole section as a dict
                 cfg.speculative_config = _speculative_from(value)
+
+
+            if key == "kv_transfer_config":
+                cfg.kv_transfer = value if isinstance(value, KVTransferConfig) else KVTransferConfig(**value)
                 continue
             if key in KWARG_ALIASES:
                 section_name, name = KWARG_ALIASES[key]
@@ -246,6 +293,9 @@ class EngineConfig:
         if self.speculative_config.enabled and self.scheduler.async_scheduling:
             raise ValueError("speculative_config with async_scheduling=True is not supported yet; choose one of them")
         s, c = self.scheduler, self.cache
+        self.kv_transfer.validate()
+        if self.kv_transfer.kv_connector is not None and s.async_scheduling:
+            raise ValueError("kv_transfer with async_scheduling=True is not supported yet; choose one of them")
         if s.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if s.max_num_seqs < 1:

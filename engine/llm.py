@@ -122,8 +122,10 @@ class LLM:
         try:
             while self.engine_core.has_unfinished_requests():
                 core_out = self.engine_core.step()
-                if core_out.stats is not None and core_out.stats.num_prefill_tokens + core_out.stats.num_decode_tokens:
-                    self.step_stats.append(core_out.stats)
+                st = core_out.stats
+                if st is not None and (st.num_prefill_tokens + st.num_decode_tokens or st.kv_blocks_loaded
+                                       or st.kv_load_failures):  # fmt: skip
+                    self.step_stats.append(st)
                 with self.engine_core.hooks.phase("detokenize"):
                     outs, to_finish = self.output_processor.process_outputs(core_out)
                 if to_finish:  # stop strings end on the front end; finish them in the core

@@ -118,6 +118,10 @@ class OutputProcessor:
         m.token_times.extend([ts] * len(new_ids))
         m.num_draft_tokens, m.num_accepted_tokens = eco.num_draft_tokens, eco.num_accepted_tokens
         state.num_cached_tokens = max(state.num_cached_tokens, eco.num_cached_tokens)
+        if eco.kv_bytes_loaded or eco.kv_bytes_saved or eco.num_external_cached_tokens:
+            m.kv_external_tokens = eco.num_external_cached_tokens
+            m.kv_bytes_loaded, m.kv_bytes_saved = eco.kv_bytes_loaded, eco.kv_bytes_saved
+            m.kv_load_wait, m.kv_save_time = eco.kv_load_wait, eco.kv_save_time
         state.token_ids.extend(new_ids)
         if state.logprobs is not None and eco.new_logprobs:
             state.logprobs.extend(eco.new_logprobs)

@@ -68,6 +68,17 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     all_reduce_time: float = 0.0
     dispatch_time: float = 0.0
     combine_time: float = 0.0
+    # KV connector (engine/kv_transfer/), this step; see engine/core/sched/stats.py.
+    kv_blocks_to_load: int = 0
+    kv_blocks_to_save: int = 0
+    kv_blocks_loaded: int = 0
+    kv_blocks_saved: int = 0
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
+    kv_load_time: float = 0.0
+    kv_save_time: float = 0.0
+    kv_external_hit_tokens: int = 0
+    kv_load_failures: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -90,6 +101,13 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Speculative decoding totals of the request so far: drafts verified, drafts accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # External KV (engine/kv_transfer/): prompt tokens loaded from a store (part of
+    # num_cached_tokens), bytes moved each way, seconds waiting for loads / saving.
+    num_external_cached_tokens: int = 0
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
+    kv_load_wait: float = 0.0
+    kv_save_time: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -113,6 +131,19 @@ class RequestMetrics:
     # Speculative decoding: draft tokens verified for this request, and how many were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # External KV (engine/kv_transfer/): prompt tokens loaded from a store, bytes moved each
+    # way, seconds waiting for loads and saving (0 without a connector).
+    kv_external_tokens: int = 0
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
+    kv_load_wait: float = 0.0
+    kv_save_time: float = 0.0
+
+    def kv_figures(self) -> dict[str, float]:
+        """The external-KV figures as requests.csv names them (workloads/runfolder.py)."""
+        return {"kv_external_tokens": self.kv_external_tokens, "kv_bytes_loaded": self.kv_bytes_loaded,
+                "kv_bytes_saved": self.kv_bytes_saved, "kv_load_wait_ms": self.kv_load_wait * 1000.0,
+                "kv_save_ms": self.kv_save_time * 1000.0}  # fmt: skip
 
     @property
     def queued_time(self) -> float:

@@ -6,6 +6,11 @@
 
 Any unfinished state may also go to FINISHED_ABORTED / FINISHED_ERROR.
 
+With a KV connector (engine/kv_transfer/), a waiting request whose prefix an external store
+holds goes WAITING ──▶ WAITING_FOR_REMOTE_KVS (it holds its blocks while they load, and is
+not scheduled) ──load done or failed──▶ WAITING, then is admitted with the loaded tokens
+computed (a failed load: only its local prefix hit).
+
 `num_computed_tokens` is the only progress counter: the number of this request's
 tokens whose KV is (or, once the scheduled step runs, will be) in the cache.
 "Prefill" and "decode" are derived from it, never stored: a request is catching
@@ -40,6 +45,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    WAITING_FOR_REMOTE_KVS = 7
 
 
 _FINISH_REASONS = {
@@ -51,7 +57,7 @@ _FINISH_REASONS = {
 
 
 def is_finished(status: RequestStatus) -> bool:
-    return status > RequestStatus.PREEMPTED
+    return RequestStatus.FINISHED_STOPPED <= status <= RequestStatus.FINISHED_ERROR
 
 
 def finish_reason(status: RequestStatus) -> FinishReason:
@@ -104,6 +110,13 @@ class Request:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_preemptions = 0
+        # External KV (engine/kv_transfer/): tokens loaded from a store at admission, bytes
+        # moved each way, seconds spent waiting for loads and saving.
+        self.num_external_cached_tokens = 0
+        self.kv_bytes_loaded = 0
+        self.kv_bytes_saved = 0
+        self.kv_load_wait = 0.0
+        self.kv_save_time = 0.0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
 

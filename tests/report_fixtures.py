@@ -90,6 +90,9 @@ def _steps(rng: np.random.Generator, duration: float, slow: float, metrics_only:
         prefix_cache_hits=(prefill * rng.uniform(0, 0.6, n)).astype(int),
         num_preemptions=(rng.random(n) < 0.03).astype(int),
         num_finished=(rng.random(n) < 0.3).astype(int),
+        # An external KV store (engine/kv_transfer/): blocks loaded on some admissions, saved on prefills.
+        kv_blocks_loaded=np.where(prefill > 0, rng.integers(0, 8, n), 0),
+        kv_blocks_saved=prefill // 16,
     )
     return df
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from sched_utils import EOS, SAMPLED, fake_runner_output, make_request, make_scheduler, run_until_idle, step
 
+from engine.core.sched.stats import KV_CONNECTOR_STATS
 from engine.outputs import FinishReason
 from engine.request import RequestStatus
 from engine.step_io import ModelRunnerOutput
@@ -469,6 +470,7 @@ def test_outputs_timestamps_and_stats_snapshot() -> None:
         "num_prefill_tokens": 20, "num_decode_tokens": 0, "num_prefill_reqs": 1, "num_decode_reqs": 0,
         "prefix_cache_queries": 20, "prefix_cache_hits": 0, "num_preemptions": 0, "num_finished": 0, "num_kv_tokens_read": 0,
         "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [],
+        **dict.fromkeys(KV_CONNECTOR_STATS, 0),  # no connector
     }  # fmt: skip
     (o,) = outs
     assert o.arrival_time == 50.0 and 100 <= o.first_scheduled_time < o.first_token_time

@@ -168,6 +168,13 @@ def _make_target(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path):
                               str(run_dir / "server.log"),
                               endpoint=cfg.target.endpoint, timeout_s=cfg.target.request_timeout_s)
         return target, tokenizer, _max_model_len(engine_config)
+    if kind == "pd":
+        from workloads.targets.pd import PDTarget
+
+        t = cfg.target
+        target = PDTarget(engine_config, run_dir, t.num_prefill, t.num_decode, t.router_policy, t.startup_timeout_s,
+                          endpoint=t.endpoint, timeout_s=t.request_timeout_s)  # fmt: skip
+        return target, tokenizer, _max_model_len(engine_config)
     if kind == "openai":
         if not cfg.target.url:
             raise ValueError("target.url is required for target=openai")
@@ -175,7 +182,7 @@ def _make_target(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path):
                               cfg.target.endpoint, extra_body={"temperature": 0.0},
                               timeout_s=cfg.target.request_timeout_s)
         return target, tokenizer, _max_model_len(engine_config)
-    raise ValueError(f"target.kind: unknown {kind!r} (inprocess|offline|server|openai|simulated)")
+    raise ValueError(f"target.kind: unknown {kind!r} (inprocess|offline|server|openai|simulated|pd)")
 
 
 def _max_model_len(engine_config: EngineConfig) -> int:
@@ -213,7 +220,7 @@ def _drive(cfg: RunConfig, target: Any, specs: list, run_dir: Path) -> RunResult
     from profiling.telemetry import TelemetrySampler
 
     closed_loop, concurrency = send_limits(cfg)
-    scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai") else None
+    scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai", "pd") else None
     journal = runfolder.RequestJournal(run_dir)
     driver = Driver(target, closed_loop=closed_loop, concurrency=concurrency,
                     max_duration_s=cfg.run.max_duration_s, progress=True, scrape_interval_s=scrape,
@@ -247,6 +254,24 @@ def _shutdown(target: Any) -> None:
         stop()
 
 
+KV_STEP_TOTALS = ("kv_blocks_loaded", "kv_blocks_saved", "kv_bytes_loaded", "kv_bytes_saved", "kv_load_time",
+                  "kv_save_time", "kv_external_hit_tokens", "kv_load_failures")  # fmt: skip
+
+
+def kv_connector_summary(run_dir: Path, steps_df: Any) -> dict[str, Any]:
+    """External-KV totals: from steps.csv (an engine in this process), and per instance from
+    pd_instances.json (target=pd). Empty when no connector moved anything."""
+    out: dict[str, Any] = {}
+    if steps_df is not None and "kv_blocks_loaded" in steps_df:
+        totals = {k: float(steps_df[k].sum()) for k in KV_STEP_TOTALS if k in steps_df}
+        if any(totals.values()):
+            out["kv_connector"] = totals
+    pd_file = run_dir / "pd_instances.json"
+    if pd_file.exists():
+        out["kv_connector_instances"] = json.loads(pd_file.read_text())
+    return out
+
+
 def _write_results(
     cfg: RunConfig, run_dir: Path, result: RunResult, reference: float | None, compile_time_s: float | None = None
 ) -> dict[str, Any]:
@@ -268,6 +293,7 @@ def _write_results(
         from engine.platform import resolve_engine_dtype
 
         summary["dtype"] = resolve_engine_dtype(cfg.model.dtype, cfg.device.device, cfg.model.model)
+    summary.update(kv_connector_summary(run_dir, steps_df))
     if compile_time_s is not None:
         # Start-up compile + warm-up (enforce_eager=False); never inside a throughput figure.
         summary["compile_time_s"] = compile_time_s
@@ -351,6 +377,7 @@ def _run_offline(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> 
             finish_reason=comp.finish_reason or "",
             server_queued_s=m.queued_time, server_prefill_s=m.prefill_time, server_decode_s=m.decode_time,
             spec_draft_tokens=m.num_draft_tokens, spec_accepted_tokens=m.num_accepted_tokens,
+            kv=m.kv_figures() if m.kv_bytes_loaded or m.kv_bytes_saved else None,
         ))
     result = RunResult(records=records, t0_wall=t0_wall, wall_s=done, steps=llm.step_stats)
     return _write_results(cfg, run_dir, result, reference, compile_time_s)

@@ -44,6 +44,7 @@ class TargetResult:
     # Speculative decoding (in-process targets): drafts verified / accepted for this request.
     spec_draft_tokens: int | None = None
     spec_accepted_tokens: int | None = None
+    kv: dict[str, float] | None = None  # external-KV figures (RequestMetrics.kv_figures), engine targets only
 
 
 def token_times_from_chunks(chunk_times: list[float], chunk_tokens: list[int]) -> list[float]:
@@ -98,6 +99,7 @@ class RequestRecord:
     # The prompt length the workload meant to send; `prompt_tokens` is the server's count when it
     # gave one (a chat template, a tokenizer other than the workload's make them differ).
     sent_prompt_tokens: int = 0
+    kv: dict[str, float] | None = None  # external-KV figures (requests.csv KV_COLUMNS)
 
     @property
     def ok(self) -> bool:
@@ -158,6 +160,7 @@ def build_record(
     server_decode_s: float | None = None,
     spec_draft_tokens: int | None = None,
     spec_accepted_tokens: int | None = None,
+    kv: dict[str, float] | None = None,
 ) -> RequestRecord:
     """The one builder of a run's records (driver, simulator, offline runs, scripted ideals).
 
@@ -191,6 +194,7 @@ def build_record(
         server_decode_s=server_decode_s,
         spec_draft_tokens=spec_draft_tokens,
         spec_accepted_tokens=spec_accepted_tokens,
+        kv=kv,
     )
 
 
@@ -227,4 +231,5 @@ def record_from_result(
         server_decode_s=result.server_decode_s,
         spec_draft_tokens=result.spec_draft_tokens,
         spec_accepted_tokens=result.spec_accepted_tokens,
+        kv=result.kv,
     )

@@ -26,6 +26,10 @@ REQUEST_COLUMNS = [
     "output_tokens", "finish_reason", "error", "server_queued_ms", "server_prefill_ms",
     "server_decode_ms", "token_times", "itls_ms", "group", "sent_prompt_tokens",
 ]
+# External KV per request (engine targets with a kv_transfer connector; empty otherwise): prompt
+# tokens loaded from the store, bytes loaded / saved, ms waiting for loads, ms spent saving.
+KV_COLUMNS = ["kv_external_tokens", "kv_bytes_loaded", "kv_bytes_saved", "kv_load_wait_ms", "kv_save_ms"]
+REQUEST_COLUMNS += KV_COLUMNS
 # Derived per step: spec_acceptance_rate = accepted / draft tokens; spec_mean_accepted_length =
 # 1 + accepted / requests verified with drafts (vLLM's mean acceptance length), empty without drafts.
 STEP_COLUMNS = [*StepStats.__struct_fields__, "kv_usage", "spec_acceptance_rate", "spec_mean_accepted_length"]
@@ -53,6 +57,7 @@ def request_row(r: RequestRecord) -> dict[str, Any]:
         "token_times": json.dumps(r.token_times if r.ok else []),
         "itls_ms": json.dumps([g * 1000.0 for g in r.itls_s]),
         "group": r.group, "sent_prompt_tokens": r.sent_prompt_tokens,
+        **(r.kv or dict.fromkeys(KV_COLUMNS)),
     }
 
 

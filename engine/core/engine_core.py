@@ -32,6 +32,8 @@ from engine.core.sched.scheduler import Scheduler
 from engine.core.sched.stats import SchedulerStats
 from engine.executor.base import Executor
 from engine.hooks import NULL_HOOKS, StepHooks
+from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from engine.kv_transfer.factory import create_kv_connector
 from engine.outputs import EngineCoreOutputs, FinishReason, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -80,8 +82,10 @@ class EngineCore:
         self.num_blocks = executor.initialize()
         self.max_model_len = executor.max_model_len
         self.eos_token_id = executor.eos_token_id
+        self.kv_connector = self._make_kv_connector(config, executor)
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.num_blocks, self.max_model_len, clock=executor.clock
+            config.scheduler, config.cache, self.num_blocks, self.max_model_len, clock=executor.clock,
+            kv_connector=self.kv_connector,
         )
         self.hooks: StepHooks = NULL_HOOKS
         self.step_index = 0
@@ -92,6 +96,16 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(lambda: _tokenizer_source(config))
         spec = config.speculative_config
         self.proposer: NgramProposer | None = NgramProposer(spec) if spec.enabled else None
+
+    @staticmethod
+    def _make_kv_connector(config: EngineConfig, executor: Executor) -> KVConnectorBase | None:
+        """The scheduler half of `kv_transfer.kv_connector` (the worker builds its own half)."""
+        if config.kv_transfer.kv_connector is None:
+            return None
+        bytes_per_block = getattr(executor, "kv_bytes_per_block", 0)
+        if not bytes_per_block:
+            raise ValueError("kv_transfer: this executor has no KV cache to connect a store to")
+        return create_kv_connector(config, KVConnectorRole.SCHEDULER, bytes_per_block)
 
     def set_hooks(self, hooks: StepHooks) -> None:
         """Install observation hooks (profiler) in the core and the model runner."""
@@ -166,7 +180,7 @@ class EngineCore:
             so = self.scheduler.schedule()
             so.grammar_bitmask = self.structured_output.fill_bitmask(so.num_scheduled_tokens, self.scheduler.requests)
         t1 = time.perf_counter()
-        if so.total_num_scheduled_tokens > 0 or so.finished_req_ids:
+        if so.total_num_scheduled_tokens > 0 or so.finished_req_ids or so.has_connector_work:
             try:
                 runner_out = self.executor.execute_model(so)
             except Exception as exc:
@@ -353,7 +367,8 @@ class EngineCore:
             # Requests finished in the last step reach the model runner only with the next
             # SchedulerOutput: hand them over with an empty step before the scheduler goes.
             self.step()
-        self.scheduler = Scheduler(sched, cache, num_blocks or self.num_blocks, self.max_model_len, clock=self.clock)
+        self.scheduler = Scheduler(sched, cache, num_blocks or self.num_blocks, self.max_model_len, clock=self.clock,
+                                   kv_connector=self.kv_connector)  # fmt: skip
         self.batch_queue = deque() if sched.async_scheduling else None
 
     def run_until_idle(self, max_steps: int | None = None) -> list[EngineCoreOutputs]:
@@ -371,6 +386,8 @@ class EngineCore:
         self.structured_output.shutdown()
         self.hooks.close()
         self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
 
 def comm_stats(runner_out: ModelRunnerOutput) -> dict[str, Any]:

@@ -29,6 +29,7 @@ class InProcessExecutor(Executor):
         self.eos_token_id = self.worker.arch.eos_token_id
         self.vocab_size = self.worker.arch.vocab_size
         self.compile_time = self.worker.compile_time
+        self.kv_bytes_per_block = self.worker.kv_bytes_per_block
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -50,6 +51,7 @@ class InProcessExecutor(Executor):
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
+        self.worker.shutdown()
 
     @property
     def model_runner(self) -> ModelRunner | None:

@@ -73,6 +73,16 @@ class PrometheusMetrics:
         self.queue = histogram("vllm:request_queue_time_seconds", "Time waiting to be scheduled.", LATENCY_BUCKETS)
         self.prefill = histogram("vllm:request_prefill_time_seconds", "Prefill time.", LATENCY_BUCKETS)
         self.decode = histogram("vllm:request_decode_time_seconds", "Decode time.", LATENCY_BUCKETS)
+        # External KV (engine/kv_transfer/); zero without a connector.
+        self.kv_loaded_blocks = counter("servelab:kv_connector_loaded_blocks", "KV blocks loaded from the store.")
+        self.kv_saved_blocks = counter("servelab:kv_connector_saved_blocks", "KV blocks saved to the store.")
+        self.kv_loaded_bytes = counter("servelab:kv_connector_loaded_bytes", "KV bytes loaded from the store.")
+        self.kv_saved_bytes = counter("servelab:kv_connector_saved_bytes", "KV bytes saved to the store.")
+        self.kv_load_seconds = counter("servelab:kv_connector_load_seconds", "Seconds the worker spent loading KV.")
+        self.kv_save_seconds = counter("servelab:kv_connector_save_seconds", "Seconds the worker spent saving KV.")
+        self.kv_external_hits = counter("servelab:kv_connector_external_hit_tokens",
+                                        "Prompt tokens whose KV came from the store (not recomputed).")  # fmt: skip
+        self.kv_load_failures = counter("servelab:kv_connector_load_failures", "Loads that failed (recomputed).")
         self.model_name = model_name
 
     def _l(self, metric):  # type: ignore[no-untyped-def]
@@ -91,6 +101,15 @@ class PrometheusMetrics:
         self._l(self.spec_accepted_tokens).inc(stats.num_accepted_tokens)
         for pos, n in enumerate(stats.num_accepted_tokens_per_pos):
             self.spec_accepted_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(n)
+        if stats.kv_blocks_loaded or stats.kv_blocks_saved or stats.kv_load_failures:
+            self._l(self.kv_loaded_blocks).inc(stats.kv_blocks_loaded)
+            self._l(self.kv_saved_blocks).inc(stats.kv_blocks_saved)
+            self._l(self.kv_loaded_bytes).inc(stats.kv_bytes_loaded)
+            self._l(self.kv_saved_bytes).inc(stats.kv_bytes_saved)
+            self._l(self.kv_load_seconds).inc(stats.kv_load_time)
+            self._l(self.kv_save_seconds).inc(stats.kv_save_time)
+            self._l(self.kv_external_hits).inc(stats.kv_external_hit_tokens)
+            self._l(self.kv_load_failures).inc(stats.kv_load_failures)
 
     def on_snapshot(self, stats: EngineStats) -> None:
         self._l(self.running).set(stats.num_running)

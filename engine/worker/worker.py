@@ -9,6 +9,9 @@ import torch
 from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
 from engine.dtypes import torch_dtype
+from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from engine.kv_transfer.factory import create_kv_connector
+from engine.kv_transfer.worker_step import execute_with_connector
 from engine.platform import resolve_dtype
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
@@ -40,6 +43,8 @@ class Worker:
         self.kv_dtype = self.dtype if cache_dtype == "auto" else torch_dtype(cache_dtype)
         self.model_runner: ModelRunner | None = None
         self.compile_time = 0.0  # seconds of compile + warm-up at start-up (enforce_eager=False)
+        self.kv_bytes_per_block = 0
+        self.kv_connector: KVConnectorBase | None = None  # the worker half (engine/kv_transfer/)
 
     def load_and_allocate(self) -> int:
         """Load the model, allocate the KV cache; returns the number of KV blocks."""
@@ -57,6 +62,7 @@ class Worker:
         self.max_model_len = arch.max_model_len(self.config.model.max_model_len)
         cache = self.config.cache
         per_block = kv_bytes_per_block(arch.num_layers, cache.block_size, arch.num_kv_heads, arch.head_dim, self.kv_dtype)
+        self.kv_bytes_per_block = per_block
         num_blocks = cache.num_blocks or max(2, int(cache.kv_cache_memory_gb * (1 << 30) // per_block))
         shape = (2, num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim)
         kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(arch.num_layers)]
@@ -73,8 +79,18 @@ class Worker:
             enforce_eager=self.config.model.enforce_eager,
         )
         self.compile_time = self.model_runner.warm_up()
+        self.kv_connector = create_kv_connector(self.config, KVConnectorRole.WORKER, per_block)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(kv_caches)
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None, "load_and_allocate() first"
-        return self.model_runner.execute_model(scheduler_output)
+        connector = self.kv_connector
+        if connector is None:
+            return self.model_runner.execute_model(scheduler_output)
+        return execute_with_connector(connector, self.model_runner, scheduler_output, len(self.model_runner.kv_caches))
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

@@ -112,6 +112,8 @@ class EngineTarget:
             res.server_prefill_s = m.prefill_time
             res.server_decode_s = m.decode_time
         res.spec_draft_tokens, res.spec_accepted_tokens = m.num_draft_tokens, m.num_accepted_tokens
+        if getattr(m, "kv_bytes_loaded", 0) or getattr(m, "kv_bytes_saved", 0):
+            res.kv = m.kv_figures()
         if comp.finish_reason == "error":
             res.error = "engine error"
 

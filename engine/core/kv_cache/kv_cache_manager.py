@@ -85,8 +85,13 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_new_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `delay_cache_blocks`: an allocation for an external load: register no new block in
+        the prefix cache now (`cache_blocks` registers them once their KV is loaded) and count
+        no prefix-cache query (the admission after the load counts it).
 
         `new_computed_blocks` / `num_new_computed_tokens` are a prefix hit from
         `get_computed_blocks` (only on admission, when the request holds no blocks).
@@ -105,7 +110,7 @@ class KVCacheManager:
                 self._cache_full_blocks(request, req_blocks, total_tokens)
             return _NO_BLOCKS
         return self._allocate(request, req_blocks, total_tokens, num_required, new_computed_blocks,
-                              num_new_computed_tokens)  # fmt: skip
+                              num_new_computed_tokens, delay_cache_blocks)  # fmt: skip
 
     def _allocate(
         self,
@@ -115,6 +120,7 @@ class KVCacheManager:
         num_required: int,
         new_computed_blocks: KVCacheBlocks | None,
         num_new_computed_tokens: int,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """`allocate_slots` when new blocks are needed or a prefix hit is taken."""
         computed = new_computed_blocks.blocks if new_computed_blocks else ()
@@ -128,20 +134,28 @@ class KVCacheManager:
         if is_admission:
             req_blocks = self.req_to_blocks[request.request_id] = []
             self._num_cached_blocks[request.request_id] = 0
-            if self.enable_caching:
+            if self.enable_caching and not delay_cache_blocks:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_new_computed_tokens
         assert req_blocks is not None
         if computed:
             self.block_pool.touch(computed)
             req_blocks.extend(computed)
+        cached_tokens = request.num_computed_tokens + num_new_computed_tokens if delay_cache_blocks else total_tokens
         if num_new_blocks == 0:
-            self._cache_full_blocks(request, req_blocks, total_tokens)
+            self._cache_full_blocks(request, req_blocks, cached_tokens)
             return _NO_BLOCKS
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
-        self._cache_full_blocks(request, req_blocks, total_tokens)
+        self._cache_full_blocks(request, req_blocks, cached_tokens)
         return KVCacheBlocks(tuple(new_blocks))
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks full within its first `num_tokens` tokens (after an
+        external load filled them)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is not None:
+            self._cache_full_blocks(request, blocks, num_tokens)
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Offer the request's blocks that `num_tokens` fills (and that have a hash) to the prefix cache."""

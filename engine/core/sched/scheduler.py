@@ -19,6 +19,11 @@ One step (`schedule`):
  3. the plan (`step_plan.StepPlan`) becomes a `SchedulerOutput`, then every
     scheduled request's `num_computed_tokens` advances by its scheduled tokens.
 
+With a KV connector (`kv_connector`, engine/kv_transfer/), admission also asks the
+connector's store for the prompt's blocks past the local hit (`remote_kv.RemoteKVWaits`:
+WAITING_FOR_REMOTE_KVS while they load), and every SchedulerOutput carries the step's
+loads and saves (`build_connector_meta`).
+
 `update_from_output` appends sampled tokens, checks stops (`stop_checker`) and
 frees finished requests. The caller alternates `schedule` and
 `update_from_output` (each non-empty output is answered once, in order), or, with
@@ -39,6 +44,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache.hashing import make_block_hasher
@@ -46,13 +52,18 @@ from engine.core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from engine.core.sched import placeholders
 from engine.core.sched.budget import TokenBudget
 from engine.core.sched.preemption import pick_victim
+from engine.core.sched.remote_kv import RemoteKVWaits
 from engine.core.sched.request_queue import create_request_queue
-from engine.core.sched.stats import SchedulerStats
+from engine.core.sched.stats import KV_CONNECTOR_STATS, SchedulerStats
 from engine.core.sched.step_plan import StepPlan
 from engine.core.sched.stop_checker import check_stop
+from engine.kv_transfer.metadata import KVConnectorOutput
 from engine.outputs import EngineCoreOutput, TokenLogprobs
 from engine.request import Request, RequestStatus, finish_reason, is_finished
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.kv_transfer.base import KVConnectorBase
 
 # RequestStatus -> FinishReason value (finished statuses only).
 _FINISH_REASON_VALUES = {s: int(finish_reason(s)) for s in RequestStatus if is_finished(s)}
@@ -66,9 +77,11 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         clock: Callable[[], float] = time.time,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
         """`clock` stamps first-scheduled / first-token / finished times (the
-        EngineCore passes `executor.clock` so simulated runs get simulated times)."""
+        EngineCore passes `executor.clock` so simulated runs get simulated times).
+        `kv_connector`: the scheduler half of an external KV store, or None."""
         self.config = scheduler_config
         self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
@@ -90,8 +103,13 @@ class Scheduler:
         # blocks until none is left.
         self._inflight: Counter[str] = Counter()
         self._deferred_free: dict[str, Request] = {}
+        # Finished requests whose connector saves are still running: freed on finished_sending.
+        self._saving: set[str] = set()
         self._step = SchedulerStats()
         self._prefix_counters_at_step_start = (0, 0)
+        self.connector = kv_connector
+        self.remote_kv = RemoteKVWaits(kv_connector, self.kv_cache_manager, clock) if kv_connector else None
+        self._parked: list[Request] = []  # the store did not know yet: retried next step
 
     # ---- requests in and out -------------------------------------------------
 
@@ -156,6 +174,16 @@ class Scheduler:
             self.waiting.remove_requests([request])
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        if self.remote_kv is not None:
+            assert self.connector is not None
+            if request in self._parked:
+                self._parked.remove(request)
+            if self.remote_kv.finish(request):
+                return  # its load is in flight: freed when the load reports
+            if self.connector.request_finished(request):
+                self._saving.add(request.request_id)
+                self._deferred_free[request.request_id] = request  # freed by finished_sending
+                return
         if self._inflight[request.request_id] > 0:
             self._deferred_free[request.request_id] = request
         else:
@@ -171,6 +199,10 @@ class Scheduler:
         self._schedule_running(budget, plan)
         if not plan.preempted:
             self._schedule_waiting(budget, plan)
+        if self._parked:
+            for request in reversed(self._parked):
+                self.waiting.prepend(request)
+            self._parked = []
         out = plan.to_output(self.kv_cache_manager, self.finished_req_ids)
         self.finished_req_ids = set()
         kv_read = 0
@@ -184,6 +216,12 @@ class Scheduler:
                 placeholders.add_placeholder_if_sampling(request)
         self._record_step(out)
         self._step.num_kv_tokens_read = kv_read
+        if self.connector is not None:
+            out.kv_connector_metadata = meta = self.connector.build_connector_meta(
+                out, self.requests, self.kv_cache_manager.get_block_ids
+            )
+            self._step.kv_blocks_to_load = sum(len(t) for t in meta.loads)
+            self._step.kv_blocks_to_save = sum(len(t) for t in meta.saves)
         return out
 
     def _grant(self, budget: TokenBudget, wanted: int) -> int:
@@ -246,6 +284,16 @@ class Scheduler:
         while self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            if self.remote_kv is not None:
+                num_external = self.remote_kv.external_hit(request, num_hit)
+                if num_external is None:  # not known yet: the requests behind go ahead
+                    self._parked.append(self.waiting.pop())
+                    continue
+                if num_external > 0:
+                    if not self.remote_kv.start_load(request, hit_blocks, num_hit, num_external):
+                        return  # no blocks for it: the head waits
+                    self.waiting.pop()
+                    continue
             n = self._grant(budget, request.num_tokens - num_hit)
             new_blocks = self.kv_cache_manager.allocate_slots(request, n, hit_blocks, num_hit) if n else None
             if new_blocks is None:
@@ -279,6 +327,8 @@ class Scheduler:
         are their logprobs.
         """
         outputs, self._pending_outputs = self._pending_outputs, []
+        if model_runner_output.kv_connector_output is not None:
+            self._apply_connector_output(model_runner_output.kv_connector_output)
         now = self.clock()
         all_logprobs = model_runner_output.logprobs
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -318,6 +368,31 @@ class Scheduler:
         per_pos.extend([0] * (num_accepted - len(per_pos)))
         for pos in range(num_accepted):
             per_pos[pos] += 1
+    def _apply_connector_output(self, output: KVConnectorOutput) -> None:
+        """Loads that ended rejoin the queue head; saves are credited to their requests."""
+        assert self.remote_kv is not None and self.connector is not None
+        self.connector.update_connector_output(output)
+        for ready in reversed(self.remote_kv.apply_output(output)):
+            self.waiting.prepend(ready)
+        for rid, nbytes in output.bytes_saved.items():
+            saver = self.requests.get(rid)
+            if saver is not None:
+                saver.kv_bytes_saved += nbytes
+                saver.kv_save_time += output.save_time.get(rid, 0.0)
+        for rid in output.finished_sending:
+            self._saving.discard(rid)
+            if rid in self._deferred_free and self._inflight[rid] == 0:
+                self.kv_cache_manager.free(self._deferred_free.pop(rid))
+        s = self._step
+        s.kv_blocks_loaded += output.num_blocks_loaded
+        s.kv_blocks_saved += output.num_blocks_saved
+        s.kv_bytes_loaded += sum(output.bytes_loaded.values())
+        s.kv_bytes_saved += sum(output.bytes_saved.values())
+        s.kv_load_time += output.load_time
+        s.kv_save_time += output.total_save_time
+        s.kv_external_hit_tokens += self.remote_kv.external_hit_tokens
+        s.kv_load_failures += self.remote_kv.load_failures
+        self.remote_kv.begin_step()
 
     def _append_tokens(self, request: Request, token_ids: list[int], now: float) -> list[int]:
         if len(token_ids) == 1:  # the common case, without the loop
@@ -357,7 +432,7 @@ class Scheduler:
                 inflight[rid] = left
                 continue
             del inflight[rid]
-            if deferred and rid in deferred:
+            if deferred and rid in deferred and rid not in self._saving:
                 self.kv_cache_manager.free(deferred.pop(rid))
 
     @staticmethod
@@ -378,6 +453,11 @@ class Scheduler:
             error=request.error,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
+            num_external_cached_tokens=request.num_external_cached_tokens,
+            kv_bytes_loaded=request.kv_bytes_loaded,
+            kv_bytes_saved=request.kv_bytes_saved,
+            kv_load_wait=request.kv_load_wait,
+            kv_save_time=request.kv_save_time,
         )
 
     # ---- state queries -----------------------------------------------------------
@@ -388,7 +468,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        remote = self.remote_kv.num_waiting if self.remote_kv is not None else 0
+        return len(self.waiting) + len(self._parked) + remote
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -442,6 +523,7 @@ class Scheduler:
             num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens,
             num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos),
+            **{name: getattr(s, name) for name in KV_CONNECTOR_STATS},
         )
 
     def assert_idle(self) -> None:
@@ -450,4 +532,6 @@ class Scheduler:
         assert not self.running and not self.waiting, (self.running, list(self.waiting))
         assert not self._deferred_free, f"blocks awaiting a step: {sorted(self._deferred_free)}"
         assert not self._pending_outputs, "outputs not yet delivered by update_from_output"
+        if self.remote_kv is not None:
+            self.remote_kv.assert_idle()
         self.kv_cache_manager.assert_idle()

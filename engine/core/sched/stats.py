@@ -30,6 +30,17 @@ class SchedulerStats:
     num_accepted_tokens: int = 0  # of which accepted (acceptance rate = accepted / drafts)
     # Accepted drafts by position in the draft (index 0: first draft token), this step.
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # KV connector (engine/kv_transfer/), this step: blocks planned, then moved by the worker.
+    kv_blocks_to_load: int = 0
+    kv_blocks_to_save: int = 0
+    kv_blocks_loaded: int = 0
+    kv_blocks_saved: int = 0
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
+    kv_load_time: float = 0.0  # seconds the worker spent loading
+    kv_save_time: float = 0.0  # seconds the worker spent saving
+    kv_external_hit_tokens: int = 0  # prompt tokens whose KV a load brought (not recomputed)
+    kv_load_failures: int = 0  # requests whose load failed (they recompute)
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _FIELDS}
@@ -40,3 +51,5 @@ class SchedulerStats:
 
 
 _FIELDS = tuple(f.name for f in fields(SchedulerStats))
+KV_CONNECTOR_STATS = tuple(name for name in _FIELDS if name.startswith("kv_") and name != "kv_blocks_used"
+                           and name != "kv_blocks_total")  # fmt: skip

@@ -1,0 +1,126 @@
+"""The scheduler's side of external KV: requests whose prefix loads from a connector's store.
+
+A waiting request at the queue head first takes its local prefix hit; the connector then says
+how many more tokens its store holds (`get_num_new_matched_tokens`). With none, admission goes
+on as usual. With some, the scheduler allocates blocks for local + external tokens (the external
+blocks' hashes are registered only once their KV is loaded), the request leaves the queue for
+WAITING_FOR_REMOTE_KVS holding those blocks, and the connector records the load.
+
+When the worker reports the load, the request gives its blocks back and returns to the queue
+head: a successful load has registered the loaded blocks in the prefix cache first, so the
+admission that follows (next step) takes them as an ordinary local hit; a failed load
+registered nothing, and the request is admitted with its local hit only and never asks the
+store again (the normal steps recompute the rest: never wrong tokens). Giving the blocks back
+matters: a waiting request that held blocks could leave the preempted requests ahead of it
+without room, with nothing running to free any. An answer of "not known yet" parks the request
+for this step so the requests behind it go ahead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from engine.kv_transfer.base import KVConnectorBase
+    from engine.kv_transfer.metadata import KVConnectorOutput
+
+
+class RemoteKVWaits:
+    def __init__(self, connector: KVConnectorBase, kv_cache_manager: KVCacheManager, clock: Callable[[], float]) -> None:
+        self.connector = connector
+        self.kv = kv_cache_manager
+        self.clock = clock
+        self.waiting_for_remote: dict[str, Request] = {}
+        self._local_hit: dict[str, int] = {}  # tokens hit locally when the load started
+        self._num_external: dict[str, int] = {}  # tokens the load brings
+        self._load_started: dict[str, float] = {}
+        # Requests whose load failed: admitted without asking the store again.
+        self._no_lookup: set[str] = set()
+        # Finished while their load was in flight: freed when it reports.
+        self._free_after_load: dict[str, Request] = {}
+        # Step counters, and the same since start (the engine's own counters).
+        self.external_hit_tokens = 0
+        self.load_failures = 0
+        self.total_external_hit_tokens = 0
+        self.total_load_failures = 0
+
+    def begin_step(self) -> None:
+        self.external_hit_tokens = 0
+        self.load_failures = 0
+
+    def external_hit(self, request: Request, num_local_hit: int) -> int | None:
+        """Tokens the store holds past the local hit (None: not known yet)."""
+        if request.request_id in self._no_lookup:
+            return 0
+        num, _ = self.connector.get_num_new_matched_tokens(request, num_local_hit)
+        return num
+
+    def start_load(self, request: Request, hit_blocks: KVCacheBlocks, num_local_hit: int, num_external: int) -> bool:
+        """Allocate blocks for the hit and move `request` to WAITING_FOR_REMOTE_KVS.
+
+        False (nothing changed) when the blocks are not free; the caller keeps it queued."""
+        blocks = self.kv.allocate_slots(request, num_external, hit_blocks, num_local_hit, delay_cache_blocks=True)
+        if blocks is None:
+            return False
+        rid = request.request_id
+        request.num_computed_tokens = num_local_hit
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote[rid] = request
+        self._local_hit[rid] = num_local_hit
+        self._load_started[rid] = self.clock()
+        self.connector.update_state_after_alloc(request, self.kv.get_block_ids(rid), num_local_hit, num_external)
+        self._num_external[rid] = num_external
+        return True
+
+    def apply_output(self, output: KVConnectorOutput) -> list[Request]:
+        """Apply the worker's report; returns requests to put back at the queue head."""
+        back: list[Request] = []
+        for rid in output.finished_recving:
+            request = self.waiting_for_remote.pop(rid, None)
+            num_local = self._local_hit.pop(rid, 0)
+            started = self._load_started.pop(rid, 0.0)
+            num_external = self._num_external.pop(rid, 0)
+            if request is None:
+                done = self._free_after_load.pop(rid, None)
+                if done is not None:
+                    self.kv.free(done)
+                continue
+            request.kv_load_wait += self.clock() - started
+            request.kv_bytes_loaded += output.bytes_loaded.get(rid, 0)
+            if rid in output.failed_recving:
+                self.load_failures += 1
+                self.total_load_failures += 1
+                self._no_lookup.add(rid)
+                request.num_computed_tokens = num_local
+            else:
+                request.num_computed_tokens = num_local + num_external
+                request.num_external_cached_tokens += num_external
+                self.external_hit_tokens += num_external
+                self.total_external_hit_tokens += num_external
+                self.kv.cache_blocks(request, request.num_computed_tokens)
+            self.kv.free(request)  # the loaded blocks stay cached: the admission hits them
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            back.append(request)
+        return back
+
+    def finish(self, request: Request) -> bool:
+        """`request` finished; True when it was waiting for a load (blocks freed later)."""
+        rid = request.request_id
+        self._no_lookup.discard(rid)
+        if self.waiting_for_remote.pop(rid, None) is None:
+            return False
+        self._free_after_load[rid] = request
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting_for_remote)
+
+    def assert_idle(self) -> None:
+        assert not self.waiting_for_remote, f"requests waiting for KV: {sorted(self.waiting_for_remote)}"
+        assert not self._free_after_load, f"blocks awaiting a load: {sorted(self._free_after_load)}"

@@ -1,0 +1,95 @@
+"""CPUOffloadConnector: a host-memory tier under the device KV cache.
+
+Every full block a request computes is copied once into a fixed pool of host slots
+(write-through, after the step's forward), so a block the device cache later evicts is still in
+host memory; a prefix hit on it is loaded back into device blocks instead of recomputed. The
+pool holds `cpu_bytes` (extra config; default 256 MiB) worth of blocks and drops the least
+recently used block when full.
+
+The scheduler half owns the index (block hash -> slot, in LRU order) and decides every slot;
+the worker half owns the host tensor and only copies what the metadata says. Within a step the
+worker loads before it saves, so a slot read by a load and reassigned by a save of the same step
+is read first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.kv_transfer.base import BlockStoreConnector, KVConnectorRole
+from engine.kv_transfer.metadata import BlockTransfer
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+DEFAULT_CPU_BYTES = 256 << 20
+
+
+class CPUOffloadConnector(BlockStoreConnector):
+    def __init__(self, config: EngineConfig, role: KVConnectorRole, bytes_per_block: int) -> None:
+        super().__init__(config, role)
+        extra = self.transfer_config.kv_connector_extra_config
+        unknown = set(extra) - {"cpu_bytes", "num_cpu_blocks"}
+        if unknown:
+            raise ValueError(f"CPUOffloadConnector: unknown kv_connector_extra_config key(s) {sorted(unknown)} "
+                             "(known: cpu_bytes, num_cpu_blocks)")  # fmt: skip
+        if "num_cpu_blocks" in extra:
+            self.num_slots = int(extra["num_cpu_blocks"])
+        else:
+            self.num_slots = int(extra.get("cpu_bytes", DEFAULT_CPU_BYTES)) // max(bytes_per_block, 1)
+        if self.num_slots < 1:
+            raise ValueError("CPUOffloadConnector: cpu_bytes holds no block; raise it")
+        # Scheduler side: hash -> slot, least recently used first.
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.host: torch.Tensor | None = None  # worker side: [slots, L, 2, bs, h, d]
+
+    # ---- scheduler half ----------------------------------------------------------------
+    def lookup(self, block_hashes: list[bytes]) -> int | None:
+        n = 0
+        for h in block_hashes:
+            if h not in self._index:
+                break
+            n += 1
+        return n
+
+    def assign_load_slots(self, block_hashes: list[bytes]) -> list[int]:
+        slots = []
+        for h in block_hashes:
+            self._index.move_to_end(h)
+            slots.append(self._index[h])
+        return slots
+
+    def select_saves(self, transfer: BlockTransfer) -> BlockTransfer | None:
+        keep = BlockTransfer(transfer.req_id, [], [], [])
+        for block_id, h in zip(transfer.block_ids, transfer.block_hashes, strict=True):
+            if h in self._index:
+                self._index.move_to_end(h)
+                continue
+            if self._free_slots:
+                slot = self._free_slots.pop()
+            else:
+                _, slot = self._index.popitem(last=False)  # least recently used
+            self._index[h] = slot
+            keep.block_ids.append(block_id)
+            keep.block_hashes.append(h)
+            keep.slots.append(slot)
+        return keep if len(keep) else None
+
+    # ---- worker half -------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        kv = kv_caches[0]
+        pin = kv.device.type == "cuda"
+        self.host = torch.zeros((self.num_slots, *self.block_shape()), dtype=kv.dtype, pin_memory=pin)
+
+    def put_blocks(self, transfer: BlockTransfer, data: torch.Tensor) -> None:
+        assert self.host is not None
+        self.host[torch.tensor(transfer.slots, dtype=torch.long)] = data.to("cpu")
+
+    def get_blocks(self, transfer: BlockTransfer) -> torch.Tensor:
+        assert self.host is not None
+        return self.host[torch.tensor(transfer.slots, dtype=torch.long)]
