@@ -144,6 +144,12 @@ class TargetSection:
     startup_timeout_s: float = 180.0
     request_timeout_s: float = 600.0
     metrics_interval_s: float = 0.5  # /metrics scraping for HTTP targets
+    # HTTP targets ask for the servelab timing extension (per-token engine times; a header,
+    # ignored by other servers). false: chunk timing only.
+    server_timing: bool = True
+    # target=server: keys of servelab-serve's `server:` section for the started server
+    # (e.g. stream_chunk_tokens: 4); host and port are the target's.
+    server: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -154,16 +154,17 @@ def _make_target(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path):
         return target, llm.tokenizer, llm.max_model_len
     tokenizer = get_tokenizer(engine_config.model)
     if kind == "server":
-        target = ServerTarget(write_serve_config(engine_config, run_dir), cfg.target.startup_timeout_s,
-                              str(run_dir / "server.log"),
-                              endpoint=cfg.target.endpoint, timeout_s=cfg.target.request_timeout_s)
+        target = ServerTarget(write_serve_config(engine_config, run_dir, cfg.target.server),
+                              cfg.target.startup_timeout_s, str(run_dir / "server.log"),
+                              endpoint=cfg.target.endpoint, timeout_s=cfg.target.request_timeout_s,
+                              server_timing=cfg.target.server_timing)
         return target, tokenizer, _max_model_len(engine_config)
     if kind == "openai":
         if not cfg.target.url:
             raise ValueError("target.url is required for target=openai")
         target = OpenAITarget(cfg.target.url, cfg.target.model_name or "", cfg.target.api_key,
                               cfg.target.endpoint, extra_body={"temperature": 0.0},
-                              timeout_s=cfg.target.request_timeout_s)
+                              timeout_s=cfg.target.request_timeout_s, server_timing=cfg.target.server_timing)
         return target, tokenizer, _max_model_len(engine_config)
     raise ValueError(f"target.kind: unknown {kind!r} (inprocess|offline|server|openai|simulated)")
 
@@ -175,12 +176,15 @@ def _max_model_len(engine_config: EngineConfig) -> int:
     return arch.max_model_len(engine_config.model.max_model_len)
 
 
-def write_serve_config(engine_config: EngineConfig, run_dir: Path) -> Path:
+def write_serve_config(engine_config: EngineConfig, run_dir: Path, server: dict[str, Any] | None = None) -> Path:
     """This run's engine config as the one file the server target hands `engine.entrypoints.serve`
-    (`--config`); the server section keeps its defaults (the target picks the port)."""
+    (`--config`); `server` (target.server) fills the server section, the target picks the port."""
     path = run_dir / "serve_config.yaml"
+    data = asdict(engine_config)
+    if server:
+        data["server"] = {k: v for k, v in dict(server).items() if k not in ("host", "port")}
     path.write_text("# written by servelab-run for its server target (engine.entrypoints.serve --config)\n"
-                    + yaml.safe_dump(asdict(engine_config), sort_keys=False))  # fmt: skip
+                    + yaml.safe_dump(data, sort_keys=False))  # fmt: skip
     return path
 
 

@@ -28,6 +28,13 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class ServelabOptions(_Strict):
+    """servelab's own extension (engine/entrypoints/timing.py): `timing` asks for the engine's
+    per-request timestamps on the last chunk / the response."""
+
+    timing: bool = False
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -52,6 +59,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    servelab: ServelabOptions | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:

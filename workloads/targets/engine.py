@@ -107,6 +107,10 @@ class EngineTarget:
         res.finish_reason = comp.finish_reason or ""
         res.output_token_ids = list(comp.token_ids)
         res.output_text = comp.text
+        if m.token_times:
+            res.engine_token_offsets = [t - m.token_times[0] for t in m.token_times]
+            res.server_ttft_s = m.token_times[0] - m.arrival_time
+            res.server_e2el_s = m.token_times[-1] - m.arrival_time
         if m.first_scheduled_time:
             res.server_queued_s = m.queued_time
             res.server_prefill_s = m.prefill_time
@@ -137,12 +141,12 @@ class ServerTarget(OpenAITarget):
 
     def __init__(
         self, config_path: str | os.PathLike[str], startup_timeout_s: float = 180.0, log_path: str | None = None,
-        endpoint: str = "completions", timeout_s: float | None = None,
+        endpoint: str = "completions", timeout_s: float | None = None, server_timing: bool = True,
     ) -> None:
         self.port = free_port()
         # model "": OpenAITarget.start asks the server's /v1/models for its served name
         super().__init__(f"http://127.0.0.1:{self.port}", model="", endpoint=endpoint,
-                         extra_body={"temperature": 0.0}, timeout_s=timeout_s)
+                         extra_body={"temperature": 0.0}, timeout_s=timeout_s, server_timing=server_timing)
         self.config_path = os.fspath(config_path)
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path
