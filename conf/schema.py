@@ -214,6 +214,9 @@ class RunConfig(EngineSections):
     slo: SLOSection = field(default_factory=SLOSection)
     sim: SimSection = field(default_factory=SimSection)
     run: RunSection = field(default_factory=RunSection)
+    # A recorded run folder: resend its exact traffic (workloads/replay.py); its workload
+    # section replaces this one, everything else comes from this config.
+    replay: str | None = None
 
 
 @dataclass

@@ -88,6 +88,12 @@ def run_experiment(cfg: RunConfig, run_dir: str | Path) -> Outcome:
     """Run the experiment `cfg` describes into `run_dir`; never raises for a failed run."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.replay:
+        try:
+            cfg = with_recorded_workload(cfg)
+        except (ValueError, OSError) as exc:
+            runfolder.write_error(run_dir, str(exc))
+            return Outcome(run_dir, error=str(exc))
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     outcome = Outcome(run_dir)
     try:
@@ -106,6 +112,28 @@ def run_experiment(cfg: RunConfig, run_dir: str | Path) -> Outcome:
     if cfg.report.html:
         outcome.report = _report(run_dir)
     return outcome
+
+
+def with_recorded_workload(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the workload section of the run folder `cfg.replay` (workloads/replay.py)."""
+    from dataclasses import replace
+
+    from conf.schema import WorkloadSection
+    from workloads.replay import recorded_workload
+
+    return replace(cfg, workload=recorded_workload(cfg.replay, WorkloadSection))  # type: ignore[arg-type]
+
+
+def plan_workload(cfg: RunConfig, tokenizer: Any, max_len: int, run_dir: Path) -> tuple[list, dict]:
+    """The run's requests (replayed when `cfg.replay`), recorded in <run_dir>/workload.jsonl."""
+    from workloads.replay import replayed, write_workload
+
+    specs, extra = build_workload(cfg.workload, tokenizer, max_len)
+    if cfg.replay:
+        specs = replayed(specs, cfg.replay)
+        extra = {**(extra or {}), "replay_of": str(cfg.replay)}
+    write_workload(run_dir, specs)
+    return specs, extra
 
 
 def _report(run_dir: Path) -> Path | None:
@@ -127,7 +155,7 @@ def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         return _run_offline(cfg, engine_config, run_dir)
     target, tokenizer, max_len = _make_target(cfg, engine_config, run_dir)
     try:
-        specs, extra = build_workload(cfg.workload, tokenizer, max_len)
+        specs, extra = plan_workload(cfg, tokenizer, max_len, run_dir)
         if extra:
             (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
         result, reference = _timed(cfg, lambda: _drive(cfg, target, specs, run_dir))
@@ -280,7 +308,7 @@ def _run_simulated(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -
                                             step_model=s.step_model, dtype=s.dtype, token_id=int(s.token_id),
                                             gpu_memory_utilization=s.gpu_memory_utilization)
     tokenizer = get_tokenizer(engine_config.model)
-    specs, extra = build_workload(cfg.workload, tokenizer, executor_max_len(executor, engine_config))
+    specs, extra = plan_workload(cfg, tokenizer, executor_max_len(executor, engine_config), run_dir)
     if extra:
         (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
     concurrency = closed_loop_concurrency(cfg)
@@ -317,7 +345,7 @@ def _run_offline(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> 
     if factory is not None:
         llm.engine_core.set_hooks(factory())
     try:
-        specs, _ = build_workload(cfg.workload, llm.tokenizer, llm.engine_core.max_model_len)
+        specs, _ = plan_workload(cfg, llm.tokenizer, llm.engine_core.max_model_len, run_dir)
         prompts = [s.prompt_token_ids if s.prompt_token_ids is not None else s.prompt for s in specs]
         params = [sampling_params_for(s) for s in specs]
 
