@@ -134,7 +134,8 @@ class WorkloadSection:
 
 @dataclass
 class TargetSection:
-    """inprocess | server (servelab-serve started by the harness) | openai (any URL) | simulated."""
+    """inprocess | server (servelab-serve started by the harness) | openai (any URL) | vllm (vLLM's
+    server started by the harness from a side venv) | simulated."""
 
     kind: str = "inprocess"
     url: str | None = None
@@ -150,6 +151,13 @@ class TargetSection:
     # target=server: keys of servelab-serve's `server:` section for the started server
     # (e.g. stream_chunk_tokens: 4); host and port are the target's.
     server: dict[str, Any] = field(default_factory=dict)
+    # target=vllm (workloads/targets/peer.py): the side venv holding vLLM and the model as an HF
+    # folder (null: ~/.cache/servelab-peers/vllm and .../smollm2-hf, what scripts/peers.sh makes),
+    # extra server arguments and environment.
+    venv: str | None = None
+    hf_model: str | None = None
+    peer_args: list[str] = field(default_factory=list)
+    peer_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -194,7 +194,20 @@ def _make_target(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path):
                               cfg.target.endpoint, extra_body={"temperature": 0.0},
                               timeout_s=cfg.target.request_timeout_s, server_timing=cfg.target.server_timing)
         return target, tokenizer, _max_model_len(engine_config)
-    raise ValueError(f"target.kind: unknown {kind!r} (inprocess|offline|server|openai|simulated)")
+    if kind == "vllm":
+        from engine.platform import resolve_engine_dtype
+        from workloads.targets.peer import VLLMTarget
+
+        t, sched = cfg.target, engine_config.scheduler
+        target = VLLMTarget(t.venv, t.hf_model, max_num_seqs=sched.max_num_seqs,
+                            max_num_batched_tokens=sched.max_num_batched_tokens,
+                            max_model_len=_max_model_len(engine_config),
+                            dtype=resolve_engine_dtype(cfg.model.dtype, cfg.device.device, cfg.model.model),
+                            extra_args=list(t.peer_args), extra_env=dict(t.peer_env),
+                            startup_timeout_s=t.startup_timeout_s, log_path=str(run_dir / "server.log"),
+                            endpoint=t.endpoint, timeout_s=t.request_timeout_s)
+        return target, tokenizer, _max_model_len(engine_config)
+    raise ValueError(f"target.kind: unknown {kind!r} (inprocess|offline|server|openai|vllm|simulated)")
 
 
 def _max_model_len(engine_config: EngineConfig) -> int:
@@ -235,7 +248,7 @@ def _drive(cfg: RunConfig, target: Any, specs: list, run_dir: Path) -> RunResult
     from profiling.telemetry import TelemetrySampler
 
     concurrency = closed_loop_concurrency(cfg)
-    scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai") else None
+    scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai", "vllm") else None
     journal = runfolder.RequestJournal(run_dir)
     driver = Driver(target, closed_loop=concurrency is not None, concurrency=concurrency,
                     max_duration_s=cfg.run.max_duration_s, progress=True, scrape_interval_s=scrape,

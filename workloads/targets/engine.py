@@ -157,23 +157,30 @@ class ServerTarget(OpenAITarget):
             await self._launch()
         await super().start()
 
+    label = "servelab-serve"  # names the server in start-up errors
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "engine.entrypoints.serve", "--config", self.config_path,
+                "--port", str(self.port)]
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
     async def _launch(self) -> None:
-        cmd = [sys.executable, "-m", "engine.entrypoints.serve", "--config", self.config_path,
-               "--port", str(self.port)]
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment())
         deadline = time.monotonic() + self.startup_timeout_s
         async with aiohttp.ClientSession() as session:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"servelab-serve exited with code {self.proc.returncode} during start-up"
+                    raise RuntimeError(f"{self.label} exited with code {self.proc.returncode} during start-up"
                                        + (f" (log: {self.log_path})" if self.log_path else ""))
                 with contextlib.suppress(aiohttp.ClientError, OSError):
                     async with session.get(f"{self.base_url}/health") as resp:
                         if resp.status == 200:
                             return
                 await asyncio.sleep(0.5)
-        raise RuntimeError(f"servelab-serve not ready after {self.startup_timeout_s:.0f} s")
+        raise RuntimeError(f"{self.label} not ready after {self.startup_timeout_s:.0f} s")
 
     def shutdown(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
