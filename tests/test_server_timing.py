@@ -95,25 +95,37 @@ def test_server_with_4_token_chunks_matches_engine_itl(tmp_path: Path) -> None:
     config = write_serve_config(cfg.engine_config(shape_dir=tmp_path / "shapes"), tmp_path,
                                 {"stream_chunk_tokens": 4})
     target = ServerTarget(config, log_path=str(tmp_path / "server.log"))
-    specs = [RequestSpec(f"r{i}", 0.0, None, list(range(10 + i, 26 + i)), 16, 33) for i in range(6)]
+    specs = [RequestSpec(f"r{i}", 0.0, None, list(range(10 + i, 26 + i)), 16, 25) for i in range(4)]
 
-    async def go() -> tuple[list, str]:
+    async def go() -> tuple[list, str, list[dict]]:
         await target.start()
         try:
             result = await Driver(target, closed_loop=True, concurrency=2).run(specs)
-            async with aiohttp.ClientSession() as session, session.get(f"{target.base_url}/metrics") as resp:
-                return result.records, await resp.text()
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{target.base_url}/metrics") as resp:
+                    prom = await resp.text()
+                plain = []  # non-streaming, with and without asking for the extension
+                for headers in ({"X-Servelab-Timing": "1"}, {}):
+                    body = {"prompt": [5, 6, 7], "max_tokens": 5, "ignore_eos": True, "temperature": 0.0}
+                    async with session.post(f"{target.base_url}/v1/completions", json=body, headers=headers) as resp:
+                        plain.append(await resp.json())
+            return result.records, prom, plain
         finally:
             await target.stop()
 
     try:
-        records, prom = asyncio.run(go())
+        records, prom, plain = asyncio.run(go())
     finally:
         target.shutdown()
-    assert all(r.ok and r.output_tokens == 33 for r in records), [r.error for r in records]
+    asked, not_asked = plain
+    timing = asked["servelab"]["timing"][0]
+    assert len(timing["token_times"]) == asked["usage"]["completion_tokens"] == 5
+    assert timing["arrival"] <= timing["scheduled"] <= timing["first_token"] <= timing["finished"]
+    assert "servelab" not in not_asked
+    assert all(r.ok and r.output_tokens == 25 for r in records), [r.error for r in records]
     assert all(r.timing_source == "engine" for r in records)
     chunks = [len(r.chunk_itls_s or []) + 1 for r in records]
-    assert max(chunks) <= 1 + 8 + 1  # first token alone, then 4 per chunk (the last may be short)
+    assert max(chunks) <= 1 + 6 + 1  # first token alone, then 4 per chunk (the last may be short)
     summary = summarize(records)
     engine_itl_ms = _prom_mean(prom, "vllm:inter_token_latency_seconds") * 1000.0
     assert summary["mean_itl_ms"] == pytest.approx(engine_itl_ms, rel=0.05)
