@@ -143,8 +143,9 @@ class WorkloadSection:
 
 @dataclass
 class TargetSection:
-    """inprocess | server (servelab-serve started by the harness) | openai (any URL) | simulated |
-    pd (prefill/decode disaggregation: Mooncake master, servers and servelab-router, all local)."""
+    """inprocess | server (servelab-serve started by the harness) | openai (any URL) | vllm (vLLM's
+    server started by the harness from a side venv) | simulated | pd (prefill/decode disaggregation:
+    Mooncake master, servers and servelab-router, all local)."""
 
     kind: str = "inprocess"
     url: str | None = None
@@ -157,6 +158,19 @@ class TargetSection:
     num_prefill: int = 1  # pd: prefill (kv_producer) instances
     num_decode: int = 1  # pd: decode (kv_consumer) instances
     router_policy: str = "round_robin"  # pd: round_robin | least_loaded
+    # HTTP targets ask for the servelab timing extension (per-token engine times; a header,
+    # ignored by other servers). false: chunk timing only.
+    server_timing: bool = True
+    # target=server: keys of servelab-serve's `server:` section for the started server
+    # (e.g. stream_chunk_tokens: 4); host and port are the target's.
+    server: dict[str, Any] = field(default_factory=dict)
+    # target=vllm (workloads/targets/peer.py): the side venv holding vLLM and the model as an HF
+    # folder (null: ~/.cache/servelab-peers/vllm and .../smollm2-hf, what scripts/peers.sh makes),
+    # extra server arguments and environment.
+    venv: str | None = None
+    hf_model: str | None = None
+    peer_args: list[str] = field(default_factory=list)
+    peer_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -224,6 +238,9 @@ class RunConfig(EngineSections):
     slo: SLOSection = field(default_factory=SLOSection)
     sim: SimSection = field(default_factory=SimSection)
     run: RunSection = field(default_factory=RunSection)
+    # A recorded run folder: resend its exact traffic (workloads/replay.py); its workload
+    # section replaces this one, everything else comes from this config.
+    replay: str | None = None
 
     def sim_parallel(self) -> tuple[int, bool]:
         """(tensor-parallel size, expert parallel) the simulator models: `sim.tp` / `sim.ep`, or the

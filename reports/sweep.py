@@ -130,6 +130,40 @@ def best(df: pd.DataFrame, swept: list[str], cfg: dict[str, Any]) -> Section:
     return s
 
 
+def failed_jobs(df: pd.DataFrame, swept: list[str], cfg: dict[str, Any]) -> Section:
+    s = Section("failed-jobs", "Failed jobs")
+    if "error" not in df or not df["error"].fillna("").astype(str).str.len().any():
+        s.missing = "Every job finished without an error."
+        return s
+    bad = df[df["error"].fillna("").astype(str).str.len() > 0]
+    s.alert = f"{len(bad)} of {len(df)} jobs failed or stopped early."
+    s.tables.append(html_table(bad[[c for c in ("job", *swept, "error", "run_dir") if c in bad]]))
+    return s
+
+
+def targets(df: pd.DataFrame, swept: list[str], cfg: dict[str, Any]) -> Section:
+    """servelab and peer engines (target=server,vllm) on the same workload, side by side."""
+    s = Section("targets", "Engines side by side")
+    # the summary's `target` (the kind that ran) is bookkeeping, not a swept column
+    col = next((c for c in ("target", "target.kind") if c in df and df[c].astype(str).nunique() > 1), None)
+    if col is None:
+        s.missing = "target was not swept (e.g. -m target=server,vllm)."
+        return s
+    metrics = [m for m in ("output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms",
+                           "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "completed", "failed") if m in df]
+    table = df.groupby(col)[metrics].median()
+    s.intro = "Same workload on each target; the median over the other swept values."
+    s.tables.append(html_table(table, index=True))
+    plot = [m for m in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms") if m in table]
+    if plot:
+        fig, axes = new_figure(4 * len(plot), 3, ncols=len(plot))
+        for ax, m in zip(axes, plot, strict=True):
+            ax.bar(table.index.astype(str), table[m])
+            ax.set_ylabel(m)
+        s.figures.append(render(fig, "Targets", "Each metric per target (servelab and its peers)."))
+    return s
+
+
 def report_options(df: pd.DataFrame) -> dict[str, Any]:
     """The `report:` section of the first job's config.yaml, else the packaged defaults."""
     if "run_dir" in df and len(df):
@@ -157,7 +191,9 @@ def build_sweep_report(sweep_dir: str | Path, config: dict[str, Any] | None = No
     sections = [jobs] + [guarded(f, sid, t)(df, swept, cfg) for f, sid, t in (
         (curves, "throughput-latency", "Throughput vs latency"),
         (backends, "attention-backends", "Attention backends side by side"),
-        (best, "best-config", "Best configuration under the SLOs"))]  # fmt: skip
+        (best, "best-config", "Best configuration under the SLOs"),
+        (targets, "targets", "Engines side by side"),
+        (failed_jobs, "failed-jobs", "Failed jobs"))]  # fmt: skip
     return render_page(
         f"servelab sweep report: {root.name}", str(root.resolve()), sections, root / "report.html"
     )

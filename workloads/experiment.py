@@ -98,6 +98,12 @@ def run_experiment(cfg: RunConfig, run_dir: str | Path) -> Outcome:
     """Run the experiment `cfg` describes into `run_dir`; never raises for a failed run."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.replay:
+        try:
+            cfg = with_recorded_workload(cfg)
+        except (ValueError, OSError) as exc:
+            runfolder.write_error(run_dir, str(exc))
+            return Outcome(run_dir, error=str(exc))
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     outcome = Outcome(run_dir)
     try:
@@ -116,6 +122,28 @@ def run_experiment(cfg: RunConfig, run_dir: str | Path) -> Outcome:
     if cfg.report.html:
         outcome.report = _report(run_dir)
     return outcome
+
+
+def with_recorded_workload(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the workload section of the run folder `cfg.replay` (workloads/replay.py)."""
+    from dataclasses import replace
+
+    from conf.schema import WorkloadSection
+    from workloads.replay import recorded_workload
+
+    return replace(cfg, workload=recorded_workload(cfg.replay, WorkloadSection))  # type: ignore[arg-type]
+
+
+def plan_workload(cfg: RunConfig, tokenizer: Any, max_len: int, run_dir: Path) -> tuple[list, dict]:
+    """The run's requests (replayed when `cfg.replay`), recorded in <run_dir>/workload.jsonl."""
+    from workloads.replay import replayed, write_workload
+
+    specs, extra = build_workload(cfg.workload, tokenizer, max_len)
+    if cfg.replay:
+        specs = replayed(specs, cfg.replay)
+        extra = {**(extra or {}), "replay_of": str(cfg.replay)}
+    write_workload(run_dir, specs)
+    return specs, extra
 
 
 def _report(run_dir: Path) -> Path | None:
@@ -137,7 +165,7 @@ def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         return _run_offline(cfg, engine_config, run_dir)
     target, tokenizer, max_len = _make_target(cfg, engine_config, run_dir)
     try:
-        specs, extra = build_workload(cfg.workload, tokenizer, max_len)
+        specs, extra = plan_workload(cfg, tokenizer, max_len, run_dir)
         if extra:
             (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
         result, reference = _timed(cfg, lambda: _drive(cfg, target, specs, run_dir))
@@ -164,9 +192,10 @@ def _make_target(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path):
         return target, llm.tokenizer, llm.max_model_len
     tokenizer = get_tokenizer(engine_config.model)
     if kind == "server":
-        target = ServerTarget(write_serve_config(engine_config, run_dir), cfg.target.startup_timeout_s,
-                              str(run_dir / "server.log"),
-                              endpoint=cfg.target.endpoint, timeout_s=cfg.target.request_timeout_s)
+        target = ServerTarget(write_serve_config(engine_config, run_dir, cfg.target.server),
+                              cfg.target.startup_timeout_s, str(run_dir / "server.log"),
+                              endpoint=cfg.target.endpoint, timeout_s=cfg.target.request_timeout_s,
+                              server_timing=cfg.target.server_timing)
         return target, tokenizer, _max_model_len(engine_config)
     if kind == "pd":
         from workloads.targets.pd import PDTarget
@@ -180,9 +209,22 @@ def _make_target(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path):
             raise ValueError("target.url is required for target=openai")
         target = OpenAITarget(cfg.target.url, cfg.target.model_name or "", cfg.target.api_key,
                               cfg.target.endpoint, extra_body={"temperature": 0.0},
-                              timeout_s=cfg.target.request_timeout_s)
+                              timeout_s=cfg.target.request_timeout_s, server_timing=cfg.target.server_timing)
         return target, tokenizer, _max_model_len(engine_config)
-    raise ValueError(f"target.kind: unknown {kind!r} (inprocess|offline|server|openai|simulated|pd)")
+    if kind == "vllm":
+        from engine.platform import resolve_engine_dtype
+        from workloads.targets.peer import VLLMTarget
+
+        t, sched = cfg.target, engine_config.scheduler
+        target = VLLMTarget(t.venv, t.hf_model, max_num_seqs=sched.max_num_seqs,
+                            max_num_batched_tokens=sched.max_num_batched_tokens,
+                            max_model_len=_max_model_len(engine_config),
+                            dtype=resolve_engine_dtype(cfg.model.dtype, cfg.device.device, cfg.model.model),
+                            extra_args=list(t.peer_args), extra_env=dict(t.peer_env),
+                            startup_timeout_s=t.startup_timeout_s, log_path=str(run_dir / "server.log"),
+                            endpoint=t.endpoint, timeout_s=t.request_timeout_s)
+        return target, tokenizer, _max_model_len(engine_config)
+    raise ValueError(f"target.kind: unknown {kind!r} (inprocess|offline|server|openai|vllm|simulated|pd)")
 
 
 def _max_model_len(engine_config: EngineConfig) -> int:
@@ -192,12 +234,15 @@ def _max_model_len(engine_config: EngineConfig) -> int:
     return arch.max_model_len(engine_config.model.max_model_len)
 
 
-def write_serve_config(engine_config: EngineConfig, run_dir: Path) -> Path:
+def write_serve_config(engine_config: EngineConfig, run_dir: Path, server: dict[str, Any] | None = None) -> Path:
     """This run's engine config as the one file the server target hands `engine.entrypoints.serve`
-    (`--config`); the server section keeps its defaults (the target picks the port)."""
+    (`--config`); `server` (target.server) fills the server section, the target picks the port."""
     path = run_dir / "serve_config.yaml"
+    data = asdict(engine_config)
+    if server:
+        data["server"] = {k: v for k, v in dict(server).items() if k not in ("host", "port")}
     path.write_text("# written by servelab-run for its server target (engine.entrypoints.serve --config)\n"
-                    + yaml.safe_dump(asdict(engine_config), sort_keys=False))  # fmt: skip
+                    + yaml.safe_dump(data, sort_keys=False))  # fmt: skip
     return path
 
 
@@ -220,7 +265,7 @@ def _drive(cfg: RunConfig, target: Any, specs: list, run_dir: Path) -> RunResult
     from profiling.telemetry import TelemetrySampler
 
     closed_loop, concurrency = send_limits(cfg)
-    scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai", "pd") else None
+    scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai", "pd", "vllm") else None
     journal = runfolder.RequestJournal(run_dir)
     driver = Driver(target, closed_loop=closed_loop, concurrency=concurrency,
                     max_duration_s=cfg.run.max_duration_s, progress=True, scrape_interval_s=scrape,
@@ -315,7 +360,7 @@ def _run_simulated(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -
                                             step_model=s.step_model, dtype=s.dtype, token_id=int(s.token_id),
                                             gpu_memory_utilization=s.gpu_memory_utilization, ep=ep)
     tokenizer = get_tokenizer(engine_config.model)
-    specs, extra = build_workload(cfg.workload, tokenizer, executor_max_len(executor, engine_config))
+    specs, extra = plan_workload(cfg, tokenizer, executor_max_len(executor, engine_config), run_dir)
     if extra:
         (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
     closed_loop, concurrency = send_limits(cfg)
@@ -355,7 +400,7 @@ def _run_offline(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> 
     if factory is not None:
         llm.engine_core.set_hooks(factory())
     try:
-        specs, _ = build_workload(cfg.workload, llm.tokenizer, llm.engine_core.max_model_len)
+        specs, _ = plan_workload(cfg, llm.tokenizer, llm.engine_core.max_model_len, run_dir)
         prompts = [s.prompt_token_ids if s.prompt_token_ids is not None else s.prompt for s in specs]
         params = [sampling_params_for(s) for s in specs]
 

@@ -44,6 +44,12 @@ DEFINITIONS = {
     "server's vllm:prefix_cache_* counters over the run, warm-up included)",
     "prompt_token_mismatch": "completed requests whose server-counted prompt tokens differ from the workload's",
     "mean_tokens_per_step": "(prefill + decode tokens scheduled) / engine steps",
+    "itl_chunk": "gap between successive content chunks (per chunk, vLLM's ITL); beside the per-token ITL "
+    "when the token times are the engine's",
+    "server_ttft/e2el": "engine timestamps: arrival -> first / last token (servelab timing extension or in-process)",
+    "front_end": "client TTFT - engine TTFT: network, HTTP front end and client",
+    "sources": "where each figure came from: client (client clock), engine (engine timestamps), "
+    "engine+client (engine gaps placed after the client's first token), chunks (chunk arrival)",
     "failed": "requests without a content chunk or with an error; excluded from latency statistics",
     "slo_miss_causes": "per SLO metric, requests missing it by dominant cause (workloads/attribution.py): queueing, "
     "prefill_interference, prefill, preemption, batch_size, front_end, harness_lateness, unknown",
@@ -123,6 +129,7 @@ def summarize(
     out |= _client_side(measured)
     out |= _prompt_token_mismatch(done)
     out |= _server_side(done)
+    out |= _timing_sources(done)
     if steps is not None and "source" in steps and (steps["source"] == "metrics").all():
         # A server's scraped gauges and counters: its own figures where the client has none.
         out |= {k: v for k, v in scraped_summary(steps).items() if out.get(k) is None}
@@ -216,6 +223,29 @@ def scraped_summary(scraped: pd.DataFrame | None) -> dict[str, Any]:
         total, count = delta(f"{key}_sum"), delta(f"{key}_count")
         if total is not None and count:
             out[f"mean_server_{name}_ms"] = total / count * 1000.0
+    return out
+
+
+def _timing_sources(done: list[RequestRecord]) -> dict[str, Any]:
+    """Per-chunk ITL beside the per-token one, the engine's TTFT and front-end share, and which
+    source each figure came from (DEFINITIONS["sources"])."""
+    n_engine = sum(r.timing_source == "engine" for r in done)
+    token_source = "engine" if done and n_engine == len(done) else ("chunks" if n_engine == 0 else "mixed")
+    out: dict[str, Any] = {}
+    chunk_gaps = [g for r in done if r.chunk_itls_s is not None for g in r.chunk_itls_s]
+    if chunk_gaps:
+        out |= stats_ms(chunk_gaps, "itl_chunk")
+    for name in ("server_ttft", "server_e2el", "front_end"):
+        vals = [getattr(r, f"{name}_s") for r in done]
+        vals = [v for v in vals if v is not None]
+        if vals:
+            out |= {k: v for k, v in stats_ms(vals, name).items() if k.startswith(("mean", "median", "p99"))}
+    out["sources"] = {
+        "ttft": "client", "e2el": "client" if token_source == "chunks" else f"{token_source}+client",
+        "itl": token_source, "tpot": token_source,
+        "server_phases": "engine" if any(r.server_queued_s is not None for r in done) else None,
+        "front_end": "engine+client" if "mean_front_end_ms" in out else None,
+    }
     return out
 
 

@@ -10,6 +10,13 @@ streams). `token_times_from_chunks` spreads the gap before a chunk evenly over i
 there is one time per token and ITLs are per token (METRICS.md). The first chunk's tokens all
 get the first chunk's time (nothing tells when they were made), so the gaps of a request
 always sum to E2EL - TTFT and their mean equals its TPOT.
+
+Engine timing over HTTP: when a server returns the `servelab` timing extension
+(engine/entrypoints/timing.py), the target keeps each token's engine step-end time as an
+offset from the first token. The record then places token i at (client first-chunk time +
+engine offset i): TTFT stays the client's, every later gap is the engine's own (per token,
+whatever the chunking), so E2EL = client TTFT + engine first-to-last-token span. The
+per-chunk gaps are kept beside it (`chunk_itls_s`) and `timing_source` says which was used.
 """
 
 from __future__ import annotations
@@ -45,6 +52,11 @@ class TargetResult:
     spec_draft_tokens: int | None = None
     spec_accepted_tokens: int | None = None
     kv: dict[str, float] | None = None  # external-KV figures (RequestMetrics.kv_figures), engine targets only
+    # From the servelab timing extension (None without it): each output token's engine time
+    # as an offset from the first token's (s), and the engine's arrival->first / last token.
+    engine_token_offsets: list[float] | None = None
+    server_ttft_s: float | None = None
+    server_e2el_s: float | None = None
 
 
 def token_times_from_chunks(chunk_times: list[float], chunk_tokens: list[int]) -> list[float]:
@@ -100,6 +112,10 @@ class RequestRecord:
     # gave one (a chat template, a tokenizer other than the workload's make them differ).
     sent_prompt_tokens: int = 0
     kv: dict[str, float] | None = None  # external-KV figures (requests.csv KV_COLUMNS)
+    timing_source: str = "chunks"  # "engine" (engine step times) | "chunks" (chunk arrival, spread)
+    chunk_itls_s: list[float] | None = None  # gaps between content chunks (engine timing over HTTP only)
+    server_ttft_s: float | None = None  # engine arrival -> first token
+    server_e2el_s: float | None = None  # engine arrival -> last token
 
     @property
     def ok(self) -> bool:
@@ -133,6 +149,13 @@ class RequestRecord:
         return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
 
     @property
+    def front_end_s(self) -> float | None:
+        """Client TTFT minus the engine's arrival->first token: network + HTTP front end (+ client)."""
+        if self.server_ttft_s is None or self.ttft_s is None:
+            return None
+        return self.ttft_s - self.server_ttft_s
+
+    @property
     def itls_s(self) -> list[float]:
         """Gaps between successive tokens (empty for a failed request)."""
         if not self.ok:
@@ -161,6 +184,10 @@ def build_record(
     spec_draft_tokens: int | None = None,
     spec_accepted_tokens: int | None = None,
     kv: dict[str, float] | None = None,
+    timing_source: str = "chunks",
+    chunk_itls_s: list[float] | None = None,
+    server_ttft_s: float | None = None,
+    server_e2el_s: float | None = None,
 ) -> RequestRecord:
     """The one builder of a run's records (driver, simulator, offline runs, scripted ideals).
 
@@ -195,7 +222,16 @@ def build_record(
         spec_draft_tokens=spec_draft_tokens,
         spec_accepted_tokens=spec_accepted_tokens,
         kv=kv,
+        timing_source=timing_source,
+        chunk_itls_s=chunk_itls_s,
+        server_ttft_s=server_ttft_s,
+        server_e2el_s=server_e2el_s,
     )
+
+
+def engine_token_times(first_chunk_s: float, offsets: list[float]) -> list[float]:
+    """Token times on the client clock from the engine's per-token offsets (module doc)."""
+    return [first_chunk_s + off for off in offsets]
 
 
 def record_from_result(
@@ -212,7 +248,14 @@ def record_from_result(
 
     `now_s` (when the driver stores it) is the done time of a result that has none.
     """
-    tokens = token_times_from_chunks([t - t0 for t in result.chunk_times], result.chunk_tokens)
+    chunk_times = [t - t0 for t in result.chunk_times]
+    tokens = token_times_from_chunks(chunk_times, result.chunk_tokens)
+    source, chunk_itls = "chunks", None
+    offsets = result.engine_token_offsets
+    if offsets and tokens and not result.error and len(offsets) == len(tokens):
+        source = "engine"
+        chunk_itls = [b - a for a, b in zip(chunk_times[:-1], chunk_times[1:], strict=True)]
+        tokens = engine_token_times(tokens[0], offsets)
     return build_record(
         spec,
         scheduled_s=scheduled_s,
@@ -232,4 +275,8 @@ def record_from_result(
         spec_draft_tokens=result.spec_draft_tokens,
         spec_accepted_tokens=result.spec_accepted_tokens,
         kv=result.kv,
+        timing_source=source,
+        chunk_itls_s=chunk_itls,
+        server_ttft_s=result.server_ttft_s,
+        server_e2el_s=result.server_e2el_s,
     )

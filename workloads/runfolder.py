@@ -3,7 +3,11 @@
 The schema is the contract with `reports/` (which reads only these files). requests.csv
 has one row per request with the columns of `REQUEST_COLUMNS` (times in s since the run
 start, latencies in ms, empty cells where a value does not apply); `token_times` and
-`itls_ms` are JSON list strings. `done_s` (response fully read) is one column beyond the
+`itls_ms` are JSON list strings. `timing_source` says where the token times came from
+("engine": engine step times, "chunks": chunk arrival); `server_ttft_ms` / `server_e2el_ms` are
+the engine's arrival->first / last token and `front_end_ms` the client TTFT minus the engine's
+(network + HTTP front end); `chunk_itls_ms` the gaps between content chunks when the token times
+are the engine's. `done_s` (response fully read) is one column beyond the
 shared schema: it lets a summary be recomputed from the file alone.
 """
 
@@ -25,6 +29,7 @@ REQUEST_COLUMNS = [
     "client_queue_ms", "lateness_ms", "ttft_ms", "tpot_ms", "e2el_ms", "prompt_tokens",
     "output_tokens", "finish_reason", "error", "server_queued_ms", "server_prefill_ms",
     "server_decode_ms", "token_times", "itls_ms", "group", "sent_prompt_tokens",
+    "timing_source", "server_ttft_ms", "server_e2el_ms", "front_end_ms", "chunk_itls_ms",
 ]
 # External KV per request (engine targets with a kv_transfer connector; empty otherwise): prompt
 # tokens loaded from the store, bytes loaded / saved, ms waiting for loads, ms spent saving.
@@ -58,6 +63,10 @@ def request_row(r: RequestRecord) -> dict[str, Any]:
         "itls_ms": json.dumps([g * 1000.0 for g in r.itls_s]),
         "group": r.group, "sent_prompt_tokens": r.sent_prompt_tokens,
         **(r.kv or dict.fromkeys(KV_COLUMNS)),
+        "timing_source": r.timing_source,
+        "server_ttft_ms": _ms(r.server_ttft_s), "server_e2el_ms": _ms(r.server_e2el_s),
+        "front_end_ms": _ms(r.front_end_s),
+        "chunk_itls_ms": "" if r.chunk_itls_s is None else json.dumps([g * 1000.0 for g in r.chunk_itls_s]),
     }
 
 
@@ -129,6 +138,12 @@ def _opt(v: Any) -> float | None:
     return None if v is None or (isinstance(v, float) and np.isnan(v)) else float(v) / 1000.0
 
 
+def _ms_list(cell: Any) -> list[float] | None:
+    if not isinstance(cell, str) or not cell:
+        return None
+    return [v / 1000.0 for v in json.loads(cell)]
+
+
 def records_from_frame(df: pd.DataFrame) -> list[RequestRecord]:
     """Rebuild records from requests.csv rows (enough to recompute the summary)."""
     out = []
@@ -142,6 +157,9 @@ def records_from_frame(df: pd.DataFrame) -> list[RequestRecord]:
             server_queued_s=_opt(row["server_queued_ms"]), server_prefill_s=_opt(row["server_prefill_ms"]),
             server_decode_s=_opt(row["server_decode_ms"]),
             sent_prompt_tokens=int(row.get("sent_prompt_tokens") or 0),
+            timing_source=str(row.get("timing_source") or "chunks"),
+            server_ttft_s=_opt(row.get("server_ttft_ms")), server_e2el_s=_opt(row.get("server_e2el_ms")),
+            chunk_itls_s=_ms_list(row.get("chunk_itls_ms")),
         ))
     return out
 

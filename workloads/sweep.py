@@ -1,4 +1,11 @@
-"""Sweeps: each Hydra job records its overrides; a callback gathers the jobs into sweep.csv."""
+"""Sweeps: each Hydra job records its overrides; a callback gathers the jobs into sweep.csv.
+
+The collector reads only job folders, so it works with any Hydra launcher (the basic one,
+`hydra/launcher=joblib` for parallel local jobs, `submitit_slurm`, `ray`; docs/benchmarks.md):
+the jobs may run in other processes or on other machines sharing the sweep folder. A job
+whose run failed has an `error` cell (the first line of its error.txt); one that left no
+summary.json and no error.txt (killed, or lost by the launcher) is listed as not finished.
+"""
 
 from __future__ import annotations
 
@@ -43,9 +50,11 @@ def collect_sweep(sweep_dir: str | Path) -> pd.DataFrame:
         if summary_path.exists():
             summary = json.loads(summary_path.read_text())
             row |= {k: v for k, v in summary.items() if isinstance(v, SCALAR)}
-        else:
-            err = job / "error.txt"
-            row["error"] = err.read_text().strip() if err.exists() else "no summary.json"
+        err = job / "error.txt"
+        if err.exists():  # a failed job, or one that stopped early (its partial summary is kept)
+            row["error"] = err.read_text().strip().splitlines()[0] if err.read_text().strip() else "failed"
+        elif not summary_path.exists():
+            row["error"] = "no summary.json (the job did not finish: killed, or its launcher failed)"
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -56,6 +56,9 @@ class ServerSettings:
     # Generation requests admitted but unfinished, at most (0: no bound); past it a new one
     # is answered 429 with Retry-After at once, so overload never grows an unbounded queue.
     max_pending_requests: int = 0
+    # Output tokens per SSE content chunk, at least (1: a chunk per engine step). Larger values
+    # imitate servers that coalesce tokens; the workbench tests per-token timing with it.
+    stream_chunk_tokens: int = 1
 
 
 @dataclass
@@ -72,7 +75,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings, model_name: str) -> web.A
     metrics = PrometheusMetrics(model_name)
     llm.step_listeners.append(metrics.on_step)
     llm.finish_listeners.append(metrics.on_finished)
-    state = ServerState(llm, settings, model_name, OpenAIServing(llm, model_name, settings.max_logprobs), metrics)
+    state = ServerState(llm, settings, model_name, OpenAIServing(llm, model_name, settings.max_logprobs,
+                                                             settings.stream_chunk_tokens), metrics)
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[_error_middleware, _auth_middleware(settings.api_key)],

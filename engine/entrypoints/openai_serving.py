@@ -20,6 +20,7 @@ from aiohttp import web
 from engine.async_llm import AsyncLLM, RequestFailedError, merge_async_iterators
 from engine.core.core_client import EngineDeadError
 from engine.entrypoints import formatting as fmt
+from engine.entrypoints import timing
 from engine.entrypoints.errors import ApiError, from_value_error
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from engine.outputs import CompletionOutput
@@ -51,6 +52,7 @@ class ChoiceState:
     chars_sent: int = 0
     logprobs_sent: int = 0
     num_tokens: int = 0
+    held_text: str = ""  # text of outputs held back to coalesce chunks (stream_chunk_tokens)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class _Call:
     jobs: list[Job]
     request_id: str
     logprobs_k: int | None
+    timing: bool = False  # the servelab timing extension was asked for
 
     @property
     def object_name(self) -> str:
@@ -70,10 +73,13 @@ class _Call:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_name: str, max_logprobs: int) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, max_logprobs: int, stream_chunk_tokens: int = 1) -> None:
         self.llm = llm
         self.model_name = model_name
         self.max_logprobs = max_logprobs
+        # Tokens per SSE content chunk, at least (the last chunk may carry fewer). 1 = a chunk
+        # per engine output; more imitates servers that coalesce (tests of per-token timing).
+        self.stream_chunk_tokens = max(1, stream_chunk_tokens)
         self.token_text = fmt.TokenText(llm.tokenizer)
 
     # ---- preparation ------------------------------------------------------------------
@@ -141,6 +147,7 @@ class OpenAIServing:
         return await self._serve(self._prepare(body), request)
 
     async def _serve(self, call: _Call, request: web.Request) -> web.StreamResponse:
+        call.timing = timing.wants_timing(call.body.servelab, request.headers)
         if call.body.stream:
             return await self._stream(call, request)
         return await self._collect(call)
@@ -151,6 +158,7 @@ class OpenAIServing:
         n = call.params.n
         finals: dict[int, CompletionOutput] = {}
         cached = [0] * len(call.jobs)
+        timings: dict[int, dict[str, Any]] = {}
         merged = self._outputs(call)
         try:
             async with contextlib.aclosing(merged):
@@ -159,6 +167,8 @@ class OpenAIServing:
                     for c in out.outputs:
                         if c.finished:
                             finals[pi * n + c.index] = c
+                    if call.timing and out.finished:
+                        timings[pi] = timing.timing_entry(pi, out.metrics)
         except (RequestFailedError, EngineDeadError) as exc:
             raise ApiError(500, f"engine error: {exc}", code="engine_error") from None
         choices = [self._final_choice(call, idx, finals[idx]) for idx in sorted(finals)]
@@ -172,6 +182,8 @@ class OpenAIServing:
             "choices": choices,
             "usage": fmt.usage(prompt, completion, sum(cached)),
         }
+        if call.timing:
+            body["servelab"] = timing.extension(timings)
         return web.Response(body=_json.encode(body), content_type="application/json")
 
     def _final_choice(self, call: _Call, index: int, c: CompletionOutput) -> dict[str, Any]:
@@ -213,14 +225,19 @@ class OpenAIServing:
         cached = [0] * len(call.jobs)
         prompt_tokens = sum(len(j.prompt_ids) for j in call.jobs)
         created = fmt.now_s()
+        timings: dict[int, dict[str, Any]] = {}
         merged = self._outputs(call)
         try:
             async with contextlib.aclosing(merged):
                 async for pi, out in merged:
                     cached[pi] = max(cached[pi], out.num_cached_tokens)
+                    if call.timing and out.finished:
+                        timings[pi] = timing.timing_entry(pi, out.metrics)
                     for c in out.outputs:
                         index = pi * call.params.n + c.index
                         state = states.setdefault(index, ChoiceState())
+                        if self._hold(c, state):
+                            continue
                         usage = None
                         if continuous:
                             done = sum(s.num_tokens for s in states.values()) - state.num_tokens
@@ -231,12 +248,26 @@ class OpenAIServing:
             await resp.write(ApiError(500, f"engine error: {exc}", code="engine_error").sse())
             await resp.write(DONE)
             return resp
+        final: dict[str, Any] = {}
         if include_usage:
             completion = sum(s.num_tokens for s in states.values())
-            final = {"choices": [], "usage": fmt.usage(prompt_tokens, completion, sum(cached))}
-            await resp.write(self._event(call, created, final))
+            final["usage"] = fmt.usage(prompt_tokens, completion, sum(cached))
+        if call.timing:
+            final["servelab"] = timing.extension(timings)
+        if final:
+            await resp.write(self._event(call, created, {"choices": [], **final}))
         await resp.write(DONE)
         return resp
+
+    def _hold(self, c: CompletionOutput, state: ChoiceState) -> bool:
+        """Hold back an unfinished output until `stream_chunk_tokens` new tokens are pending;
+        its text is kept and sent with the next chunk."""
+        if self.stream_chunk_tokens <= 1 or c.finished or not state.started:
+            return False
+        if len(c.token_ids) - state.num_tokens >= self.stream_chunk_tokens:
+            return False
+        state.held_text += c.text_delta
+        return True
 
     def _event(self, call: _Call, created: int, chunk: dict[str, Any]) -> bytes:
         obj = "chat.completion.chunk" if call.chat else "text_completion"
@@ -259,7 +290,7 @@ class OpenAIServing:
             role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}
             chunks.append({"choices": [role], **extra})
-        text = c.text_delta
+        text, state.held_text = state.held_text + c.text_delta, ""
         if not call.chat and not state.started:
             text = self._echo_prefix(call, index) + text
         state.started = True

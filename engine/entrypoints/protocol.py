@@ -32,6 +32,13 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class ServelabOptions(_Strict):
+    """servelab's own extension (engine/entrypoints/timing.py): `timing` asks for the engine's
+    per-request timestamps on the last chunk / the response."""
+
+    timing: bool = False
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -62,6 +69,7 @@ class _SamplingFields(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    servelab: ServelabOptions | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:

@@ -107,6 +107,10 @@ class EngineTarget:
         res.finish_reason = comp.finish_reason or ""
         res.output_token_ids = list(comp.token_ids)
         res.output_text = comp.text
+        if m.token_times:
+            res.engine_token_offsets = [t - m.token_times[0] for t in m.token_times]
+            res.server_ttft_s = m.token_times[0] - m.arrival_time
+            res.server_e2el_s = m.token_times[-1] - m.arrival_time
         if m.first_scheduled_time:
             res.server_queued_s = m.queued_time
             res.server_prefill_s = m.prefill_time
@@ -140,12 +144,12 @@ class ServerTarget(OpenAITarget):
 
     def __init__(
         self, config_path: str | os.PathLike[str], startup_timeout_s: float = 180.0, log_path: str | None = None,
-        endpoint: str = "completions", timeout_s: float | None = None,
+        endpoint: str = "completions", timeout_s: float | None = None, server_timing: bool = True,
     ) -> None:
         self.port = free_port()
         # model "": OpenAITarget.start asks the server's /v1/models for its served name
         super().__init__(f"http://127.0.0.1:{self.port}", model="", endpoint=endpoint,
-                         extra_body={"temperature": 0.0}, timeout_s=timeout_s)
+                         extra_body={"temperature": 0.0}, timeout_s=timeout_s, server_timing=server_timing)
         self.config_path = os.fspath(config_path)
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path
@@ -156,23 +160,30 @@ class ServerTarget(OpenAITarget):
             await self._launch()
         await super().start()
 
+    label = "servelab-serve"  # names the server in start-up errors
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "engine.entrypoints.serve", "--config", self.config_path,
+                "--port", str(self.port)]
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
     async def _launch(self) -> None:
-        cmd = [sys.executable, "-m", "engine.entrypoints.serve", "--config", self.config_path,
-               "--port", str(self.port)]
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment())
         deadline = time.monotonic() + self.startup_timeout_s
         async with aiohttp.ClientSession() as session:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"servelab-serve exited with code {self.proc.returncode} during start-up"
+                    raise RuntimeError(f"{self.label} exited with code {self.proc.returncode} during start-up"
                                        + (f" (log: {self.log_path})" if self.log_path else ""))
                 with contextlib.suppress(aiohttp.ClientError, OSError):
                     async with session.get(f"{self.base_url}/health") as resp:
                         if resp.status == 200:
                             return
                 await asyncio.sleep(0.5)
-        raise RuntimeError(f"servelab-serve not ready after {self.startup_timeout_s:.0f} s")
+        raise RuntimeError(f"{self.label} not ready after {self.startup_timeout_s:.0f} s")
 
     def shutdown(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -6,6 +6,10 @@ Measurement choices (METRICS.md):
   chunk's token count. Without it, the server's total is spread evenly over the content chunks.
 - A content chunk is one with non-empty text; tokens reported on chunks without text (a
   partial UTF-8 character) are carried to the next content chunk.
+- the servelab timing extension (engine/entrypoints/timing.py) is asked for with a header
+  (`target.server_timing`; other servers ignore headers they do not know). When the answer
+  carries it, each token's engine time, the engine's phase split and its TTFT are kept
+  (workloads/record.py turns them into per-token ITLs); without it, chunk timing stays.
 - aiohttp with large read buffers and a connector without a connection limit, so the client
   never queues requests or stalls on long SSE lines.
 """
@@ -18,6 +22,7 @@ from typing import Any
 
 import aiohttp
 
+from engine.entrypoints.timing import HEADER as TIMING_HEADER
 from engine.outputs import StepStats
 from workloads.record import TargetResult
 from workloads.spec import RequestSpec
@@ -64,6 +69,8 @@ class _Stream:
         self.text: list[str] = []
 
     def feed(self, obj: dict[str, Any], t: float) -> None:
+        if obj.get("servelab"):
+            apply_engine_timing(self.res, obj["servelab"])
         if obj.get("error"):
             err = obj["error"]
             self.res.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
@@ -111,6 +118,25 @@ class _Stream:
         return res
 
 
+def apply_engine_timing(res: TargetResult, ext: Any) -> None:
+    """Keep the first engine request's timestamps from a `servelab` extension object."""
+    entries = ext.get("timing") if isinstance(ext, dict) else None
+    if not entries or not isinstance(entries[0], dict):
+        return
+    e = entries[0]
+    times = [float(t) for t in e.get("token_times") or []]
+    arrival = e.get("arrival")
+    phases = e.get("phases_s") or {}
+    res.server_queued_s = phases.get("queue")
+    res.server_prefill_s = phases.get("prefill")
+    res.server_decode_s = phases.get("decode")
+    if times:
+        res.engine_token_offsets = [t - times[0] for t in times]
+        if arrival:
+            res.server_ttft_s = times[0] - float(arrival)
+            res.server_e2el_s = times[-1] - float(arrival)
+
+
 def reconcile_counts(counts: list[int | None], total: int | None, leftover: int = 0) -> list[int]:
     """Tokens per content chunk, summing to the server's total when it is known.
 
@@ -141,7 +167,7 @@ class OpenAITarget:
 
     def __init__(
         self, base_url: str, model: str, api_key: str | None = None, endpoint: str = "completions",
-        extra_body: dict[str, Any] | None = None, timeout_s: float | None = None,
+        extra_body: dict[str, Any] | None = None, timeout_s: float | None = None, server_timing: bool = True,
     ) -> None:
         if endpoint not in ("completions", "chat"):
             raise ValueError("endpoint must be completions or chat")
@@ -149,6 +175,7 @@ class OpenAITarget:
         self.model, self.api_key, self.endpoint = model, api_key, endpoint
         self.extra_body = dict(extra_body or {})
         self.timeout_s = timeout_s
+        self.server_timing = server_timing
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -158,6 +185,8 @@ class OpenAITarget:
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if self.server_timing:
+            headers[TIMING_HEADER] = "1"
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),

@@ -1,0 +1,66 @@
+"""Peer engines as targets (workloads/targets/peer.py; issue 16 item 4).
+
+- without vLLM in the configured venv, `target=vllm` fails at start-up with one clear line
+  (error.txt, and servelab-run's exit status), before any server starts;
+- with vLLM's CPU build in the side venv (scripts/peers.sh), `servelab-run -m target=server,vllm`
+  gives one sweep.csv and one sweep report with both engines side by side. vLLM's start-up is
+  ~1.5 minutes of both cores: skipped, naming what is missing, where the venv is absent.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from workloads.targets.peer import DEFAULT_HF_MODEL, DEFAULT_VENV, PeerMissingError, check_vllm
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["workload=fixed", "workload.num_requests=3", "workload.prompt_len.value=16", "workload.output_len.value=4",
+        "workload.prompt_as_token_ids=true", "run.time_reference=false"]
+
+
+def test_missing_vllm_is_one_line_at_start_up(tmp_path: Path) -> None:
+    with pytest.raises(PeerMissingError, match=r"no Python at .*nope/bin/python \(vLLM is not installed there"):
+        check_vllm(tmp_path / "nope", tmp_path)
+    venv = tmp_path / "venv"  # a python without vllm: this test's own
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    with pytest.raises(PeerMissingError, match=r"vLLM is not installed in .*venv \(its python cannot find"):
+        check_vllm(venv, tmp_path)
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "workloads.cli", "target=vllm", f"target.venv={venv}", *TINY,
+                           "report.html=false", f"hydra.run.dir={run}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "servelab-run: PeerMissingError: target=vllm: vLLM is not installed in" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    assert "vLLM is not installed" in (run / "error.txt").read_text()
+
+
+def _vllm_missing() -> str | None:
+    try:
+        check_vllm(DEFAULT_VENV.expanduser(), DEFAULT_HF_MODEL.expanduser())
+    except PeerMissingError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_vllm_missing() is not None, reason=f"needs vLLM's CPU build: {_vllm_missing()}")
+def test_server_and_vllm_side_by_side(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, "-m", "workloads.cli", "-m", "target=server,vllm", *TINY,
+                           "model.max_model_len=512", f"hydra.sweep.dir={sweep}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    df = pd.read_csv(sweep / "sweep.csv")
+    assert sorted(df["target"]) == ["server", "vllm"]
+    assert (df["completed"] == 3).all() and (df["total_output_tokens"] == 12).all()
+    page = (sweep / "report.html").read_text()
+    assert "Engines side by side" in page and "vllm" in page
+    vllm_steps = pd.read_csv(df.set_index("target").loc["vllm", "run_dir"] + "/steps.csv")
+    assert "num_running" in vllm_steps  # its /metrics was scraped

@@ -1,0 +1,131 @@
+"""`servelab-ab RUN_DIR a.overrides b.overrides`: two configurations on the same recorded traffic.
+
+    servelab-ab runs/2026-12-01/10-00-00 a.txt b.txt --repeats 3
+    servelab-ab RUN "scheduler.max_num_batched_tokens=64" "scheduler.max_num_batched_tokens=2048"
+
+Each overrides argument is a file of `key=value` lines (`#` comments) or, when no such file
+exists, the overrides themselves separated by spaces. Both configurations replay RUN_DIR
+(`replay=RUN_DIR`: its arrivals, prompts and sampling settings) `--repeats` times, in ABBA
+order (A B, B A, A B, ...) so slow drift of the machine falls on both. Per metric the paired
+difference B - A (same request, same repeat) gets a bootstrap interval (workloads/stats.py);
+the table, ab.csv and ab.json go to `--out` with the run folders (a_0, b_0, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from workloads.stats import Difference, paired_bootstrap
+
+REQUEST_METRICS = ("ttft_ms", "tpot_ms", "e2el_ms")
+RUN_METRICS = ("output_throughput", "request_throughput")
+DEFAULTS = ["report.html=false"]  # per-run pages are not needed; a later override wins
+
+
+def read_overrides(arg: str) -> list[str]:
+    path = Path(arg)
+    text = path.read_text() if path.is_file() else arg
+    out = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        out.extend(line.split())
+    return out
+
+
+def run_one(run_dir: Path, recorded: Path, overrides: list[str]) -> Path:
+    """One replay of `recorded` with `overrides` into `run_dir`; ValueError (one line) if it failed."""
+    from conf.schema import RunConfig, compose_typed
+    from workloads.experiment import run_experiment
+
+    cfg = compose_typed(RunConfig, "run", [*DEFAULTS, *overrides, f"replay={recorded}"])
+    outcome = run_experiment(cfg, run_dir)
+    if outcome.error:
+        raise ValueError(f"{run_dir.name}: {outcome.error}")
+    return run_dir
+
+
+def compare(a_runs: list[Path], b_runs: list[Path], *, min_effect: float, seed: int = 0) -> list[Difference]:
+    """Per-metric paired differences B - A over the repeats (request metrics paired by id)."""
+    from workloads.runfolder import read_requests, read_summary
+
+    out = []
+    frames = [(read_requests(a), read_requests(b)) for a, b in zip(a_runs, b_runs, strict=True)]
+    for metric in REQUEST_METRICS:
+        pairs = []
+        for fa, fb in frames:
+            fa, fb = fa[~fa["is_warmup"].astype(bool)], fb[~fb["is_warmup"].astype(bool)]
+            joined = fa[["request_id", metric]].merge(fb[["request_id", metric]], on="request_id",
+                                                      suffixes=("_a", "_b")).dropna()
+            pairs.append((joined[f"{metric}_a"].to_numpy(), joined[f"{metric}_b"].to_numpy()))
+        d = paired_bootstrap(metric, pairs, min_effect=min_effect, seed=seed)
+        if d is not None:
+            out.append(d)
+    summaries = [(read_summary(a), read_summary(b)) for a, b in zip(a_runs, b_runs, strict=True)]
+    for metric in RUN_METRICS:
+        pairs = [(np.array([sa[metric]]), np.array([sb[metric]])) for sa, sb in summaries
+                 if sa.get(metric) is not None and sb.get(metric) is not None]
+        d = paired_bootstrap(metric, pairs, min_effect=min_effect, seed=seed)
+        if d is not None:
+            out.append(d)
+    return out
+
+
+def table(diffs: list[Difference]) -> pd.DataFrame:
+    rows = [{**asdict(d), "relative": d.relative} for d in diffs]
+    return pd.DataFrame(rows, columns=["metric", "mean_a", "mean_b", "diff", "low", "high", "relative",
+                                       "n_pairs", "significant"])
+
+
+def run_ab(recorded: Path, a: list[str], b: list[str], out: Path, *, repeats: int = 2,
+           min_effect: float = 0.05) -> pd.DataFrame:
+    out.mkdir(parents=True, exist_ok=True)
+    a_runs, b_runs = [], []
+    for k in range(repeats):
+        order = [("a", a, a_runs), ("b", b, b_runs)]
+        for name, overrides, runs in order if k % 2 == 0 else order[::-1]:
+            print(f"servelab-ab: repeat {k + 1}/{repeats}, {name.upper()}", flush=True)
+            runs.append(run_one(out / f"{name}_{k}", recorded, overrides))
+    df = table(compare(a_runs, b_runs, min_effect=min_effect))
+    df.to_csv(out / "ab.csv", index=False)
+    (out / "ab.json").write_text(json.dumps({
+        "recorded_run": str(recorded), "a": a, "b": b, "repeats": repeats, "min_effect": min_effect,
+        "order": "ABBA", "differences": df.to_dict("records"),
+    }, indent=2, default=str))
+    return df
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="servelab-ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", help="a recorded run folder (its traffic is replayed)")
+    p.add_argument("a", help="configuration A: an overrides file, or overrides separated by spaces")
+    p.add_argument("b", help="configuration B: same form")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each configuration (ABBA order)")
+    p.add_argument("--min-effect", type=float, default=0.05,
+                   help="smallest relative difference called significant (default 0.05)")
+    p.add_argument("--out", default=None, help="folder for the runs and ab.csv (default runs/ab/<time>)")
+    args = p.parse_args(argv)
+    from workloads.replay import check_run_dir
+
+    try:
+        recorded = check_run_dir(args.run_dir).resolve()
+        out = Path(args.out or Path("runs") / "ab" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+        df = run_ab(recorded, read_overrides(args.a), read_overrides(args.b), out, repeats=args.repeats,
+                    min_effect=args.min_effect)
+    except (ValueError, OSError) as exc:
+        print(f"servelab-ab: {exc}", file=sys.stderr)
+        sys.exit(2)
+    with pd.option_context("display.width", 160, "display.max_columns", 20):
+        print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(f"ab table: {out / 'ab.csv'}")
+
+
+if __name__ == "__main__":
+    main()
