@@ -231,8 +231,6 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-
-
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     @classmethod
@@ -253,8 +251,7 @@ class EngineConfig:
         for key, value in kwargs.items():
             if key == "speculative_config":  # vLLM passes the whole section as a dict
                 cfg.speculative_config = _speculative_from(value)
-
-
+                continue
             if key == "kv_transfer_config":
                 cfg.kv_transfer = value if isinstance(value, KVTransferConfig) else KVTransferConfig(**value)
                 continue
