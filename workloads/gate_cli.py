@@ -15,10 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import conf
+from reports.run_data import RunFolderError
 from workloads.gate_stats import format_table
 from workloads.gate_trees import NoHistory
 from workloads.paired_gate import GateSettings, run_paired_gate
-from reports.run_data import RunFolderError
 
 STORED_CONFIG = Path(conf.__file__).parent / "gate" / "ci.yaml"
 
@@ -50,11 +50,16 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
     return env
 
 
+def run_ci_gate_experiment(run: Path) -> int:
+    """`servelab-run experiment=ci_gate` into `run` (the stored-baseline gate's run); its exit code."""
+    return subprocess.run([sys.executable, "-m", "workloads.cli", "experiment=ci_gate", f"hydra.run.dir={run}"]).returncode
+
+
 def _fallback(args: argparse.Namespace, stored_gate: Callable[[argparse.Namespace], int]) -> int:
     run = Path(args.fallback_run)
-    res = subprocess.run([sys.executable, "-m", "workloads.cli", "experiment=ci_gate", f"hydra.run.dir={run}"])
-    if res.returncode != 0:
-        raise RunFolderError(f"the fallback ci_gate run failed (exit {res.returncode})")
+    code = run_ci_gate_experiment(run)
+    if code != 0:
+        raise RunFolderError(f"the fallback ci_gate run failed (exit {code})")
     stored = argparse.Namespace(config=str(STORED_CONFIG), baseline=args.fallback_baseline, make_baseline=None,
                                 runs=[str(run)], verbose=args.verbose)  # fmt: skip
     return stored_gate(stored)
