@@ -79,6 +79,9 @@ def paired_gate(args: argparse.Namespace, stored_gate: Callable[[argparse.Namesp
         return _fallback(args, stored_gate)
     except RuntimeError as exc:
         raise ValueError(str(exc)) from None  # a worker failed: one line, exit 2
+    except subprocess.CalledProcessError as exc:
+        last = (exc.stderr or "").strip().splitlines()[-1:] or [f"exit {exc.returncode}"]
+        raise ValueError(f"{' '.join(map(str, exc.cmd))}: {last[0]}") from None
     print(format_table(result.checks))
     bad = [c.metric for c in result.checks if c.regressed]
     print(f"gate: {'FAIL' if bad else 'PASS'} ({len(bad)} regression(s) in {len(result.checks)} metrics"

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,9 +83,12 @@ def materialise(repo: Path, commit: str) -> Path:
     """A detached worktree of `commit` next to the checkout, created once and reused."""
     tree = trees_dir(repo) / commit[:12]
     if tree.is_dir():
-        if _commit_of(tree, "HEAD") == commit:
+        if (tree / ".git").exists() and _commit_of(tree, "HEAD") == commit:
             return tree
-        git(repo, "worktree", "remove", "--force", str(tree))
+        try:
+            git(repo, "worktree", "remove", "--force", str(tree))
+        except subprocess.CalledProcessError:  # not (or no longer) a worktree: a stale folder
+            shutil.rmtree(tree, ignore_errors=True)
     tree.parent.mkdir(parents=True, exist_ok=True)
     git(repo, "worktree", "prune")
     git(repo, "worktree", "add", "--detach", "--force", str(tree), commit)
