@@ -105,19 +105,37 @@ def _gate(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _paired_gate(args: argparse.Namespace) -> int:
+    from workloads.gate_cli import paired_gate
+
+    return paired_gate(args, stored_gate=_gate)
+
+
 def gate_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="servelab-gate", description="Fail when runs regress against a baseline."
+        prog="servelab-gate",
+        description="Fail when runs regress against a baseline: a stored one (--baseline) or a git "
+        "commit measured in the same run, pair by pair (--against).",
     )
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--baseline", help="baseline JSON to compare the runs with")
     mode.add_argument("--make-baseline", metavar="FILE", help="write a baseline JSON from the runs")
-    parser.add_argument("runs", nargs="+", help="run folders (repeats are compared by median)")
-    parser.add_argument("--config", help="gate config (default conf/gate/default.yaml)")
+    mode.add_argument(
+        "--against", metavar="REF",
+        help="paired gate against git REF ('auto': the merge-base with main, else HEAD~1); see docs/benchmarks.md",
+    )
+    parser.add_argument("runs", nargs="*", help="run folders (repeats are compared by median)")
+    parser.add_argument("--config", help="gate config (default conf/gate/default.yaml; --against: conf/gate/paired.yaml)")
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="print every check, not only regressions"
     )
-    return _guard(_gate, parser, argv)
+    from workloads.gate_cli import add_paired_arguments
+
+    add_paired_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.against is None and not args.runs:
+        parser.error("the run folders are required with --baseline / --make-baseline")
+    return _guard(_paired_gate if args.against is not None else _gate, parser, argv)
 
 
 if __name__ == "__main__":

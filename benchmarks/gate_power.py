@@ -1,0 +1,77 @@
+"""Power of the paired CI gate: how often it catches an injected slowdown, how often it cries wolf.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/gate_power.py --runs 10 --json runs/gate_power.jsonl
+
+Each gate run is a full `servelab-gate --against HEAD` (conf/gate/paired.yaml: its own
+workers, pairs and time box) whose candidate runs with the test-only injector
+`SERVELAB_TEST_SLOWDOWN` (engine/worker/test_slowdown.py) at one of `--slowdowns`; 0 is the
+no-change condition (the same commit on both sides). Conditions take turns (0, 5%, 10%,
+20%, 0, ...) so that the machine's load drifts over all of them alike. Commit first: the
+candidate is the working tree and the baseline is HEAD.
+
+Prints per condition: runs, detections (the gate failed), the rate, the median estimated
+change of CPU time per token and the longest gate run. `--budget-s` stops starting runs
+after that many seconds (the table says how many ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workloads.paired_gate import GateSettings, run_paired_gate  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=10, help="gate runs per condition")
+    parser.add_argument("--slowdowns", default="0,0.05,0.10,0.20", help="injected fractions, 0 = no change")
+    parser.add_argument("--against", default="HEAD", help="the baseline ref (default HEAD: identical code)")
+    parser.add_argument("--config", help="paired gate config (default conf/gate/paired.yaml)")
+    parser.add_argument("--budget-s", type=float, default=float("inf"), help="start no run after this")
+    parser.add_argument("--json", help="append one JSON line per gate run here")
+    args = parser.parse_args()
+    try:
+        slowdowns = [float(x) for x in args.slowdowns.split(",")]
+    except ValueError:
+        parser.error(f"--slowdowns: comma-separated fractions, got {args.slowdowns!r}")
+    settings = GateSettings.load(args.config)
+    results: dict[float, list[dict]] = {s: [] for s in slowdowns}
+    t0 = time.perf_counter()
+    for i in range(args.runs):
+        for s in slowdowns:
+            if time.perf_counter() - t0 > args.budget_s:
+                break
+            env = {"SERVELAB_TEST_SLOWDOWN": f"{s}"} if s else {}
+            r = run_paired_gate(Path("."), args.against, settings, env, log=lambda _: None)
+            cpu = next((c for c in r.checks if c.metric == "cpu_ms_per_token"), None)
+            row = {"slowdown": s, "run": i, "failed": r.regressed, "elapsed_s": r.elapsed_s, "pairs": r.pairs,
+                   "flagged": [c.metric for c in r.checks if c.regressed],
+                   "cpu_change": cpu.change if cpu else None, "cpu_interval": cpu.interval if cpu else None}  # fmt: skip
+            results[s].append(row)
+            print(json.dumps(row), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    print("\n| injected slowdown | gate runs | failed | rate | median CPU/token change | longest run |")
+    print("|---|---|---|---|---|---|")
+    for s, rows in results.items():
+        if not rows:
+            continue
+        n, bad = len(rows), sum(r["failed"] for r in rows)
+        changes = [r["cpu_change"] for r in rows if r["cpu_change"] is not None]
+        label = "none (false alarms)" if s == 0 else f"{s:.0%}"
+        print(f"| {label} | {n} | {bad} | {bad / n:.0%} | {np.median(changes):+.1%} | "
+              f"{max(r['elapsed_s'] for r in rows):.0f} s |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The paired CI gate (`servelab-gate --against`): its statistics, its git trees, its injector, its CLI,
+and one short end-to-end gate on the real engine (two workers, two pairs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from reports.cli import gate_main
+from workloads import gate_cli
+from workloads.gate_stats import MetricRule, format_table, judge, judge_all, paired_change
+from workloads.gate_trees import (
+    NoHistory,
+    dependencies,
+    extension_dir_for,
+    materialise,
+    resolve_baseline,
+)
+from workloads.paired_gate import GateSettings, parse_perf_instructions, run_paired_gate, worker_env
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="no git executable")
+TIME = MetricRule("lower", 0.05)
+
+
+def _noisy_pairs(ratio: float, sigma: float, n: int, seed: int = 1) -> tuple[list[float], list[float]]:
+    """Baseline reps with a load that drifts 2x between pairs; candidate = ratio x baseline x noise."""
+    rng = np.random.default_rng(seed)
+    load = rng.uniform(1.0, 2.0, n)
+    base = 10.0 * load * rng.normal(1.0, sigma, n)
+    cand = 10.0 * ratio * load * rng.normal(1.0, sigma, n)
+    return base.tolist(), cand.tolist()
+
+
+# ---- statistics -------------------------------------------------------------------------
+def test_paired_ratio_cancels_load_that_both_sides_share():
+    base, cand = _noisy_pairs(1.10, 0.01, 16)
+    change, (lo, hi) = paired_change(base, cand)
+    assert change == pytest.approx(0.10, abs=0.01)
+    assert 0.0 < lo <= change <= hi
+    # Unpaired, the 2x load drift swamps the 10%: the medians alone say little.
+    assert abs(np.median(cand) / np.median(base) - 1.10) > abs(change - 0.10)
+
+
+def test_regression_needs_both_the_tolerance_and_an_interval_clear_of_zero():
+    assert judge("t", TIME, *_noisy_pairs(1.10, 0.01, 16)).verdict == "REGRESSION"
+    assert judge("t", TIME, *_noisy_pairs(1.03, 0.01, 16)).verdict == "ok"  # within tolerance
+    # Beyond tolerance on a few wild pairs, but the interval spans 0: noise, not a regression.
+    wild = judge("t", TIME, [10.0, 10.0, 10.0], [13.0, 7.0, 10.8])
+    assert wild.change > TIME.tolerance and wild.interval is not None and wild.interval[0] < 0
+    assert wild.verdict == "ok"
+    assert judge("t", TIME, *_noisy_pairs(0.80, 0.01, 16)).verdict == "faster"
+    assert judge("t", MetricRule("lower", 0.05, gate=False), *_noisy_pairs(1.2, 0.01, 8)).verdict == "(slower)"
+
+
+def test_exact_metrics_compare_medians_without_an_interval():
+    rule = MetricRule("lower", 0.0, kind="exact")
+    same = judge("num_steps", rule, [44.0] * 4, [44.0] * 4)
+    assert (same.verdict, same.interval) == ("ok", None)
+    assert judge("num_steps", rule, [44.0] * 4, [45.0] * 4).verdict == "REGRESSION"
+    assert judge("hits", MetricRule("higher", 0.0, kind="exact"), [0.3] * 2, [0.2] * 2).regressed
+
+
+def test_judge_all_skips_metrics_a_rep_lacks_and_the_table_has_every_column():
+    rules = {"cpu_ms_per_token": TIME, "instructions_per_token": TIME}
+    base = [{"cpu_ms_per_token": 6.0}, {"cpu_ms_per_token": 6.2}]
+    cand = [{"cpu_ms_per_token": 6.1}, {"cpu_ms_per_token": 6.3}]
+    checks = judge_all(rules, base, cand)
+    assert [c.metric for c in checks] == ["cpu_ms_per_token"]
+    header, row = format_table(checks).splitlines()
+    assert header.split() == ["metric", "baseline", "candidate", "change", "95%", "interval", "verdict"]
+    assert row.split()[0] == "cpu_ms_per_token" and row.split()[-1] == "ok"
+
+
+def test_bad_metric_rule_is_one_line():
+    with pytest.raises(ValueError, match="gate metric x: direction lower|higher"):
+        MetricRule.from_dict("x", {"direction": "down"})
+
+
+def test_perf_output_parsing():
+    assert parse_perf_instructions("1234567,,instructions:u,1000,100.00,,\n") == 1234567.0
+    assert parse_perf_instructions("<not supported>,,instructions:u,0,100.00,,\n") is None
+    assert parse_perf_instructions("") is None
+
+
+# ---- the test-only injector ---------------------------------------------------------------
+def test_slowdown_injector_is_off_by_default_and_spins_on_the_cpu_clock(monkeypatch):
+    from engine.worker.test_slowdown import ENV, slowdown_fraction, spin_cpu
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert slowdown_fraction() == 0.0
+    monkeypatch.setenv(ENV, "0.10")
+    assert slowdown_fraction() == 0.10
+    monkeypatch.setenv(ENV, "ten percent")
+    with pytest.raises(ValueError, match="SERVELAB_TEST_SLOWDOWN: expected a fraction"):
+        slowdown_fraction()
+    c0 = time.thread_time()
+    spin_cpu(0.02)
+    assert time.thread_time() - c0 >= 0.02  # CPU time, not a sleep: CPU clocks see the delay
+
+
+def test_worker_environment_drops_the_injector_unless_given(monkeypatch, tmp_path):
+    monkeypatch.setenv("SERVELAB_TEST_SLOWDOWN", "0.2")
+    env = worker_env(tmp_path, 1, None, {})
+    assert "SERVELAB_TEST_SLOWDOWN" not in env and env["PYTHONPATH"] == str(tmp_path)
+    assert env["OMP_NUM_THREADS"] == "1" and "TORCH_EXTENSIONS_DIR" not in env
+    env = worker_env(tmp_path, 1, tmp_path / "ext", {"SERVELAB_TEST_SLOWDOWN": "0.1"})
+    assert env["SERVELAB_TEST_SLOWDOWN"] == "0.1" and env["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "ext")
+
+
+# ---- git trees ----------------------------------------------------------------------------
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "config", "user.email", "t@example.com")
+    _git(repo, "config", "user.name", "t")
+    return repo
+
+
+def _commit(repo: Path, name: str, text: str) -> str:
+    (repo / name).parent.mkdir(parents=True, exist_ok=True)
+    (repo / name).write_text(text)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", name)
+    return _git(repo, "rev-parse", "HEAD")
+
+
+@needs_git
+def test_baseline_is_the_parent_on_main_and_the_merge_base_on_a_branch(tmp_path):
+    repo = _repo(tmp_path)
+    first = _commit(repo, "a.txt", "1")
+    with pytest.raises(NoHistory, match="first commit"):
+        resolve_baseline(repo)
+    second = _commit(repo, "a.txt", "2")
+    assert resolve_baseline(repo) == first  # on main: HEAD~1
+    _git(repo, "checkout", "-q", "-b", "feature")
+    _commit(repo, "b.txt", "x")
+    _commit(repo, "b.txt", "y")
+    assert resolve_baseline(repo) == second  # ahead of main: the merge-base
+    assert resolve_baseline(repo, "HEAD~1") != second
+    with pytest.raises(NoHistory, match="git ref 'nope' not found"):
+        resolve_baseline(repo, "nope")
+
+
+@needs_git
+def test_no_git_and_shallow_clone_have_no_history(tmp_path):
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(NoHistory, match="not a git checkout"):
+        resolve_baseline(tmp_path / "plain")
+    repo = _repo(tmp_path)
+    _commit(repo, "a.txt", "1")
+    _commit(repo, "a.txt", "2")
+    shallow = tmp_path / "shallow"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{repo}", str(shallow)], check=True)
+    with pytest.raises(NoHistory, match="shallow clone"):
+        resolve_baseline(shallow)
+
+
+@needs_git
+def test_baseline_tree_is_checked_out_once_per_commit(tmp_path):
+    repo = _repo(tmp_path)
+    first = _commit(repo, "engine/cpu_extension.py", "kernel v1")
+    _commit(repo, "engine/cpu_extension.py", "kernel v2")
+    tree = materialise(repo, first)
+    assert tree.parent == tmp_path / "repo-gate-trees"
+    assert (tree / "engine/cpu_extension.py").read_text() == "kernel v1"
+    (tree / "marker").write_text("kept")
+    assert materialise(repo, first) == tree and (tree / "marker").exists()  # reused, not re-created
+    cache = tmp_path / "cache"
+    ext = extension_dir_for(tree, repo, cache)
+    assert ext is not None and ext.parent == cache  # kernel sources differ: a build of its own
+    assert extension_dir_for(repo, repo, cache) is None
+
+
+def test_dependencies_compare_the_declared_sets(tmp_path):
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    a.write_text('[project]\ndependencies = ["torch>=2.4", "numpy"]\n[project.optional-dependencies]\ntest = ["pytest"]\n')
+    b.write_text('[project]\ndependencies = ["numpy", "torch>=2.4"]\n[project.optional-dependencies]\ntest = ["pytest"]\n')
+    assert dependencies(a) == dependencies(b)
+    b.write_text('[project]\ndependencies = ["numpy", "torch>=2.5"]\n')
+    assert dependencies(a) != dependencies(b)
+
+
+# ---- command line ---------------------------------------------------------------------------
+def test_cli_bad_input_is_one_line(capsys):
+    assert gate_main(["--against", "HEAD", "some/run"]) == 2
+    assert capsys.readouterr().err.strip() == "servelab-gate: error: --against measures its own runs: give no run folders"
+    assert gate_main(["--against", "HEAD", "--candidate-env", "NOEQUALS"]) == 2
+    assert "expected KEY=VALUE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gate_main(["--baseline", "x.json"])  # the stored mode still needs its run folders
+
+
+def test_no_history_falls_back_to_the_stored_baseline(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(gate_cli, "run_ci_gate_experiment", lambda run: calls.append(run) or 0)
+    args = argparse.Namespace(runs=[], config=None, pairs=None, time_box_s=None, repo=str(tmp_path), against="auto",
+                              candidate_env=[], out=None, fallback_baseline="base.json",
+                              fallback_run=str(tmp_path / "run"), verbose=False)  # fmt: skip
+    seen = []
+    assert gate_cli.paired_gate(args, stored_gate=lambda a: seen.append(a) or 0) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"servelab-gate: {tmp_path} is not a git checkout with a commit; falling back to the stored "
+                   "baseline base.json"]  # fmt: skip
+    assert calls == [tmp_path / "run"]
+    assert seen[0].baseline == "base.json" and seen[0].runs == [str(tmp_path / "run")]
+    assert seen[0].config.endswith("conf/gate/ci.yaml")
+
+
+# ---- end to end -----------------------------------------------------------------------------
+@needs_git
+def test_paired_gate_end_to_end_on_the_real_engine(tmp_path):
+    """Two workers (a baseline worktree and a clone of this checkout's HEAD), two pairs of a tiny
+    workload: the exact metrics agree and every time metric has an interval."""
+    if _git(ROOT, "rev-parse", "--is-inside-work-tree") != "true":
+        pytest.skip("the checkout is not a git work tree")
+    repo = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--shared", str(ROOT), str(repo)], check=True)
+    settings = GateSettings.load(
+        None, min_pairs=2, max_pairs=2, discard_pairs=0, warmup_runs=0,
+        overrides=["model.num_layers_override=1", "workload.num_requests=3", "workload.output_len.low=2",
+                   "workload.output_len.high=3"],
+    )  # fmt: skip
+    result = run_paired_gate(repo, "HEAD", settings, log=lambda _: None, out_dir=tmp_path / "out")
+    assert result.pairs == 2 and len(result.baseline_reps) == 2
+    by_name = {c.metric: c for c in result.checks}
+    for exact in ("num_steps", "mean_tokens_per_step", "prefix_cache_hit_rate", "num_preemptions", "output_tokens"):
+        assert by_name[exact].baseline == by_name[exact].candidate and by_name[exact].verdict == "ok"
+    assert by_name["output_tokens"].baseline >= 6
+    assert by_name["cpu_ms_per_token"].interval is not None
+    saved = json.loads((tmp_path / "out" / "gate.json").read_text())
+    assert saved["pairs"] == 2 and saved["baseline_tree"].startswith(str(tmp_path))

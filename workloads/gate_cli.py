@@ -1,0 +1,98 @@
+"""`servelab-gate --against REF`: the paired gate's options, table and fallback (reports/cli.py parses).
+
+Without git history to compare with (no .git, a shallow clone lacking the commit, a first
+commit) it says so in one line and falls back to the stored-baseline gate: the ci_gate
+experiment once, compared with `--fallback-baseline` under conf/gate/ci.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import conf
+from reports.run_data import RunFolderError
+from workloads.gate_stats import format_table
+from workloads.gate_trees import NoHistory
+from workloads.paired_gate import GateSettings, run_paired_gate
+
+STORED_CONFIG = Path(conf.__file__).parent / "gate" / "ci.yaml"
+
+
+def add_paired_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("paired gate (--against)")
+    group.add_argument("--repo", default=".", help="the checkout to gate (default: the working directory)")
+    group.add_argument("--pairs", type=int, help="most pairs to measure (default: the config's max_pairs)")
+    group.add_argument("--time-box-s", type=float, help="stop starting pairs after this (default: the config's)")
+    group.add_argument("--out", help="folder for gate.json and the workers' logs (default: a temporary one)")
+    group.add_argument(
+        "--fallback-baseline", default="benchmarks/baselines/ci_gate.json",
+        help="stored baseline used when there is no git history (default: %(default)s)",
+    )
+    group.add_argument("--fallback-run", default="runs/ci_gate/latest", help="run folder of the fallback run")
+    group.add_argument(
+        "--candidate-env", action="append", default=[], metavar="KEY=VALUE",
+        help="TEST ONLY: an environment variable for the candidate's worker (e.g. SERVELAB_TEST_SLOWDOWN=0.1)",
+    )
+
+
+def _env_pairs(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--candidate-env: expected KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
+def run_ci_gate_experiment(run: Path) -> int:
+    """`servelab-run experiment=ci_gate` into `run` (the stored-baseline gate's run); its exit code."""
+    return subprocess.run([sys.executable, "-m", "workloads.cli", "experiment=ci_gate", f"hydra.run.dir={run}"]).returncode
+
+
+def _fallback(args: argparse.Namespace, stored_gate: Callable[[argparse.Namespace], int]) -> int:
+    run = Path(args.fallback_run)
+    code = run_ci_gate_experiment(run)
+    if code != 0:
+        raise RunFolderError(f"the fallback ci_gate run failed (exit {code})")
+    stored = argparse.Namespace(config=str(STORED_CONFIG), baseline=args.fallback_baseline, make_baseline=None,
+                                runs=[str(run)], verbose=args.verbose)  # fmt: skip
+    return stored_gate(stored)
+
+
+def paired_gate(args: argparse.Namespace, stored_gate: Callable[[argparse.Namespace], int]) -> int:
+    """Runs the paired gate and prints its table; 0 pass, 1 regression (exit codes of servelab-gate)."""
+    if args.runs:
+        raise ValueError("--against measures its own runs: give no run folders")
+    settings = GateSettings.load(args.config, max_pairs=args.pairs, time_box_s=args.time_box_s)
+    try:
+        result = run_paired_gate(Path(args.repo), args.against, settings, _env_pairs(args.candidate_env),
+                                 log=lambda s: print(f"gate: {s}", flush=True),
+                                 out_dir=Path(args.out) if args.out else None)  # fmt: skip
+    except NoHistory as exc:
+        print(f"servelab-gate: {exc}; falling back to the stored baseline {args.fallback_baseline}", flush=True)
+        return _fallback(args, stored_gate)
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from None  # a worker failed: one line, exit 2
+    except subprocess.CalledProcessError as exc:
+        last = (exc.stderr or "").strip().splitlines()[-1:] or [f"exit {exc.returncode}"]
+        raise ValueError(f"{' '.join(map(str, exc.cmd))}: {last[0]}") from None
+    print(format_table(result.checks))
+    bad = [c.metric for c in result.checks if c.regressed]
+    print(f"gate: {'FAIL' if bad else 'PASS'} ({len(bad)} regression(s) in {len(result.checks)} metrics"
+          f"{': ' + ', '.join(bad) if bad else ''}; {result.pairs} pairs against {result.baseline_commit[:12]}, "
+          f"{result.elapsed_s:.0f} s)")  # fmt: skip
+    if args.verbose:
+        print(json.dumps(result.notes))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":  # python -m workloads.gate_cli: servelab-gate from this tree
+    from reports.cli import gate_main
+
+    sys.exit(gate_main())

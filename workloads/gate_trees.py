@@ -1,0 +1,139 @@
+"""The paired gate's baseline tree: a git ref checked out next to the checkout, with what it runs on.
+
+- `resolve_baseline(repo, ref)`: the commit to compare with. `ref` "auto" is the merge-base with
+  the main branch when the checkout is ahead of it, else `HEAD~1`. `NoHistory` (one line) when
+  there is no git, a shallow clone lacking the commit, or a first commit with no parent: the
+  caller then falls back to the stored baseline.
+- `materialise(repo, commit)`: `git worktree add --detach` at `<repo>/../<name>-gate-trees/<sha12>`,
+  reused while it is still at that commit (a cache keyed by commit).
+- `python_for(tree, repo)`: the checkout's own interpreter when the two pyproject.toml files
+  declare the same dependencies; otherwise a virtual environment built once per dependency set.
+- `extension_dir_for(tree, repo)`: None when the C++ kernel sources are the same in both trees
+  (the torch extension cache is shared); otherwise a separate TORCH_EXTENSIONS_DIR keyed by the
+  baseline's sources, so the two builds never overwrite each other (torch names a build after
+  the extension, not its source, and would rebuild at every switch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+# Files whose text makes up the C++ kernels (engine/cpu_extension.py builds them with load_inline).
+KERNEL_SOURCES = ("engine/cpu_extension.py", "engine/model/cpu_kernels.py", "engine/attention/cpu_paged_attention.py")
+MAIN_BRANCHES = ("main", "origin/main", "master", "origin/master")
+
+
+class NoHistory(Exception):
+    """The checkout has no history to compare with (no git, shallow clone, first commit)."""
+
+
+def git(repo: Path, *args: str) -> str:
+    res = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise subprocess.CalledProcessError(res.returncode, ["git", *args], res.stdout, res.stderr)
+    return res.stdout.strip()
+
+
+def _commit_of(repo: Path, ref: str) -> str | None:
+    try:
+        return git(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    except subprocess.CalledProcessError:
+        return None
+
+
+def resolve_baseline(repo: Path, ref: str = "auto") -> str:
+    """The full sha to compare with (see the module docstring); `NoHistory` when there is none."""
+    try:
+        head = git(repo, "rev-parse", "HEAD")
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        raise NoHistory(f"{repo} is not a git checkout with a commit") from None
+    shallow = _commit_of(repo, "HEAD") is not None and git(repo, "rev-parse", "--is-shallow-repository") == "true"
+    if ref != "auto":
+        commit = _commit_of(repo, ref)
+        if commit is None:
+            why = " (shallow clone: fetch more history)" if shallow else ""
+            raise NoHistory(f"git ref {ref!r} not found{why}")
+        return commit
+    for branch in MAIN_BRANCHES:
+        if _commit_of(repo, branch) is None:
+            continue
+        try:
+            base = git(repo, "merge-base", "HEAD", branch)
+        except subprocess.CalledProcessError:
+            continue
+        if base != head:
+            return base
+        break
+    parent = _commit_of(repo, "HEAD~1")
+    if parent is None:
+        why = "shallow clone" if shallow else "first commit"
+        raise NoHistory(f"HEAD has no parent commit to compare with ({why})")
+    return parent
+
+
+def trees_dir(repo: Path) -> Path:
+    return repo.resolve().parent / f"{repo.resolve().name}-gate-trees"
+
+
+def materialise(repo: Path, commit: str) -> Path:
+    """A detached worktree of `commit` next to the checkout, created once and reused."""
+    tree = trees_dir(repo) / commit[:12]
+    if tree.is_dir():
+        if (tree / ".git").exists() and _commit_of(tree, "HEAD") == commit:
+            return tree
+        try:
+            git(repo, "worktree", "remove", "--force", str(tree))
+        except subprocess.CalledProcessError:  # not (or no longer) a worktree: a stale folder
+            shutil.rmtree(tree, ignore_errors=True)
+    tree.parent.mkdir(parents=True, exist_ok=True)
+    git(repo, "worktree", "prune")
+    git(repo, "worktree", "add", "--detach", "--force", str(tree), commit)
+    return tree
+
+
+def dependencies(pyproject: Path) -> list[str]:
+    """`[project]` dependencies and optional dependencies, sorted (what an environment installs).
+
+    Without tomllib (Python 3.10) the whole file's lines stand for them (conservative)."""
+    try:
+        import tomllib
+    except ImportError:
+        return sorted(pyproject.read_text().splitlines())
+    project = tomllib.loads(pyproject.read_text()).get("project", {})
+    deps = list(project.get("dependencies", []))
+    for group in sorted(project.get("optional-dependencies", {}).items()):
+        deps += [f"[{group[0]}] {d}" for d in group[1]]
+    return sorted(deps)
+
+
+def python_for(tree: Path, repo: Path, cache: Path) -> tuple[str, str]:
+    """(interpreter, why): this environment's when dependencies match, else a cached venv."""
+    mine, theirs = dependencies(repo / "pyproject.toml"), dependencies(tree / "pyproject.toml")
+    if mine == theirs:
+        return sys.executable, "same dependencies: the checkout's environment"
+    key = hashlib.sha256("\n".join(theirs).encode()).hexdigest()[:12]
+    venv = cache / f"venv-{key}"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"{tree}[test]"], check=True)
+    return str(python), f"dependencies differ: environment {venv}"
+
+
+def kernel_digest(tree: Path) -> str:
+    h = hashlib.sha256()
+    for rel in KERNEL_SOURCES:
+        path = tree / rel
+        h.update(rel.encode() + b"\0" + (path.read_bytes() if path.exists() else b"") + b"\0")
+    return h.hexdigest()[:12]
+
+
+def extension_dir_for(tree: Path, repo: Path, cache: Path) -> Path | None:
+    """None when both trees build the same C++ kernels; else the baseline's own build folder."""
+    if kernel_digest(tree) == kernel_digest(repo):
+        return None
+    return cache / f"torch_extensions-{kernel_digest(tree)}"

@@ -1,0 +1,291 @@
+"""The paired CI gate: the gate workload on a baseline commit and on this checkout, alternately.
+
+`run_paired_gate(repo, against, settings)`:
+
+1. resolves `against` to a commit and checks it out next to the checkout
+   (`workloads.gate_trees`), with the interpreter and C++ extension folder it needs;
+2. builds the job once (conf/gate/paired.yaml `experiment` + `overrides`, composed as
+   `servelab-run` would, prompts as token ids), so both sides get identical requests;
+3. starts one worker per tree (`workloads/gate_worker.py`: loads that tree's engine once,
+   runs the warm-up), with the same threads, CPU affinity and environment;
+4. runs pairs (baseline then candidate, the next pair candidate then baseline, ...) until
+   `pairs.max` or the time box, discards the first `pairs.discard` pairs, and judges every
+   metric on the paired ratios (`workloads.gate_stats`).
+
+Where `perf stat` counts instructions, each rep's user-space instructions per output token are
+reported too (deterministic to a fraction of a percent on one machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+import conf
+from workloads.gate_stats import MetricRule, PairedCheck, judge_all
+from workloads.gate_trees import extension_dir_for, materialise, python_for, resolve_baseline
+
+DEFAULT_SETTINGS = Path(conf.__file__).parent / "gate" / "paired.yaml"
+WORKER = Path(__file__).with_name("gate_worker.py")
+# Runs the worker script by path with the tree as sys.path[0] (python -c puts the working
+# directory first), not the folder holding the script.
+RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+TEST_ONLY_ENV = ("SERVELAB_TEST_SLOWDOWN",)  # never inherited by a worker (engine/worker/test_slowdown.py)
+
+
+@dataclass
+class GateSettings:
+    """conf/gate/paired.yaml."""
+
+    experiment: str = "ci_gate"
+    overrides: list[str] = field(default_factory=list)
+    threads: int = 1
+    cpus: list[int] | None = None  # CPU affinity of both workers (None: the gate's own)
+    warmup_runs: int = 1
+    min_pairs: int = 6
+    max_pairs: int = 30
+    discard_pairs: int = 1
+    time_box_s: float = 230.0
+    rep_timeout_s: float = 120.0
+    bootstrap: dict[str, Any] = field(default_factory=lambda: {"resamples": 2000, "confidence": 0.95, "seed": 0})
+    metrics: dict[str, MetricRule] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **changes: Any) -> GateSettings:
+        raw = yaml.safe_load(Path(path or DEFAULT_SETTINGS).read_text()) or {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"paired gate config {path or DEFAULT_SETTINGS}: unknown key(s) {unknown}")
+        raw["metrics"] = {k: MetricRule.from_dict(k, v) for k, v in (raw.get("metrics") or {}).items()}
+        settings = cls(**raw)
+        for key, value in changes.items():
+            if value is not None:
+                setattr(settings, key, value)
+        if settings.min_pairs < 2 or settings.max_pairs < settings.min_pairs:
+            raise ValueError(f"paired gate: need 2 <= min_pairs <= max_pairs, got {settings.min_pairs}, "
+                             f"{settings.max_pairs}")  # fmt: skip
+        return settings
+
+
+@dataclass
+class GateResult:
+    baseline_commit: str
+    baseline_tree: str
+    checks: list[PairedCheck]
+    baseline_reps: list[dict[str, float]]
+    candidate_reps: list[dict[str, float]]
+    pairs: int
+    discarded: int
+    elapsed_s: float
+    notes: list[str]
+
+    @property
+    def regressed(self) -> bool:
+        return any(c.regressed for c in self.checks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "verdict": "fail" if self.regressed else "pass",
+            "baseline_commit": self.baseline_commit,
+            "baseline_tree": self.baseline_tree,
+            "pairs": self.pairs,
+            "discarded_pairs": self.discarded,
+            "elapsed_s": self.elapsed_s,
+            "notes": self.notes,
+            "checks": [asdict(c) | {"rule": asdict(c.rule)} for c in self.checks],
+            "baseline_reps": self.baseline_reps,
+            "candidate_reps": self.candidate_reps,
+        }
+
+
+def build_job(settings: GateSettings) -> dict[str, Any]:
+    """The requests (token ids) and engine sections both workers run, composed as servelab-run does."""
+    from conf.schema import RunConfig, compose_typed
+    from engine.tokenizer import get_tokenizer
+    from workloads.experiment import _max_model_len
+    from workloads.factory import build_workload
+
+    cfg = compose_typed(RunConfig, "run", [f"experiment={settings.experiment}", *settings.overrides])
+    engine_config = cfg.engine_config()
+    engine_config.device.num_threads = settings.threads
+    specs, _ = build_workload(cfg.workload, get_tokenizer(engine_config.model), _max_model_len(engine_config))
+    specs = [s for s in specs if not s.is_warmup]
+    if any(s.prompt_token_ids is None for s in specs):
+        raise ValueError(f"paired gate: experiment {settings.experiment} must set workload.prompt_as_token_ids")
+    sections = {f.name: asdict(getattr(engine_config, f.name)) for f in fields(engine_config)}
+    return {
+        "engine": sections,
+        "requests": [{"prompt_token_ids": list(s.prompt_token_ids or []), "max_tokens": s.max_tokens} for s in specs],
+        "threads": settings.threads,
+        "warmup_runs": settings.warmup_runs,
+    }
+
+
+def worker_env(tree: Path, threads: int, extension_dir: Path | None, extra: Mapping[str, str]) -> dict[str, str]:
+    """The environment of one worker: identical for both sides but for the tree and `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in TEST_ONLY_ENV}
+    env |= {"PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0"}  # fmt: skip
+    if extension_dir is not None:
+        env["TORCH_EXTENSIONS_DIR"] = str(extension_dir)
+    return env | dict(extra)
+
+
+class Worker:
+    """One tree's worker process, driven over its stdin/stdout (see workloads/gate_worker.py)."""
+
+    def __init__(self, name: str, python: str, tree: Path, env: dict[str, str], cpus: list[int] | None,
+                 log_dir: Path) -> None:  # fmt: skip
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("w")
+        affinity = set(cpus) if cpus else None
+        self.proc = subprocess.Popen(
+            [python, "-c", RUN_SCRIPT, str(WORKER)], cwd=tree, env=env, text=True, bufsize=1,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            preexec_fn=(lambda: os.sched_setaffinity(0, affinity)) if affinity else None,  # type: ignore[arg-type]
+        )
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self, timeout_s: float) -> dict[str, Any]:
+        out: IO[str] | None = self.proc.stdout
+        assert out is not None
+        ready, _, _ = select.select([out], [], [], timeout_s)
+        line = out.readline() if ready else ""
+        if not line:
+            alive = self.proc.poll() is None
+            why = f"no answer in {timeout_s:.0f} s" if alive and not ready else f"exited ({self.proc.poll()})"
+            raise RuntimeError(f"{self.name} worker {why}: {self.tail()}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"{self.name} worker: {reply['error']}")
+        return reply
+
+    def tail(self) -> str:
+        self._log.flush()
+        lines = [s for s in self.log_path.read_text(errors="replace").splitlines() if s.strip()]
+        return lines[-1][:300] if lines else f"see {self.log_path}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("quit")
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def perf_available() -> bool:
+    """True when `perf stat` counts user-space instructions here (not in most VMs)."""
+    if shutil.which("perf") is None:
+        return False
+    res = subprocess.run(["perf", "stat", "-x,", "-e", "instructions:u", "true"], capture_output=True, text=True)
+    return parse_perf_instructions(res.stderr) is not None
+
+
+def parse_perf_instructions(text: str) -> float | None:
+    """The instruction count in `perf stat -x,` output; None when not counted or not supported."""
+    for line in text.splitlines():
+        parts = line.split(",")
+        if len(parts) >= 3 and parts[2].startswith("instructions"):
+            try:
+                return float(parts[0])
+            except ValueError:
+                return None
+    return None
+
+
+def timed_rep(worker: Worker, timeout_s: float, perf: bool, scratch: Path) -> dict[str, float]:
+    """One rep on `worker`; adds instructions per output token when `perf`."""
+    counter = None
+    if perf:
+        out = scratch / f"perf-{worker.name}.txt"
+        counter = subprocess.Popen(["perf", "stat", "-x,", "-e", "instructions:u", "-p", str(worker.proc.pid),
+                                    "-o", str(out)], stderr=subprocess.DEVNULL)  # fmt: skip
+        time.sleep(0.05)  # let perf attach before the rep starts
+    worker.send("run")
+    rep = worker.receive(timeout_s)
+    if counter is not None:
+        counter.send_signal(signal.SIGINT)
+        counter.wait(timeout=10)
+        count = parse_perf_instructions(out.read_text())
+        if count is not None:
+            rep["instructions_per_token"] = count / max(rep.get("output_tokens", 1), 1)
+    return rep
+
+
+def run_paired_gate(
+    repo: Path, against: str, settings: GateSettings, candidate_env: Mapping[str, str] | None = None,
+    log: Callable[[str], None] = print, out_dir: Path | None = None,
+) -> GateResult:
+    """See the module docstring. Raises gate_trees.NoHistory when there is nothing to compare with."""
+    t0 = time.perf_counter()
+    repo = repo.resolve()
+    commit = resolve_baseline(repo, against)
+    tree = materialise(repo, commit)
+    cache = tree.parent / "cache"
+    python, why_python = python_for(tree, repo, cache)
+    ext_dir = extension_dir_for(tree, repo, cache)
+    notes = [f"baseline {commit[:12]} at {tree}", f"baseline python: {why_python}",
+             "C++ kernels: " + (f"baseline built separately in {ext_dir}" if ext_dir else "same sources, shared build")]
+    perf = perf_available()
+    notes.append("perf stat: counting instructions" if perf else "perf stat: no instruction counter here (not reported)")
+    for n in notes:
+        log(n)
+    scratch = Path(out_dir or tempfile.mkdtemp(prefix="servelab-gate-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    workers = {
+        "baseline": Worker("baseline", python, tree, worker_env(tree, settings.threads, ext_dir, {}), settings.cpus,
+                           scratch),  # fmt: skip
+        "candidate": Worker("candidate", sys.executable, repo,
+                            worker_env(repo, settings.threads, None, candidate_env or {}), settings.cpus, scratch),
+    }
+    reps: dict[str, list[dict[str, float]]] = {"baseline": [], "candidate": []}
+    try:
+        job = json.dumps(build_job(settings))  # while the workers import torch
+        for w in workers.values():
+            w.send(job)
+        for w in workers.values():
+            w.receive(settings.rep_timeout_s * (settings.warmup_runs + 1) + 600)  # model load, C++ build
+        log(f"workers ready after {time.perf_counter() - t0:.0f} s")
+        total = settings.max_pairs + settings.discard_pairs
+        pair_s = 0.0
+        for i in range(total):
+            elapsed = time.perf_counter() - t0
+            if i - settings.discard_pairs >= settings.min_pairs and elapsed + pair_s > settings.time_box_s:
+                break
+            p0 = time.perf_counter()
+            order = ("baseline", "candidate") if i % 2 == 0 else ("candidate", "baseline")
+            for side in order:
+                reps[side].append(timed_rep(workers[side], settings.rep_timeout_s, perf, scratch))
+            pair_s = time.perf_counter() - p0  # the next pair is expected to take as long
+    finally:
+        for w in workers.values():
+            w.close()
+    done = len(reps["candidate"])
+    base, cand = reps["baseline"][settings.discard_pairs:], reps["candidate"][settings.discard_pairs:]
+    checks = judge_all(settings.metrics, base, cand, settings.bootstrap)
+    result = GateResult(commit, str(tree), checks, base, cand, len(cand), done - len(cand),
+                        time.perf_counter() - t0, notes)  # fmt: skip
+    (scratch / "gate.json").write_text(json.dumps(result.to_json(), indent=2, default=float))
+    return result
