@@ -168,7 +168,8 @@ def test_dead_worker_fails_the_step_and_leaves_no_process(tmp_path) -> None:
     core.add_request(EngineCoreRequest("r0", [1, 2, 3], sp, None, 0.0, 50))
     assert core.step().outputs  # the first token came back
     os.kill(procs[1].pid, signal.SIGKILL)
-    with pytest.raises(ExecutorDiedError, match="worker rank 1 .* died"):
+    # rank 1 is killed; rank 0 may fail on its next collective first (exit code 1): either is reported
+    with pytest.raises(ExecutorDiedError, match=r"worker rank [01] .* died"):
         for _ in range(50):
             core.step()
     assert all(p.poll() is not None for p in procs)  # the executor killed the other rank too

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,8 @@ class EngineCoreClient:
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.bind(self.output_addr)
         self._aoutput: zmq.asyncio.Socket | None = None  # async view, made on the serving loop
+        # Never leave the context to the garbage collector with its sockets (see multiproc.py).
+        self._finalizer = weakref.finalize(self, _release_sockets, self._input, self._output, self._ctx)
         self._encoder = msgspec.msgpack.Encoder()
         self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._result_decoder = msgspec.msgpack.Decoder(msg.UtilityResult)
@@ -218,9 +221,7 @@ class EngineCoreClient:
                 self._thread_core.stop_event.set()
             self._thread.join(timeout_s)
         self._fail_pending_calls(EngineDeadError("engine core shut down"))
-        self._input.close(linger=0)
-        self._output.close(linger=0)
-        self._ctx.term()
+        self._finalizer()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # ---- requests ---------------------------------------------------------------
@@ -310,3 +311,11 @@ class EngineCoreClient:
         for fut in self._pending_calls.values():
             if not fut.done():
                 fut.set_exception(err)
+
+
+def _release_sockets(inp: zmq.Socket, out: zmq.Socket, ctx: zmq.Context) -> None:
+    for sock in (inp, out):
+        if not sock.closed:
+            sock.close(linger=0)
+    if not ctx.closed:
+        ctx.term()

@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 
 import msgspec
 import zmq
@@ -61,6 +62,11 @@ class MultiprocExecutor(Executor):
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished rank fails, not drops
+        # An executor dropped without shutdown() (an LLM that goes out of scope) must not leave its
+        # context to the garbage collector: collected in one cycle with its socket, the context's
+        # term() waits forever for a socket the collector has not closed yet. The finalizer holds
+        # them (and the rank processes) until it has closed, terminated and killed them.
+        self._finalizer = weakref.finalize(self, _release, self._sock, self._ctx, self.procs)
         if par.nnodes > 1:  # a known port the other nodes' ranks connect to
             self.port = par.master_port + 1
             self._sock.bind(f"tcp://{par.master_addr}:{self.port}")
@@ -170,9 +176,7 @@ class MultiprocExecutor(Executor):
                 with contextlib.suppress(zmq.ZMQError):
                     self._sock.send_multipart((wire.identity(rank), wire.SHUTDOWN, b""), flags=zmq.NOBLOCK)
         self._kill_workers(grace_s=5.0)
-        if not self._sock.closed:
-            self._sock.close()
-            self._ctx.term()
+        self._finalizer()
 
     def _kill_workers(self, grace_s: float = 0.0) -> None:
         deadline = time.monotonic() + grace_s
@@ -191,3 +195,15 @@ class MultiprocExecutor(Executor):
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs.values()]
+
+
+def _release(sock: zmq.Socket, ctx: zmq.Context, procs: dict[int, subprocess.Popen[bytes]]) -> None:
+    """Close the executor's socket and context and kill its ranks (shutdown(), or the finalizer)."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if not sock.closed:
+        sock.close(linger=0)
+    if not ctx.closed:
+        ctx.term()
