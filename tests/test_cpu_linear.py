@@ -61,3 +61,23 @@ def test_engine_tokens_equal_with_and_without_prepacking() -> None:
         assert (llm.engine_core.executor.worker.model.packed_lm_head is not None) == prepack  # type: ignore[attr-defined]
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_prepack_packs_the_lm_head_once(tied: bool) -> None:
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.model.arch import ModelArch
+    from engine.model.llama import LlamaForCausalLM
+
+    arch = ModelArch(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                     vocab_size=300, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64,
+                     tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(arch, TorchAttentionBackend()).bfloat16()
+    hidden = torch.randn(3, 64).bfloat16()
+    with torch.inference_mode():
+        plain = model.compute_logits(hidden)
+        packed = model.prepack()
+        assert packed == 5  # qkv, o, gate_up, down, and the LM head (tied: packed apart; untied: a linear)
+        if not tied:
+            assert model.packed_lm_head is model.lm_head.__dict__["packed_weight"]  # type: ignore[union-attr]
+        torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=1e-2, atol=2e-2)

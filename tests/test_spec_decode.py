@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from sched_utils import make_request, make_scheduler, step
+from test_oracle import PROMPTS, SYSTEM
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm import LLM
@@ -27,16 +28,8 @@ pytestmark = pytest.mark.timeout(300)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
-# tests/test_oracle.py's prompts (the engine matches HF greedy on them) ...
-ORACLE_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "List three primary colors:",
-    "Translate to French: Good morning, my friend.",
-    "The quick brown fox",
-    "春天来了，",
-]
+# tests/test_oracle.py's prompts without the two long system-prompt ones (the engine matches HF greedy on them) ...
+ORACLE_PROMPTS = [p for p in PROMPTS if not p.startswith(SYSTEM)]
 # ... and a repetitive workload: the continuation repeats what the prompt says.
 REPETITIVE_PROMPTS = [
     "Repeat exactly: red, green, blue, red, green, blue, red, green, blue, red,",

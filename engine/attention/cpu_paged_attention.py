@@ -38,21 +38,32 @@ _CPP_SOURCE = r"""
 
 namespace servelab {
 
+// Sizes, pointers and the request of each query row: what both paths read from the arguments.
+template <typename T>
+struct PagedView {
+  int64_t Tn, Hq, D, BS, Hkv, G, row, qs0, qs1;
+  const T *qp, *kp, *vp;
+  T* op;
+  std::vector<int64_t> req_of;  // query row -> its request
+  PagedView(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* qslp, int64_t B, torch::Tensor& out)
+      : Tn(q.size(0)), Hq(q.size(1)), D(q.size(2)), BS(kv_cache.size(2)), Hkv(kv_cache.size(3)), G(Hq / Hkv),
+        row(Hkv * D), qs0(q.stride(0)), qs1(q.stride(1)), qp(q.data_ptr<T>()), kp(kv_cache.data_ptr<T>()),
+        vp(kp + kv_cache.size(1) * BS * row), op(out.data_ptr<T>()), req_of(Tn) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = qslp[b]; i < qslp[b + 1]; ++i) req_of[i] = b;
+  }
+};
+
 template <typename T>
 static void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp,
                                  int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
                                  float scale, torch::Tensor& out) {
-  const int64_t Tn = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), Hkv = kv_cache.size(3);
-  const int64_t G = Hq / Hkv, row = Hkv * D;
-  const T* qp = q.data_ptr<T>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const T* kp = kv_cache.data_ptr<T>();
-  const T* vp = kp + NB * BS * row;
-  T* op = out.data_ptr<T>();
-  std::vector<int64_t> req_of(Tn);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = qslp[b]; i < qslp[b + 1]; ++i) req_of[i] = b;
+  const PagedView<T> v(q, kv_cache, qslp, B, out);
+  const int64_t Tn = v.Tn, Hq = v.Hq, D = v.D, BS = v.BS, Hkv = v.Hkv, G = v.G, row = v.row;
+  const int64_t qs0 = v.qs0, qs1 = v.qs1;
+  const T *qp = v.qp, *kp = v.kp, *vp = v.vp;
+  T* op = v.op;
+  const std::vector<int64_t>& req_of = v.req_of;
   at::parallel_for(0, Tn, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(Hq * D), acc(Hq * D), kf(D), mx(Hq), inv(Hq);
     for (int64_t i = begin; i < end; ++i) {
@@ -146,10 +157,6 @@ static inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The query row as the dot product wants it: bfloat16 pairs for vdpbf16ps, else unused.
-template <typename T>
-static inline const T* qj_raw(const T* p) { return p; }
-
 // Sixteen lanes whose sum is q . k (D = 16 * C). bfloat16 with AVX512-BF16: vdpbf16ps on the stored
 // bfloat16 values (exact products, float32 sums); otherwise float32 multiply-adds.
 template <typename T, int C>
@@ -196,17 +203,12 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
                                    int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
                                    float scale, torch::Tensor& out) {
   constexpr int64_t D = 16 * C;
-  const int64_t Tn = q.size(0), Hq = q.size(1);
-  const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), Hkv = kv_cache.size(3);
-  const int64_t G = Hq / Hkv, row = Hkv * D;
-  const T* qp = q.data_ptr<T>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const T* kp = kv_cache.data_ptr<T>();
-  const T* vp = kp + NB * BS * row;
-  T* op = out.data_ptr<T>();
-  std::vector<int64_t> req_of(Tn);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = qslp[b]; i < qslp[b + 1]; ++i) req_of[i] = b;
+  const PagedView<T> v(q, kv_cache, qslp, B, out);
+  const int64_t Tn = v.Tn, Hq = v.Hq, BS = v.BS, Hkv = v.Hkv, G = v.G, row = v.row;
+  const int64_t qs0 = v.qs0, qs1 = v.qs1;
+  const T *qp = v.qp, *kp = v.kp, *vp = v.vp;
+  T* op = v.op;
+  const std::vector<int64_t>& req_of = v.req_of;
   at::parallel_for(0, Tn * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(G * D), inv(G);
     for (int64_t w = begin; w < end; ++w) {
@@ -232,7 +234,7 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
           for (int64_t j = 0; j < G; ++j) {
             __m512 part[16];
             for (int64_t o = 0; o < 16; ++o)
-              part[o] = o < m ? dot_partial<T, C>(qf.data() + j * D, qj_raw<T>(qp + i * qs0 + (h * G + j) * qs1),
+              part[o] = o < m ? dot_partial<T, C>(qf.data() + j * D, qp + i * qs0 + (h * G + j) * qs1,
                                                   kb + (o0 + o) * row)
                               : _mm512_setzero_ps();
             _mm512_mask_storeu_ps(scores.data() + j * L + t0 + o0, tail_mask(m), _mm512_mul_ps(hsum16(part), vscale));
@@ -308,7 +310,7 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) { m.impl("paged_attention", &servelab::page
 """
 
 # Bump with every change of _CPP_SOURCE or the shared KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_paged_attention_v8"
+_EXTENSION_NAME = "servelab_cpu_paged_attention_v9"
 
 
 def _register_fakes() -> None:

@@ -152,10 +152,11 @@ class LlamaForCausalLM(nn.Module):
         """Prepack the linear weights and the LM head for oneDNN where that applies
         (engine/model/cpu_linear.py); returns how many matrices were packed."""
         n = prepack_linears(self)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if n and prepack_supported(weight):
-            self.packed_lm_head = pack_weight(weight)
-            n += self.lm_head is None  # the tied LM head is a matrix of its own
+        if self.lm_head is not None:  # an untied LM head is one of the linears just packed
+            self.packed_lm_head = self.lm_head.__dict__.get("packed_weight")
+        elif n and prepack_supported(self.model.embed_tokens.weight):
+            self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)  # the tied head: a matrix of its own
+            n += 1
         return n
 
     # ---- weights -----------------------------------------------------------------
