@@ -101,6 +101,42 @@ def test_valid_grammars_pass() -> None:
 # ---- bitmask --------------------------------------------------------------------------------
 
 
+def test_a_grammar_in_error_gets_a_row_as_wide_as_the_others() -> None:
+    """Found by the API fuzzer: a request whose grammar allows nothing more (only EOS) and a
+    healthy one in the same step made rows of different widths, and the step failed (500)."""
+    from sched_utils import make_request
+
+    from engine.config import ModelConfig
+    from engine.structured_output.manager import StructuredOutputManager
+    from engine.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(ModelConfig())
+    manager = StructuredOutputManager(lambda: (tok.backend.to_str(), tok.eos_token_id))
+    try:
+        requests = {}
+        for rid in ("ok", "stuck"):
+            req = make_request(rid, 4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+            req.num_computed_tokens = req.num_tokens
+            requests[rid] = req
+            manager.submit(req)
+        manager.wait_for_any(timeout=60)
+        while manager.num_awaiting:
+            manager.wait_for_any(timeout=60)
+            manager.take_ready()
+        ready, failed = manager.take_ready()
+        assert not failed
+        done = tok.encode("yes", add_special_tokens=False)
+        manager.accept_tokens("stuck", done, finished=False)  # the choice is complete: only EOS remains
+        manager._matchers["stuck"].consume_tokens(done[:1])  # one token past the end: an error state
+        rows = manager.fill_bitmask(["ok", "stuck"], requests)
+        assert rows is not None and rows["ok"].shape == rows["stuck"].shape
+        np.stack(list(rows.values()))  # what the model runner does with them
+        allowed = unpack_bitmask(rows["stuck"][None], tok.vocab_size, torch.device("cpu"))[0]
+        assert allowed.nonzero().flatten().tolist() == [requests["stuck"].eos_token_id]
+    finally:
+        manager.shutdown()
+
+
 def test_bitmask_unpack_and_apply() -> None:
     vocab = 70  # wider than the mask's 64 bits: tokens past it are disallowed
     words = np.zeros((2, 2), dtype=np.int32)

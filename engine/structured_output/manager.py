@@ -143,7 +143,9 @@ class StructuredOutputManager:
                 continue
             row = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
             if matcher.is_error() or not row.any():
-                row = _only(request.eos_token_id, self.vocab_words)
+                # As wide as the matchers' rows (llguidance's may have a word more than the
+                # vocabulary needs): the step stacks every constrained request's row.
+                row = _only(request.eos_token_id, len(row) or self.vocab_words)
             rows[request.request_id] = row
         return rows or None
 
