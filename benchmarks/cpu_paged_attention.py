@@ -1,6 +1,6 @@
 """The C++ paged-attention op against the torch (gather + SDPA) path, one layer, on the CPU.
 
-    python benchmarks/cpu_paged_attention.py [--threads 1] [--iters 20]
+    python benchmarks/cpu_paged_attention.py [--threads 1] [--iters 20] [--layers 30]
 
 SmolLM2 attention shape (9 query heads, 3 kv heads, head_dim 64, block 16), float32 and
 bfloat16, three cases: decode (64 requests x 1 query token over 192 cached tokens), prefill
@@ -8,6 +8,8 @@ over a cached context (4 requests x 64-token chunks after 128 cached tokens: lat
 prefix hits) and fresh prefills (4 x 128 tokens, no cached context: SDPA `is_causal` on this
 step's keys, against the op reading them back from the cache). Prints the median process CPU
 time per call of each (steadier than wall time on a shared machine) and the ratio.
+`--layers N` times only the decode case as the model meets it, cold: N caches (one per layer)
+read in turn, wall time per layer and GB/s of keys and values read.
 """
 
 from __future__ import annotations
@@ -72,12 +74,48 @@ def case(name: str, dtype: torch.dtype, batch: int, q_len: int, ctx: int, iters:
           f"op/torch {t_op / t_torch:5.2f}", flush=True)
 
 
+def cold_decode(dtype: torch.dtype, layers: int, batch: int, ctx: int, iters: int) -> None:
+    """Decode as the model runs it: one cache per layer, each read once per step, so the keys and
+    values come from memory, not from a cache that the previous call warmed (a step's KV is far
+    larger than the last-level cache). Wall time per layer and the KV bytes read per second."""
+    seq = ctx + 1
+    nblk = -(-seq // BS)
+    caches = [torch.randn(2, batch * nblk, BS, HKV, D).to(dtype) for _ in range(layers)]
+    tables = [torch.randperm(batch * nblk).view(batch, nblk) for _ in range(layers)]
+    q = torch.randn(batch, HQ, D).to(dtype)
+    qsl, lens = torch.arange(batch + 1), torch.full((batch,), seq)
+    op = paged_attention_op()
+    assert op is not None, "no C++ toolchain"
+    scale = D**-0.5
+
+    def step() -> None:
+        for cache, table in zip(caches, tables, strict=True):
+            op(q, cache, table, qsl, lens, scale)
+
+    step()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - t0)
+    per_layer = sorted(ts)[len(ts) // 2] / layers
+    kv_bytes = 2 * batch * seq * HKV * D * caches[0].element_size()
+    print(f"{str(dtype):15s} cold decode {batch} x 1 over {ctx}, {layers} layers: {per_layer * 1e3:7.3f} ms / layer  "
+          f"({kv_bytes / per_layer / 1e9:5.1f} GB/s of KV)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--layers", type=int, default=0,
+                   help="only the cold-cache decode case, over this many layers' caches (30: SmolLM2)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.layers:
+        for dtype in (torch.bfloat16, torch.float32):
+            cold_decode(dtype, args.layers, 64, 191, args.iters)
+        return
     for dtype in (torch.bfloat16, torch.float32):
         case("decode 64 x 1 over 192", dtype, 64, 1, 191, args.iters)
         case("prefill 4 x 64 after 128", dtype, 4, 64, 128, args.iters)

@@ -111,15 +111,17 @@ def _dense_attention(q, cache, tables, qsl, seq_lens, scale) -> torch.Tensor:  #
 @pytest.mark.parametrize(
     "seq_lens,q_lens",
     [
-        ([37, 5, 16, 17], [1, 1, 1, 1]),  # decode, lengths differ
+        ([37, 5, 16, 17], [1, 1, 1, 1]),  # decode, lengths differ (few rows: one kv head per work item)
+        ([37, 5, 16, 17, 3, 64, 65, 1, 30, 31, 32, 48], [1] * 12),  # decode, rows enough for whole-row items
         ([40, 20], [15, 20]),  # prefill over a cached context (chunk / prefix hit), fresh prefill
         ([33, 12, 7], [1, 5, 7]),  # mixed
     ],
 )
+@pytest.mark.parametrize("d", [64, 128])
 @torch.inference_mode()
-def test_paged_attention_matches_dense_reference(dtype, seq_lens, q_lens) -> None:  # type: ignore[no-untyped-def]
+def test_paged_attention_matches_dense_reference(dtype, seq_lens, q_lens, d) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
-    hq, hkv, d, bs, scale = 6, 2, 64, 16, 0.125
+    hq, hkv, bs, scale = 6, 2, 16, 0.125
     needed = [-(-s // bs) for s in seq_lens]
     perm = torch.randperm(sum(needed) + 3).tolist()  # scattered blocks
     tables, at = [], 0
@@ -141,6 +143,27 @@ def test_paged_attention_matches_dense_reference(dtype, seq_lens, q_lens) -> Non
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_write_kv_matches_index_copy_and_rejects_bad_slots(dtype) -> None:  # type: ignore[no-untyped-def]
+    from engine.attention.cpu_paged_attention import write_kv_op
+
+    torch.manual_seed(0)
+    hq, hkv, d, nb, bs = 6, 2, 64, 5, 16
+    qkv = torch.randn(7, hq + 2 * hkv, d).to(dtype)
+    k, v = qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]  # strided views, as the model passes them
+    slots = torch.tensor([3, 17, 18, 40, 79, 0, 64])
+    cache = torch.randn(2, nb, bs, hkv, d).to(dtype)
+    want = cache.clone()
+    flat = want.view(2, nb * bs, hkv, d)
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+    write_kv_op()(cache, k, v, slots)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        write_kv_op()(cache, k, v, slots.clone().fill_(nb * bs))
+
+
 def test_ops_carry_schemas_and_fake_kernels_for_compile() -> None:
     """Each op passes torch.library.opcheck (schema, fake/meta implementation, dispatch)."""
     k = kernels()
@@ -156,6 +179,8 @@ def test_ops_carry_schemas_and_fake_kernels_for_compile() -> None:
         args = (torch.randn(2, 3, 16).to(dtype), cache, torch.tensor([[0, 1], [2, 3]]), torch.tensor([0, 1, 2]),
                 torch.tensor([20, 9]), 0.25)
         torch.library.opcheck(torch.ops.servelab.paged_attention, args)
+        kv = torch.randn(4, 1, 16).to(dtype)
+        torch.library.opcheck(torch.ops.servelab.write_kv_, (cache.clone(), kv, kv, torch.tensor([5, 0, 63, 17])))
 
 
 def test_layers_trace_without_graph_breaks() -> None:

@@ -29,6 +29,7 @@ from engine.cpu_extension import load_cpu_ops
 
 _CPP_SOURCE = r"""
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -132,10 +133,12 @@ static void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& kv
 }
 
 #if defined(__AVX512F__)
-// The vectorised path (AVX-512, head_dim = 16 * C): one work item per (query row, kv head), so the G
-// query heads that share a kv head read each key / value row once, converted to float32 in
-// registers. Scores: C fused multiply-adds per (token, head) and one horizontal sum; the
-// weighted sum of values keeps each head's accumulator in C registers.
+// The vectorised path (AVX-512, head_dim = 16 * C): one work item per query row and kv-head range
+// (see the kernel), so the G query heads that share a kv head read each key / value row once,
+// converted to float32 in registers. Scores: C fused multiply-adds per (token, head) and one
+// horizontal sum; the weighted sum of values keeps a head's accumulator in C registers per block.
+// Decode is memory-bound: whole-row items read each cache block as one contiguous span, and the
+// blocks PF ahead are prefetched (cold-cache decode, 30 layers: see benchmarks/cpu_paged_attention.py).
 static inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
 }
@@ -198,68 +201,105 @@ static inline void prefetch_rows(const T* p, int64_t n, int64_t row, int64_t byt
     for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o * row) + x, _MM_HINT_T0);
 }
 
+// acc[j] += sum over the block's n tokens of p[j][o] * v[o] for the NG query heads of one kv head
+// (p[j] = p + j * pstride, acc[j] = acc + j * 16 * C): each value row is converted to float32 once
+// for all NG heads, whose accumulators stay in registers (NG * C of them).
+template <typename T, int C, int NG>
+static inline void values_block(const T* vb, int64_t n, int64_t row, const float* p, int64_t pstride, float* acc) {
+  __m512 a[NG][C];
+  for (int j = 0; j < NG; ++j)
+    for (int c = 0; c < C; ++c) a[j][c] = _mm512_loadu_ps(acc + j * 16 * C + 16 * c);
+  for (int64_t o = 0; o < n; ++o) {
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = vld(vb + o * row + 16 * c);
+    for (int j = 0; j < NG; ++j) {
+      const __m512 pb = _mm512_set1_ps(p[j * pstride + o]);
+      for (int c = 0; c < C; ++c) a[j][c] = _mm512_fmadd_ps(pb, vv[c], a[j][c]);
+    }
+  }
+  for (int j = 0; j < NG; ++j)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * 16 * C + 16 * c, a[j][c]);
+}
+
 template <typename T, int C>
 static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp,
                                    int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
                                    float scale, torch::Tensor& out) {
   constexpr int64_t D = 16 * C;
+  constexpr int64_t PF = 2;  // cache blocks prefetched ahead of the one being read
   const PagedView<T> v(q, kv_cache, qslp, B, out);
   const int64_t Tn = v.Tn, Hq = v.Hq, BS = v.BS, Hkv = v.Hkv, G = v.G, row = v.row;
   const int64_t qs0 = v.qs0, qs1 = v.qs1;
   const T *qp = v.qp, *kp = v.kp, *vp = v.vp;
   T* op = v.op;
   const std::vector<int64_t>& req_of = v.req_of;
-  at::parallel_for(0, Tn * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(G * D), inv(G);
+  // A work item is a query row and a range of kv heads: all of them when there are rows enough
+  // to keep every thread busy (then each cache block is one contiguous read of BS * Hkv * D
+  // elements, which the prefetcher streams), else one kv head each (batch-1 decode).
+  const int64_t hpi = Tn >= 4 * at::get_num_threads() ? Hkv : 1;
+  const int64_t parts = Hkv / hpi, nh = hpi * G, span = hpi * D;
+  at::parallel_for(0, Tn * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(nh * D), inv(nh);
+    std::vector<float> acc(nh * D);
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t i = w / Hkv, h = w % Hkv;
+      const int64_t i = w / parts, h0 = (w % parts) * hpi;
       const int64_t b = req_of[i];
       const int64_t q_len = qslp[b + 1] - qslp[b];
       const int64_t L = slp[b] - q_len + (i - qslp[b]) + 1;  // positions attended: 0 .. L - 1
+      const int64_t nb = (L + BS - 1) / BS;
       const int64_t* blocks = btp + b * bts;
-      scores.resize(G * L);
-      for (int64_t j = 0; j < G; ++j) {
-        const T* qj = qp + i * qs0 + (h * G + j) * qs1;
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(qf.data() + j * D + 16 * c, vld(qj + 16 * c));
-      }
+      const T* qrow = qp + i * qs0 + h0 * G * qs1;  // query head jj of this item: qrow + jj * qs1
+      auto kblock = [&](int64_t bi) { return kp + blocks[bi] * BS * row + h0 * D; };
+      auto vblock = [&](int64_t bi) { return vp + blocks[bi] * BS * row + h0 * D; };
+      for (int64_t bi = 0; bi < std::min(PF, nb); ++bi) prefetch_rows(kblock(bi), BS, row, span * sizeof(T));
+      scores.resize(nh * L);
+      for (int64_t jj = 0; jj < nh; ++jj)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(qf.data() + jj * D + 16 * c, vld(qrow + jj * qs1 + 16 * c));
       // Scores, block by block (no division per token), sixteen tokens at a time: sixteen
       // partial-sum vectors, then one transposing sum (hsum16) instead of sixteen reductions.
       const __m512 vscale = _mm512_set1_ps(scale);
       for (int64_t t0 = 0, bi = 0; t0 < L; t0 += BS, ++bi) {
         const int64_t n = std::min(BS, L - t0);
-        const T* kb = kp + blocks[bi] * BS * row + h * D;
-        if (t0 + BS < L) prefetch_rows(kp + blocks[bi + 1] * BS * row + h * D, BS, row, D * sizeof(T));
-        for (int64_t o0 = 0; o0 < n; o0 += 16) {
-          const int64_t m = std::min<int64_t>(16, n - o0);
-          for (int64_t j = 0; j < G; ++j) {
-            __m512 part[16];
-            for (int64_t o = 0; o < 16; ++o)
-              part[o] = o < m ? dot_partial<T, C>(qf.data() + j * D, qp + i * qs0 + (h * G + j) * qs1,
-                                                  kb + (o0 + o) * row)
-                              : _mm512_setzero_ps();
-            _mm512_mask_storeu_ps(scores.data() + j * L + t0 + o0, tail_mask(m), _mm512_mul_ps(hsum16(part), vscale));
+        const T* kb = kblock(bi);
+        if (bi + PF < nb) prefetch_rows(kblock(bi + PF), BS, row, span * sizeof(T));
+        else if (bi + PF == nb) prefetch_rows(vblock(0), BS, row, span * sizeof(T));
+        for (int64_t hh = 0; hh < hpi; ++hh)
+          for (int64_t o0 = 0; o0 < n; o0 += 16) {
+            const int64_t m = std::min<int64_t>(16, n - o0);
+            for (int64_t j = 0; j < G; ++j) {
+              const int64_t jj = hh * G + j;
+              __m512 part[16];
+              for (int64_t o = 0; o < 16; ++o)
+                part[o] = o < m ? dot_partial<T, C>(qf.data() + jj * D, qrow + jj * qs1, kb + (o0 + o) * row + hh * D)
+                                : _mm512_setzero_ps();
+              _mm512_mask_storeu_ps(scores.data() + jj * L + t0 + o0, tail_mask(m), _mm512_mul_ps(hsum16(part), vscale));
+            }
           }
+      }
+      for (int64_t jj = 0; jj < nh; ++jj) inv[jj] = softmax_unnormalised(scores.data() + jj * L, L);
+      // Weighted sum of values, block by block; a head's accumulator is in C registers while it
+      // takes a block's tokens, in `acc` between blocks.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t bi = 1; bi < std::min(PF, nb); ++bi) prefetch_rows(vblock(bi), BS, row, span * sizeof(T));
+      for (int64_t t0 = 0, bi = 0; t0 < L; t0 += BS, ++bi) {
+        const int64_t n = std::min(BS, L - t0);
+        const T* vb = vblock(bi);
+        if (bi + PF < nb) prefetch_rows(vblock(bi + PF), BS, row, span * sizeof(T));
+        for (int64_t hh = 0; hh < hpi; ++hh) {
+          const float* pj = scores.data() + hh * G * L + t0;
+          float* aj = acc.data() + hh * G * D;
+          if (G == 3 && 3 * C <= 12) values_block<T, C, 3>(vb + hh * D, n, row, pj, L, aj);
+          else if (G == 2 && 2 * C <= 16) values_block<T, C, 2>(vb + hh * D, n, row, pj, L, aj);
+          else if (G == 4 && 4 * C <= 16) values_block<T, C, 4>(vb + hh * D, n, row, pj, L, aj);
+          else
+            for (int64_t j = 0; j < G; ++j) values_block<T, C, 1>(vb + hh * D, n, row, pj + j * L, L, aj + j * D);
         }
       }
-      for (int64_t j = 0; j < G; ++j) inv[j] = softmax_unnormalised(scores.data() + j * L, L);
-      // Weighted sum of values: head j's accumulator lives in C registers.
-      for (int64_t j = 0; j < G; ++j) {
-        const float* pj = scores.data() + j * L;
-        __m512 acc[C];
-        for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-        for (int64_t t0 = 0, bi = 0; t0 < L; t0 += BS, ++bi) {
-          const int64_t n = std::min(BS, L - t0);
-          const T* vb = vp + blocks[bi] * BS * row + h * D;
-          if (t0 + BS < L) prefetch_rows(vp + blocks[bi + 1] * BS * row + h * D, BS, row, D * sizeof(T));
-          for (int64_t o = 0; o < n; ++o) {
-            const __m512 p = _mm512_set1_ps(pj[t0 + o]);
-            for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, vld(vb + o * row + 16 * c), acc[c]);
-          }
-        }
-        T* oj = op + (i * Hq + h * G + j) * D;
-        alignas(64) float tmp[D];
-        for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv[j])));
-        for (int64_t d = 0; d < D; ++d) st(oj, d, tmp[d]);
+      for (int64_t jj = 0; jj < nh; ++jj) {
+        T* oj = op + (i * Hq + h0 * G + jj) * D;
+        const float* aj = acc.data() + jj * D;
+        const float r = inv[jj];
+        for (int64_t d = 0; d < D; ++d) st(oj, d, aj[d] * r);
       }
     }
   });
@@ -299,25 +339,71 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
   return out;
 }
 
+// kv_cache[0 | 1] at slot_mapping[t] = k[t] | v[t]: one call and one row copy per (token, head) where
+// index_copy_ costs two calls of ~30 us each per layer at decode batch sizes.
+void write_kv_(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping) {
+  check_cpu(kv_cache, "kv_cache");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+              "kv_cache: contiguous [2, blocks, block_size, Hkv, D]");
+  const int64_t Hkv = kv_cache.size(3), D = kv_cache.size(4), nslots = kv_cache.size(1) * kv_cache.size(2);
+  for (const auto* t : {&k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->size(1) == Hkv && t->size(2) == D && t->stride(2) == 1 &&
+                    t->scalar_type() == kv_cache.scalar_type() && t->device().is_cpu(),
+                "k, v: [T, Hkv, D] of the cache's dtype with unit stride in D");
+  auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  const int64_t T_ = k.size(0);
+  TORCH_CHECK(v.size(0) == T_ && slots.numel() == T_, "k, v and slot_mapping: one row per token");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "slot_mapping: slot out of range");
+  SERVELAB_DISPATCH(kv_cache, [&] {
+    scalar_t* kc = kv_cache.data_ptr<scalar_t>();
+    scalar_t* vc = kc + nslots * Hkv * D;
+    const scalar_t *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
+    const int64_t k0 = k.stride(0), k1 = k.stride(1), v0 = v.stride(0), v1 = v.stride(1);
+    at::parallel_for(0, T_, 256, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        for (int64_t h = 0; h < Hkv; ++h) {
+          std::memcpy(kc + (sp[t] * Hkv + h) * D, kp + t * k0 + h * k1, D * sizeof(scalar_t));
+          std::memcpy(vc + (sp[t] * Hkv + h) * D, vp + t * v0 + h * v1, D * sizeof(scalar_t));
+        }
+    });
+  });
+}
+
 }  // namespace servelab
 
 TORCH_LIBRARY_FRAGMENT(servelab, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor query_start_loc, "
         "Tensor seq_lens, float scale) -> Tensor");
+  m.def("write_kv_(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(servelab, CPU, m) { m.impl("paged_attention", &servelab::paged_attention); }
+TORCH_LIBRARY_IMPL(servelab, CPU, m) {
+  m.impl("paged_attention", &servelab::paged_attention);
+  m.impl("write_kv_", &servelab::write_kv_);
+}
 """
 
 # Bump with every change of _CPP_SOURCE or the shared KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_paged_attention_v9"
+_EXTENSION_NAME = "servelab_cpu_paged_attention_x4T1"
 
 
 def _register_fakes() -> None:
+    @torch.library.register_fake("servelab::write_kv_")
+    def _(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        return None
+
     @torch.library.register_fake("servelab::paged_attention")
     def _(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         return q.new_empty(q.shape)
+
+
+def write_kv_op() -> Any | None:
+    """`torch.ops.servelab.write_kv_(kv_cache, k, v, slot_mapping)`, or None where no C++ toolchain builds it."""
+    if load_cpu_ops(_EXTENSION_NAME, _CPP_SOURCE, "torch attention backend", _register_fakes):
+        return torch.ops.servelab.write_kv_
+    return None
 
 
 def paged_attention_op() -> Any | None:

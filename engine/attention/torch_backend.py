@@ -32,7 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.attention.cpu_paged_attention import paged_attention_op
+from engine.attention.cpu_paged_attention import paged_attention_op, write_kv_op
+
+
+_OP_DTYPES = (torch.float32, torch.bfloat16)  # the C++ ops' dtypes
 
 
 @dataclass
@@ -60,6 +63,14 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter new keys/values ([T, Hkv, D]) into the paged cache by slot."""
+    if (
+        kv_cache.device.type == "cpu" and kv_cache.dtype in _OP_DTYPES and k.dtype == v.dtype == kv_cache.dtype
+        and k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.is_contiguous() and not torch.is_grad_enabled()
+    ):
+        op = write_kv_op()
+        if op is not None:
+            op(kv_cache, k, v, slot_mapping)
+            return
     num_blocks, block_size, hkv, d = kv_cache.shape[1:]
     flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
@@ -71,9 +82,6 @@ def gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor, num_reqs: int, 
     block_size, hkv, d = kv_cache.shape[2:]
     kv = kv_cache.index_select(1, blocks)  # [2, B * nblk, bs, Hkv, D]
     return kv.view(2, num_reqs, -1, hkv, d)[:, :, :length]
-
-
-_OP_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _cpu_op(q: torch.Tensor, kv_cache: torch.Tensor):  # type: ignore[no-untyped-def]
