@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.attention.cpu_paged_attention import paged_attention_op, write_kv_op
 
-
 _OP_DTYPES = (torch.float32, torch.bfloat16)  # the C++ ops' dtypes
 
 
