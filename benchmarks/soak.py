@@ -143,8 +143,9 @@ async def soak(url: str, pid: int, rate: float, duration_s: float) -> dict[str, 
             if t >= next_sample:
                 samples.append((t, sample(pid)))
                 next_sample += 10.0
+                rss = " ".join(f"{k}={v['rss_mib']:.0f}MiB/{v['fds']:.0f}fd" for k, v in samples[-1][1].items())
                 print(f"  t={t:5.0f}s sent={counts['sent']} ok={counts['200']} 429={counts['429']} "
-                      f"5xx={counts['5xx']} in flight={len(tasks)}", flush=True)  # fmt: skip
+                      f"5xx={counts['5xx']} in flight={len(tasks)} {rss}", flush=True)  # fmt: skip
         await asyncio.gather(*tasks)
     # The client's keep-alive sockets are closed now: what stays open is the server's own.
     await asyncio.sleep(2.0)
@@ -206,12 +207,14 @@ def main() -> int:
     problems = verdict(result, a.duration_s)
     samples = result["samples"]
     assert isinstance(samples, list)
+    warm = next((s for t, s in samples if t >= min(60.0, a.duration_s / 4)), samples[0][1])
     summary = {"capacity_rps": cap, "offered_rps": rate, "duration_s": a.duration_s, **result,
-               "start": samples[0][1], "end": samples[-1][1], "problems": problems,
+               "start": samples[0][1], "after_first_minute": warm, "end": samples[-1][1], "problems": problems,
                "server_exit_code": proc.returncode}  # fmt: skip
     summary.pop("samples")
     print(json.dumps(summary, indent=2))
     if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({**summary, "samples": samples}, indent=2))
     for line in problems:
         print("FAIL:", line, file=sys.stderr)
