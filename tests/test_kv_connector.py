@@ -6,12 +6,16 @@ the mechanics tests run one layer of dummy weights.
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore, EngineCoreRequest
-from engine.kv_transfer.base import BlockStoreConnector
+from engine.kv_transfer.base import BlockStoreConnector, KVConnectorRole
+from engine.kv_transfer.cpu_offload import CPUOffloadConnector
 from engine.kv_transfer.metadata import BlockTransfer, KVConnectorOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -218,3 +222,117 @@ def test_loads_under_memory_pressure_never_deadlock_and_leak_nothing() -> None:
     remote = core.scheduler.remote_kv
     assert remote is not None and remote.total_external_hit_tokens > 0
     core.scheduler.assert_idle()
+
+
+# ---- asynchronous loads: the store's answer takes steps, the others keep stepping ------------
+
+
+class GatedStore:
+    """Wraps the worker half's `get_blocks`: each load blocks (on the load thread) until the test
+    opens the gate, then returns the store's blocks, or raises when `fail`."""
+
+    def __init__(self, core: EngineCore, monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> None:
+        self.worker_half = core.executor.worker.kv_connector  # type: ignore[attr-defined]
+        self.real_get = self.worker_half.get_blocks
+        self.fail = fail
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.on_loop_thread = False
+        monkeypatch.setattr(self.worker_half, "get_blocks", self.get_blocks)
+
+    def get_blocks(self, transfer: BlockTransfer) -> torch.Tensor:
+        self.on_loop_thread |= threading.current_thread() is threading.main_thread()
+        self.entered.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        if self.fail:
+            raise OSError("store went away mid-load")
+        return self.real_get(transfer)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def step_collect(core: EngineCore, tokens: dict[str, list[int]], cached: dict[str, int]) -> None:
+    for out in core.step().outputs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        cached[out.request_id] = max(cached.get(out.request_id, 0), out.num_cached_tokens)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["load", "failed-load"])
+def test_a_slow_load_runs_off_the_loop_while_another_request_decodes(
+    monkeypatch: pytest.MonkeyPatch, fail: bool
+) -> None:
+    core = make_core(real=True, num_blocks=16)
+    want, _ = run(core, "a", ASK)  # cold: computes ASK and offloads its full blocks
+    other = prompt(11, 15)  # no full block: never looks the store up
+    want_other, _ = run(core, "o", other, max_tokens=12)
+    _drop_device_cache(core)
+    store = GatedStore(core, monkeypatch, fail=fail)
+    sched = core.scheduler
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    core.add_request(EngineCoreRequest("decoder", other, greedy(12), None, 0.0, 12))
+    step_collect(core, tokens, cached)  # its prefill and first token
+    core.add_request(EngineCoreRequest("b", ASK, greedy(6), None, 0.0, 6))
+    step_collect(core, tokens, cached)  # b starts its load; the decoder decodes
+    assert store.entered.wait(10), "the load never started"
+    for _ in range(5):  # the store holds the load: b waits, the decoder gets one token per step
+        step_collect(core, tokens, cached)
+    assert sched.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(tokens["decoder"]) == 7 and "b" not in tokens
+    assert not store.on_loop_thread, "the load ran on the engine loop's thread"
+    store.gate.set()
+    for _ in range(200):
+        if not core.has_unfinished_requests():
+            break
+        step_collect(core, tokens, cached)
+    remote = sched.remote_kv
+    assert remote is not None
+    assert tokens["decoder"] == want_other
+    assert tokens["b"] == want, "a loaded (or recomputed) prefix changed the tokens"
+    if fail:
+        assert (cached["b"], remote.total_load_failures, remote.total_external_hit_tokens) == (0, 1, 0)
+    else:
+        assert (cached["b"], remote.total_load_failures, remote.total_external_hit_tokens) == (4 * BS, 0, 4 * BS)
+    sched.assert_idle()
+    core.shutdown()
+
+
+def test_abort_during_a_slow_load_holds_the_blocks_until_it_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    core = make_core(num_blocks=16)
+    run(core, "a", ASK)
+    _drop_device_cache(core)
+    store = GatedStore(core, monkeypatch)
+    sched = core.scheduler
+    core.add_request(EngineCoreRequest("b", ASK, greedy(2), None, 0.0, 2))
+    core.step()
+    assert store.entered.wait(10) and sched.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    used = sched.kv_cache_manager.num_used_blocks
+    core.abort_requests(["b"])
+    for _ in range(3):
+        core.step()
+    assert sched.kv_cache_manager.num_used_blocks == used, "blocks freed under a load still writing them"
+    assert core.has_unfinished_requests(), "the engine would stop polling the load"
+    store.gate.set()
+    core.run_until_idle(max_steps=500)
+    sched.assert_idle()
+    core.shutdown()
+
+
+def test_cpu_tier_never_reassigns_a_slot_a_load_in_flight_reads() -> None:
+    config = EngineConfig.from_kwargs(
+        model="smollm2", load_format="dummy", block_size=BS,
+        kv_transfer_config={**OFFLOAD, "kv_connector_extra_config": {"num_cpu_blocks": 2}},
+    )  # fmt: skip
+    tier = CPUOffloadConnector(config, KVConnectorRole.SCHEDULER, bytes_per_block=1)
+    h1, h2, h3 = b"h1", b"h2", b"h3"
+    saved = tier.select_saves(BlockTransfer("a", [0, 1], [h1, h2]))
+    assert saved is not None and saved.slots == [0, 1]
+    loader = SimpleNamespace(request_id="b", block_hashes=[h1, h2])
+    tier.update_state_after_alloc(loader, [5, 6, 7], 0, 2 * BS)  # type: ignore[arg-type]
+    assert tier.select_saves(BlockTransfer("c", [8], [h3])) is None, "a slot under a load was reassigned"
+    assert list(tier._index) == [h1, h2]
+    tier.update_connector_output(KVConnectorOutput(finished_recving={"b"}))
+    again = tier.select_saves(BlockTransfer("c", [8], [h3]))
+    assert again is not None and again.slots == [0] and list(tier._index) == [h2, h3]

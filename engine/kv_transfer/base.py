@@ -23,10 +23,14 @@ Worker half, around one step: `bind_connector_metadata`, `start_load_kv` (before
 `get_finished`, `clear_connector_metadata`.
 
 `BlockStoreConnector` implements all of that for a store of whole blocks keyed by block hash;
-a store adds `lookup` (scheduler side) and `put_blocks` / `get_blocks` (worker side). Loads and
-saves run inside the step (a load finishes in the step that starts it; a save is complete before
-the step's output returns), so `request_finished` never delays a free here; the WAITING state
-and `finished_sending` keep the boundary open for stores that answer later.
+a store adds `lookup` (scheduler side) and `put_blocks` / `get_blocks` (worker side). Loads run
+on a background thread (`load_thread.LoadThread`; extra config `async_load: false` runs them
+inside the step instead): `start_load_kv` only hands them over, `get_finished` reports those
+done, so a request waits in WAITING_FOR_REMOTE_KVS for as many steps as its load takes while the
+others step. While loads are out, every step's metadata says `await_loads`, so the engine keeps
+stepping (and the worker waits briefly for a load when the step has nothing else to do). Saves
+run inside the step (complete before the step's output returns), so `request_finished` never
+delays a free here; `finished_sending` keeps the boundary open for stores that save later.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.kv_transfer.load_thread import LoadResult, LoadThread
 from engine.kv_transfer.metadata import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
 
 if TYPE_CHECKING:
@@ -121,6 +126,10 @@ class KVConnectorBase:
         """Requests whose loads / asynchronous saves completed since the last call."""
         return KVConnectorOutput()
 
+    def wait_for_finished(self, timeout_s: float) -> None:
+        """The step has nothing else to do: block until a load in flight completes, at most
+        `timeout_s` (so an engine waiting only for loads does not spin)."""
+
     def shutdown(self) -> None:  # noqa: B027
         """Release the store's resources."""
 
@@ -130,12 +139,16 @@ class BlockStoreConnector(KVConnectorBase):
 
     def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
         super().__init__(config, role)
-        # Scheduler side: loads recorded since the last build, and per request the leading
-        # blocks already in the store or handed to it.
+        # Scheduler side: loads recorded since the last build, requests whose load the worker
+        # has not reported yet, and per request the leading blocks already in the store or
+        # handed to it.
         self._pending_loads: list[BlockTransfer] = []
+        self._loading: set[str] = set()
         self._saved_blocks: dict[str, int] = {}
         # Worker side.
+        self.async_load = bool(self.transfer_config.kv_connector_extra_config.get("async_load", True))
         self.kv_caches: list[torch.Tensor] = []
+        self._loader: LoadThread | None = None
         self._staged: list[list[torch.Tensor]] = []  # per save transfer, per layer [2, n, bs, h, d]
         self._output = KVConnectorOutput()
 
@@ -185,12 +198,13 @@ class BlockStoreConnector(KVConnectorBase):
         self._pending_loads.append(
             BlockTransfer(request.request_id, block_ids[first : first + n], hashes, self.assign_load_slots(hashes))
         )
+        self._loading.add(request.request_id)
         self._saved_blocks[request.request_id] = first + n  # what we load is in the store already
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request], block_ids_of: BlockIdsOf
     ) -> KVConnectorMetadata:
-        meta = KVConnectorMetadata(loads=self._pending_loads)
+        meta = KVConnectorMetadata(loads=self._pending_loads, await_loads=bool(self._loading))
         self._pending_loads = []
         if not self.transfer_config.is_producer:
             return meta
@@ -211,6 +225,9 @@ class BlockStoreConnector(KVConnectorBase):
                 meta.saves.append(transfer)
         return meta
 
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._loading -= output.finished_recving
+
     def request_finished(self, request: Request) -> bool:
         self._saved_blocks.pop(request.request_id, None)
         return False
@@ -218,26 +235,45 @@ class BlockStoreConnector(KVConnectorBase):
     # ---- worker half -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
+        if self.async_load and self._loader is None:
+            self._loader = LoadThread(self._load, name=f"kv-load-{type(self).__name__}")
 
     def start_load_kv(self) -> None:
         meta = self._meta
         if meta is None or not meta.loads:
             return
-        t0 = time.perf_counter()
-        out = self._output
         for transfer in meta.loads:
-            out.finished_recving.add(transfer.req_id)
-            try:
-                data = self.get_blocks(transfer)
-                self._scatter(transfer.block_ids, data)
-            except Exception as exc:  # a failed load is recomputed, never used
-                out.failed_recving.add(transfer.req_id)
-                logger.warning("kv load for request %s failed (%s: %s); it recomputes those tokens",
-                               transfer.req_id, type(exc).__name__, exc)  # fmt: skip
+            if self._loader is not None:
+                self._loader.submit(transfer)
                 continue
-            out.num_blocks_loaded += len(transfer)
-            out.bytes_loaded[transfer.req_id] = out.bytes_loaded.get(transfer.req_id, 0) + data.nbytes
-        out.load_time += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            try:
+                nbytes, error = self._load(transfer), None
+            except Exception as exc:  # a failed load is recomputed, never used
+                nbytes, error = 0, f"{type(exc).__name__}: {exc}"
+            self._record_load(LoadResult(transfer.req_id, len(transfer), nbytes, time.perf_counter() - t0, error))
+
+    def _load(self, transfer: BlockTransfer) -> int:
+        """Fetch `transfer`'s blocks and write them into its device blocks; bytes moved.
+        Runs on the load thread when `async_load`; raises on any failure."""
+        data = self.get_blocks(transfer)
+        self._scatter(transfer.block_ids, data)
+        return int(data.nbytes)
+
+    def _record_load(self, result: LoadResult) -> None:
+        out = self._output
+        out.finished_recving.add(result.req_id)
+        out.load_time += result.seconds
+        if result.error is not None:
+            out.failed_recving.add(result.req_id)
+            logger.warning("kv load for request %s failed (%s); it recomputes those tokens", result.req_id, result.error)
+            return
+        out.num_blocks_loaded += result.num_blocks
+        out.bytes_loaded[result.req_id] = out.bytes_loaded.get(result.req_id, 0) + result.nbytes
+
+    def wait_for_finished(self, timeout_s: float) -> None:
+        if self._loader is not None:
+            self._loader.wait(timeout_s)
 
     def save_kv_layer(self, layer: int) -> None:
         meta = self._meta
@@ -272,8 +308,16 @@ class BlockStoreConnector(KVConnectorBase):
         self._staged = []
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        if self._loader is not None:
+            for result in self._loader.collect():
+                self._record_load(result)
         out, self._output = self._output, KVConnectorOutput()
         return out
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
 
     def _scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
         """data [n, L, 2, bs, h, d] into the blocks `block_ids` of every layer."""

@@ -7,23 +7,25 @@ pool holds `cpu_bytes` (extra config; default 256 MiB) worth of blocks and drops
 recently used block when full.
 
 The scheduler half owns the index (block hash -> slot, in LRU order) and decides every slot;
-the worker half owns the host tensor and only copies what the metadata says. Within a step the
-worker loads before it saves, so a slot read by a load and reassigned by a save of the same step
-is read first.
+the worker half owns the host tensor and only copies what the metadata says. Loads run on the
+worker's load thread (base.py) while later steps save, so the slots a load reads are pinned from
+the moment it is planned until the worker reports it: eviction skips them, and when every slot
+is pinned a new block is simply not offloaded.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.kv_transfer.base import BlockStoreConnector, KVConnectorRole
-from engine.kv_transfer.metadata import BlockTransfer
+from engine.kv_transfer.metadata import BlockTransfer, KVConnectorOutput
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.request import Request
 
 DEFAULT_CPU_BYTES = 256 << 20
 
@@ -32,10 +34,10 @@ class CPUOffloadConnector(BlockStoreConnector):
     def __init__(self, config: EngineConfig, role: KVConnectorRole, bytes_per_block: int) -> None:
         super().__init__(config, role)
         extra = self.transfer_config.kv_connector_extra_config
-        unknown = set(extra) - {"cpu_bytes", "num_cpu_blocks"}
+        unknown = set(extra) - {"cpu_bytes", "num_cpu_blocks", "async_load"}
         if unknown:
             raise ValueError(f"CPUOffloadConnector: unknown kv_connector_extra_config key(s) {sorted(unknown)} "
-                             "(known: cpu_bytes, num_cpu_blocks)")  # fmt: skip
+                             "(known: async_load, cpu_bytes, num_cpu_blocks)")  # fmt: skip
         if "num_cpu_blocks" in extra:
             self.num_slots = int(extra["num_cpu_blocks"])
         else:
@@ -45,6 +47,8 @@ class CPUOffloadConnector(BlockStoreConnector):
         # Scheduler side: hash -> slot, least recently used first.
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._pinned: Counter[int] = Counter()  # slot -> loads in flight reading it
+        self._pins_of: dict[str, list[int]] = {}  # request id -> the slots its load reads
         self.host: torch.Tensor | None = None  # worker side: [slots, L, 2, bs, h, d]
 
     # ---- scheduler half ----------------------------------------------------------------
@@ -63,16 +67,38 @@ class CPUOffloadConnector(BlockStoreConnector):
             slots.append(self._index[h])
         return slots
 
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_local_tokens: int, num_external_tokens: int
+    ) -> None:
+        super().update_state_after_alloc(request, block_ids, num_local_tokens, num_external_tokens)
+        planned = self._pending_loads[-1] if self._pending_loads else None
+        if planned is not None and planned.req_id == request.request_id:
+            self._pins_of[request.request_id] = planned.slots
+            self._pinned.update(planned.slots)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        super().update_connector_output(output)
+        for rid in output.finished_recving:
+            self._pinned.subtract(self._pins_of.pop(rid, ()))
+        self._pinned += Counter()  # drop the zeros
+
+    def _evict(self) -> int | None:
+        """The least recently used slot no load is reading, taken out of the index."""
+        for h, slot in self._index.items():
+            if not self._pinned[slot]:
+                del self._index[h]
+                return slot
+        return None
+
     def select_saves(self, transfer: BlockTransfer) -> BlockTransfer | None:
         keep = BlockTransfer(transfer.req_id, [], [], [])
         for block_id, h in zip(transfer.block_ids, transfer.block_hashes, strict=True):
             if h in self._index:
                 self._index.move_to_end(h)
                 continue
-            if self._free_slots:
-                slot = self._free_slots.pop()
-            else:
-                _, slot = self._index.popitem(last=False)  # least recently used
+            slot = self._free_slots.pop() if self._free_slots else self._evict()
+            if slot is None:
+                continue  # every slot is being read by a load: this block is not offloaded
             self._index[h] = slot
             keep.block_ids.append(block_id)
             keep.block_hashes.append(h)

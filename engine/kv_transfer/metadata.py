@@ -28,14 +28,19 @@ class BlockTransfer:
 
 @dataclass
 class KVConnectorMetadata:
-    """One step's work for the worker half: loads run before the forward, saves after it."""
+    """One step's work for the worker half: loads start before the forward, saves run after it.
+
+    `await_loads`: loads planned by this or earlier steps have not been reported yet; the
+    worker reports them as they finish, so the step runs even with nothing else in it.
+    """
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    await_loads: bool = False
 
     @property
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.await_loads
 
 
 @dataclass
@@ -56,5 +61,5 @@ class KVConnectorOutput:
     bytes_loaded: dict[str, int] = field(default_factory=dict)
     bytes_saved: dict[str, int] = field(default_factory=dict)
     save_time: dict[str, float] = field(default_factory=dict)
-    load_time: float = 0.0  # seconds this step spent loading (all requests)
+    load_time: float = 0.0  # seconds the loads reported this step took (all requests; off the loop when async)
     total_save_time: float = 0.0

@@ -14,7 +14,8 @@ timeout, not one per block.
 kv_connector_extra_config (docs/kv_transfer.md): master_server_address ("127.0.0.1:50051"),
 metadata_server ("http://127.0.0.1:8080/metadata"), protocol ("tcp"), local_hostname
 ("127.0.0.1"), global_segment_size (bytes this client lends the store, 256 MiB),
-local_buffer_size (64 MiB), key_prefix (derived from the config), retry_after_s (10).
+local_buffer_size (64 MiB), key_prefix (derived from the config), retry_after_s (10),
+async_load (true: `get_batch` runs on the load thread, base.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 _KNOWN_KEYS = {
     "master_server_address", "metadata_server", "protocol", "local_hostname", "global_segment_size",
-    "local_buffer_size", "key_prefix", "retry_after_s", "device_name",
+    "local_buffer_size", "key_prefix", "retry_after_s", "device_name", "async_load",
 }  # fmt: skip
 
 # Mooncake's error code when the master cannot be reached.
@@ -188,6 +189,7 @@ class MooncakeStoreConnector(BlockStoreConnector):
         return flat.view(kv.dtype).view(len(values), *self.block_shape())
 
     def shutdown(self) -> None:
+        super().shutdown()  # the load thread first: it may be using the client
         if self._client_key is not None:
             _close_client(self._client_key, healthy=self._available())
             self._client_key = None  # type: ignore[assignment]

@@ -14,6 +14,10 @@ store again (the normal steps recompute the rest: never wrong tokens). Giving th
 matters: a waiting request that held blocks could leave the preempted requests ahead of it
 without room, with nothing running to free any. An answer of "not known yet" parks the request
 for this step so the requests behind it go ahead.
+
+A load may take many steps (the worker runs it off the engine loop); the scheduler only learns
+of it in the worker's report. Until then the engine counts as busy (`has_loads_in_flight`), so it
+keeps stepping and polling even when nothing else is left.
 """
 
 from __future__ import annotations
@@ -120,6 +124,11 @@ class RemoteKVWaits:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting_for_remote)
+
+    @property
+    def has_loads_in_flight(self) -> bool:
+        """A load is not reported yet (its request waits, or was finished and holds its blocks)."""
+        return bool(self.waiting_for_remote) or bool(self._free_after_load)
 
     def assert_idle(self) -> None:
         assert not self.waiting_for_remote, f"requests waiting for KV: {sorted(self.waiting_for_remote)}"

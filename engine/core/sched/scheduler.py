@@ -475,9 +475,11 @@ class Scheduler:
         return len(self.requests)
 
     def has_unfinished_requests(self) -> bool:
-        """True while a request is queued or running, or an output awaits delivery
-        (a rejected request's error is delivered by the next step's update)."""
-        return bool(self.requests) or bool(self._pending_outputs)
+        """True while a request is queued or running, an output awaits delivery (a rejected
+        request's error is delivered by the next step's update), or a KV load is in flight (an
+        aborted request's blocks come back only when the worker reports its load)."""
+        loading = self.remote_kv is not None and self.remote_kv.has_loads_in_flight
+        return bool(self.requests) or bool(self._pending_outputs) or loading
 
     def has_pending_outputs(self) -> bool:
         """Outputs (rejected requests) waiting for the next `update_from_output`."""
