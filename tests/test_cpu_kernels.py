@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention.cpu_paged_attention import paged_attention_op
+from engine.attention.cpu_paged_attention import paged_attention_op, set_amx_attention
 from engine.model import layers
 from engine.model.cpu_kernels import kernels
 
@@ -107,7 +107,7 @@ def _dense_attention(q, cache, tables, qsl, seq_lens, scale) -> torch.Tensor:  #
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,path", [(torch.float32, "avx512"), (torch.bfloat16, "avx512"), (torch.bfloat16, "amx")])
 @pytest.mark.parametrize(
     "seq_lens,q_lens",
     [
@@ -119,9 +119,23 @@ def _dense_attention(q, cache, tables, qsl, seq_lens, scale) -> torch.Tensor:  #
 )
 @pytest.mark.parametrize("d", [64, 128])
 @torch.inference_mode()
-def test_paged_attention_matches_dense_reference(dtype, seq_lens, q_lens, d) -> None:  # type: ignore[no-untyped-def]
+def test_paged_attention_matches_dense_reference(dtype, seq_lens, q_lens, d, path) -> None:  # type: ignore[no-untyped-def]
+    """Every path of the op (bfloat16 runs on AMX where the CPU has it, else on AVX-512) against
+    a float32 dense reference; for SmolLM2's 9 / 3 heads too (the AMX path's resident B tiles)."""
+    if not set_amx_attention(path == "amx") and path == "amx":
+        set_amx_attention(True)
+        pytest.skip("no AMX on this CPU (amx_bf16), so no AMX build of the op")
+    try:
+        _check_paged_attention(dtype, seq_lens, q_lens, d, 6, 2)
+        if d == 64:
+            _check_paged_attention(dtype, seq_lens, q_lens, d, 9, 3)
+    finally:
+        set_amx_attention(True)
+
+
+def _check_paged_attention(dtype, seq_lens, q_lens, d, hq, hkv) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
-    hq, hkv, bs, scale = 6, 2, 16, 0.125
+    bs, scale = 16, 0.125
     needed = [-(-s // bs) for s in seq_lens]
     perm = torch.randperm(sum(needed) + 3).tolist()  # scattered blocks
     tables, at = [], 0
@@ -216,3 +230,23 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path, mo
     cpu_extension._clear_stale_lock("ext_old")
     cpu_extension._clear_stale_lock("ext_fresh")
     assert not (old / "lock").exists() and (fresh / "lock").exists()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 100, 49152])
+def test_argmax_rows_matches_torch_max_indices(dtype, vocab) -> None:  # type: ignore[no-untyped-def]
+    """Greedy sampling's argmax: the first maximum of each row, a NaN counting as the maximum
+    (the first NaN), exactly as `max(dim=-1).indices`, read in the logits' own dtype."""
+    torch.manual_seed(0)
+    x = torch.randn(12, vocab).to(dtype)
+    x[1] = 1.0  # all tied: index 0
+    x[2, vocab - 1] = 100.0  # the maximum in the scalar tail
+    x[3] = float("-inf")
+    x[4, vocab // 2] = float("nan")
+    x[5, (2 * vocab) // 3] = float("nan")
+    x[5, vocab // 3] = float("nan")  # two NaNs: the first wins
+    x[6, : vocab // 2] = 7.0  # a tie spread over several vector lanes
+    x[7, vocab - 1] = float("inf")
+    got = kernels().argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.max(dim=-1).indices)

@@ -17,6 +17,12 @@ Design: one work item per query row (all Hq heads together), so each key / value
 holds all Hkv heads contiguously, is read once per query row in cache order and converted to
 float32 once for the G = Hq / Hkv query heads sharing it. Decode is memory-bound: this reads
 the context once instead of gather + SDPA's reads. Scores are float32, softmax exact (max-shifted).
+
+Paths, chosen per call: AVX-512 (head_dim 64 or 128; bfloat16 scores by vdpbf16ps where the
+CPU has AVX512-BF16), AMX for bfloat16 where the CPU has it (a query row's scores against 16
+cached tokens are one tile product: see the kernel's note; cold-cache decode at SmolLM2's
+shape, 30 layers: 0.57 against 0.67 ms per layer on the AVX-512 path), else scalar C++.
+`set_amx_attention(False)` (or `SERVELAB_CPU_AMX=0`) keeps bfloat16 on the AVX-512 path.
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ from engine.cpu_extension import load_cpu_ops
 
 _CPP_SOURCE = r"""
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <utility>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -38,6 +49,13 @@ _CPP_SOURCE = r"""
 #endif
 
 namespace servelab {
+
+// Whether the AMX path may run (where it is built and the CPU has it): on unless SERVELAB_CPU_AMX=0;
+// `set_amx_attention` changes it (tests and A/B benchmarks run both paths in one process).
+static std::atomic<bool> g_amx_enabled{[] {
+  const char* e = std::getenv("SERVELAB_CPU_AMX");
+  return !(e && e[0] == '0');
+}()};
 
 // Sizes, pointers and the request of each query row: what both paths read from the arguments.
 template <typename T>
@@ -201,11 +219,13 @@ static inline void prefetch_rows(const T* p, int64_t n, int64_t row, int64_t byt
     for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o * row) + x, _MM_HINT_T0);
 }
 
-// acc[j] += sum over the block's n tokens of p[j][o] * v[o] for the NG query heads of one kv head
-// (p[j] = p + j * pstride, acc[j] = acc + j * 16 * C): each value row is converted to float32 once
-// for all NG heads, whose accumulators stay in registers (NG * C of them).
+// acc[j] += sum over the block's n tokens of p[j * js + o * os] * v[o] for the NG query heads of one
+// kv head (acc[j] = acc + j * 16 * C; head-major probabilities: js = L, os = 1; token-major:
+// js = 1, os = 16): each value row is converted to float32 once for all NG heads, whose
+// accumulators stay in registers (NG * C of them).
 template <typename T, int C, int NG>
-static inline void values_block(const T* vb, int64_t n, int64_t row, const float* p, int64_t pstride, float* acc) {
+static inline void values_block(const T* vb, int64_t n, int64_t row, const float* p, int64_t js, int64_t os,
+                                float* acc) {
   __m512 a[NG][C];
   for (int j = 0; j < NG; ++j)
     for (int c = 0; c < C; ++c) a[j][c] = _mm512_loadu_ps(acc + j * 16 * C + 16 * c);
@@ -213,12 +233,29 @@ static inline void values_block(const T* vb, int64_t n, int64_t row, const float
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = vld(vb + o * row + 16 * c);
     for (int j = 0; j < NG; ++j) {
-      const __m512 pb = _mm512_set1_ps(p[j * pstride + o]);
+      const __m512 pb = _mm512_set1_ps(p[j * js + o * os]);
       for (int c = 0; c < C; ++c) a[j][c] = _mm512_fmadd_ps(pb, vv[c], a[j][c]);
     }
   }
   for (int j = 0; j < NG; ++j)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * 16 * C + 16 * c, a[j][c]);
+}
+
+// The values of one block for all G query heads of each of the item's hpi kv heads.
+template <typename T, int C>
+static inline void values_heads(const T* vb, int64_t n, int64_t row, int64_t hpi, int64_t G, const float* p,
+                                int64_t js, int64_t os, float* acc) {
+  constexpr int64_t D = 16 * C;
+  for (int64_t hh = 0; hh < hpi; ++hh) {
+    const T* vh = vb + hh * D;
+    const float* ph = p + hh * G * js;
+    float* ah = acc + hh * G * D;
+    if (G == 3 && 3 * C <= 12) values_block<T, C, 3>(vh, n, row, ph, js, os, ah);
+    else if (G == 2 && 2 * C <= 16) values_block<T, C, 2>(vh, n, row, ph, js, os, ah);
+    else if (G == 4 && 4 * C <= 16) values_block<T, C, 4>(vh, n, row, ph, js, os, ah);
+    else
+      for (int64_t j = 0; j < G; ++j) values_block<T, C, 1>(vh, n, row, ph + j * js, js, os, ah + j * D);
+  }
 }
 
 template <typename T, int C>
@@ -285,15 +322,7 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
         const int64_t n = std::min(BS, L - t0);
         const T* vb = vblock(bi);
         if (bi + PF < nb) prefetch_rows(vblock(bi + PF), BS, row, span * sizeof(T));
-        for (int64_t hh = 0; hh < hpi; ++hh) {
-          const float* pj = scores.data() + hh * G * L + t0;
-          float* aj = acc.data() + hh * G * D;
-          if (G == 3 && 3 * C <= 12) values_block<T, C, 3>(vb + hh * D, n, row, pj, L, aj);
-          else if (G == 2 && 2 * C <= 16) values_block<T, C, 2>(vb + hh * D, n, row, pj, L, aj);
-          else if (G == 4 && 4 * C <= 16) values_block<T, C, 4>(vb + hh * D, n, row, pj, L, aj);
-          else
-            for (int64_t j = 0; j < G; ++j) values_block<T, C, 1>(vb + hh * D, n, row, pj + j * L, L, aj + j * D);
-        }
+        values_heads<T, C>(vb, n, row, hpi, G, scores.data() + t0, L, 1, acc.data());
       }
       for (int64_t jj = 0; jj < nh; ++jj) {
         T* oj = op + (i * Hq + h0 * G + jj) * D;
@@ -302,6 +331,169 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
         for (int64_t d = 0; d < D; ++d) st(oj, d, aj[d] * r);
       }
     }
+  });
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The AMX path (bfloat16, CPUs with AMX): a query row's scores against 16 cached tokens are one
+// tile product. The item's part of a kv row (span = hpi * D elements: its kv heads side by side)
+// read for 16 tokens is the 16 x span matrix A, as stored (row stride: the cache row); it
+// multiplies the block-diagonal span x 16 matrix B whose column jj holds query head jj in the
+// rows of its kv head, zero elsewhere: C[token][jj] = q_jj . k_token, bfloat16 products summed
+// in float32 (as vdpbf16ps sums them). B is built once per item (span / 32 tiles of 32 x 16 in
+// AMX's pair layout) and stays in tile registers where it fits (span <= 192: SmolLM2's 3 x 64).
+// Scores are token-major (a token's 16 lanes hold its score for each query head), so the
+// softmax runs across heads in vector lanes; the values pass is the AVX-512 path's, in float32.
+// Tile loads of cache lines not yet fetched stall the tile unit, so the blocks PF ahead are
+// prefetched as in the AVX-512 path (cold-cache decode: benchmarks/cpu_paged_attention.py).
+static bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl: ask for AMX tile state
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+static inline void configure_tiles() {  // 8 tiles of 16 rows x 64 bytes: 0 = C, 1 = A, 2..7 = B
+  TileConfig c{};
+  c.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+// The tile intrinsics take tile numbers as literals (spelled into the instruction), so the
+// resident-B products are written out per chunk count: B chunk c lives in tile 2 + c.
+#define SL_LOAD_B(c, tile) _tile_loadd(tile, bq + 256 * (c), 64)
+#define SL_DOT(c, tile)                       \
+  _tile_loadd(1, a + 32 * (c), stride_bytes); \
+  _tile_dpbf16ps(0, 1, tile)
+template <int CH>
+static inline void load_bs(const uint32_t* bq) {
+  SL_LOAD_B(0, 2);
+  SL_LOAD_B(1, 3);
+  if constexpr (CH >= 4) { SL_LOAD_B(2, 4); SL_LOAD_B(3, 5); }
+  if constexpr (CH >= 6) { SL_LOAD_B(4, 6); SL_LOAD_B(5, 7); }
+}
+// 16 tokens' scores (C = A B, stored token-major at s), B resident in tiles 2 .. 1 + CH.
+template <int CH>
+static inline void scores_resident(const bf16* a, int64_t stride_bytes, float* s) {
+  _tile_zero(0);
+  SL_DOT(0, 2);
+  SL_DOT(1, 3);
+  if constexpr (CH >= 4) { SL_DOT(2, 4); SL_DOT(3, 5); }
+  if constexpr (CH >= 6) { SL_DOT(4, 6); SL_DOT(5, 7); }
+  _tile_stored(0, s, 64);
+}
+#undef SL_LOAD_B
+#undef SL_DOT
+
+// 16 tokens' scores with B streamed from memory (more chunks than free tiles).
+static inline void scores_streamed(const bf16* a, int64_t stride_bytes, const uint32_t* bq, int64_t chunks, float* s) {
+  _tile_zero(0);
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(2, bq + 256 * c, 64);
+    _tile_loadd(1, a + 32 * c, stride_bytes);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, s, 64);
+}
+
+template <int C>
+static void paged_attention_amx(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp,
+                                int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
+                                float scale, torch::Tensor& out) {
+  constexpr int64_t D = 16 * C;
+  constexpr int64_t PF = 2;  // cache blocks prefetched ahead of the one being read
+  const PagedView<bf16> v(q, kv_cache, qslp, B, out);
+  const int64_t Tn = v.Tn, Hq = v.Hq, BS = v.BS, Hkv = v.Hkv, G = v.G, row = v.row;
+  const int64_t qs0 = v.qs0, qs1 = v.qs1;
+  const bf16 *qp = v.qp, *kp = v.kp, *vp = v.vp;
+  bf16* op = v.op;
+  const std::vector<int64_t>& req_of = v.req_of;
+  // Work items as in the AVX-512 path (the caller checks that an item has at most 16 query heads).
+  const int64_t hpi = Tn >= 4 * at::get_num_threads() ? Hkv : 1;
+  const int64_t parts = Hkv / hpi, nh = hpi * G, span = hpi * D, chunks = span / 32;
+  const int64_t stride_bytes = row * static_cast<int64_t>(sizeof(bf16));
+  const int64_t pf_bytes = span * static_cast<int64_t>(sizeof(bf16));
+  at::parallel_for(0, Tn * parts, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    std::vector<float> scores, acc(nh * D);
+    std::vector<uint32_t> bq(chunks * 256);
+    alignas(64) float inv[16];
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / parts, h0 = (w % parts) * hpi;
+      const int64_t b = req_of[i];
+      const int64_t q_len = qslp[b + 1] - qslp[b];
+      const int64_t L = slp[b] - q_len + (i - qslp[b]) + 1;  // positions attended: 0 .. L - 1
+      const int64_t nb = (L + BS - 1) / BS;
+      const int64_t* blocks = btp + b * bts;
+      const bf16* qrow = qp + i * qs0 + h0 * G * qs1;  // query head jj of this item: qrow + jj * qs1
+      auto kblock = [&](int64_t bi) { return kp + blocks[bi] * BS * row + h0 * D; };
+      auto vblock = [&](int64_t bi) { return vp + blocks[bi] * BS * row + h0 * D; };
+      for (int64_t bi = 0; bi < std::min(PF, nb); ++bi) prefetch_rows(kblock(bi), BS, row, pf_bytes);
+      // B: chunk c covers elements [32 c, 32 c + 32) of the item's kv row (kv head c / (D / 32));
+      // row k2 of its tile holds, for each column jj, the pair (2 k2, 2 k2 + 1) of those elements.
+      std::fill(bq.begin(), bq.end(), 0u);
+      for (int64_t jj = 0; jj < nh; ++jj) {
+        const int64_t hh = jj / G;
+        const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qrow + jj * qs1);
+        for (int64_t cc = 0; cc < D / 32; ++cc)
+          for (int64_t k2 = 0; k2 < 16; ++k2) bq[(hh * (D / 32) + cc) * 256 + k2 * 16 + jj] = q32[cc * 16 + k2];
+      }
+      if (chunks == 6) load_bs<6>(bq.data());
+      else if (chunks == 4) load_bs<4>(bq.data());
+      else if (chunks == 2) load_bs<2>(bq.data());
+      // Scores of whole 16-token tiles: rows past L are the block's other slots (allocated, unread
+      // below: the softmax and the values stop at L).
+      scores.resize(nb * BS * 16);
+      float* s = scores.data();
+      for (int64_t bi = 0; bi < nb; ++bi) {
+        const bf16* kb = kblock(bi);
+        if (bi + PF < nb) prefetch_rows(kblock(bi + PF), BS, row, pf_bytes);
+        else if (bi + PF == nb) prefetch_rows(vblock(0), BS, row, pf_bytes);
+        for (int64_t o0 = 0; o0 < BS && bi * BS + o0 < L; o0 += 16) {
+          const bf16* a = kb + o0 * row;
+          float* sb = s + (bi * BS + o0) * 16;
+          if (chunks == 6) scores_resident<6>(a, stride_bytes, sb);
+          else if (chunks == 4) scores_resident<4>(a, stride_bytes, sb);
+          else if (chunks == 2) scores_resident<2>(a, stride_bytes, sb);
+          else scores_streamed(a, stride_bytes, bq.data(), chunks, sb);
+        }
+      }
+      // Softmax over tokens, the query heads side by side in the lanes: exp(scale (x - max x)).
+      const __m512 vscale = _mm512_set1_ps(scale);
+      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < L; ++t) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t * 16));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < L; ++t) {
+        const __m512 e = vexp(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t * 16), mx), vscale));
+        _mm512_storeu_ps(s + t * 16, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t bi = 1; bi < std::min(PF, nb); ++bi) prefetch_rows(vblock(bi), BS, row, pf_bytes);
+      for (int64_t t0 = 0, bi = 0; t0 < L; t0 += BS, ++bi) {
+        if (bi + PF < nb) prefetch_rows(vblock(bi + PF), BS, row, pf_bytes);
+        values_heads<bf16, C>(vblock(bi), std::min(BS, L - t0), row, hpi, G, s + t0 * 16, 1, 16, acc.data());
+      }
+      for (int64_t jj = 0; jj < nh; ++jj) {
+        bf16* oj = op + (i * Hq + h0 * G + jj) * D;
+        const __m512 r = _mm512_set1_ps(inv[jj]);
+        for (int c = 0; c < C; ++c) vst(oj + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + jj * D + 16 * c), r));
+      }
+    }
+    _tile_release();
   });
 }
 #endif
@@ -320,6 +512,24 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
   TORCH_CHECK(qsl.numel() == B + 1 && bt.size(0) == B, "query_start_loc: [B + 1], block_table: [B, n]");
   TORCH_CHECK(qsl.data_ptr<int64_t>()[B] == q.size(0), "query_start_loc[-1] must equal q.size(0)");
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // AMX: bfloat16, head_dim 64 or 128, blocks of whole 16-token tiles, at most 16 query heads per item.
+  const int64_t G = q.size(1) / kv_cache.size(3);
+  const bool one_item_fits = G <= 16 && (q.size(1) <= 16 || q.size(0) < 4 * at::get_num_threads());
+  if (q.scalar_type() == torch::kBFloat16 && kv_cache.size(2) % 16 == 0 && one_item_fits && g_amx_enabled &&
+      amx_ready()) {
+    if (q.size(2) == 64) {
+      paged_attention_amx<4>(q, kv_cache, bt.data_ptr<int64_t>(), bt.size(1), qsl.data_ptr<int64_t>(),
+                             sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out);
+      return out;
+    }
+    if (q.size(2) == 128) {
+      paged_attention_amx<8>(q, kv_cache, bt.data_ptr<int64_t>(), bt.size(1), qsl.data_ptr<int64_t>(),
+                             sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out);
+      return out;
+    }
+  }
+#endif
   SERVELAB_DISPATCH(q, [&] {
 #if defined(__AVX512F__)
     if (q.size(2) == 64) {
@@ -337,6 +547,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
                                    sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out);
   });
   return out;
+}
+
+// Whether this build and CPU run the AMX path; with `enabled` given, switch it on or off first.
+bool set_amx_attention(bool enabled) {
+  g_amx_enabled = enabled;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return enabled && amx_ready();
+#else
+  return false;
+#endif
 }
 
 // kv_cache[0 | 1] at slot_mapping[t] = k[t] | v[t]: one call and one row copy per (token, head) where
@@ -376,6 +596,7 @@ TORCH_LIBRARY_FRAGMENT(servelab, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor query_start_loc, "
         "Tensor seq_lens, float scale) -> Tensor");
   m.def("write_kv_(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("set_amx_attention(bool enabled) -> bool", &servelab::set_amx_attention);
 }
 
 TORCH_LIBRARY_IMPL(servelab, CPU, m) {
@@ -385,7 +606,7 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
 """
 
 # Bump with every change of _CPP_SOURCE or the shared KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_paged_attention_x4T1"
+_EXTENSION_NAME = "servelab_cpu_paged_attention_amx9"
 
 
 def _register_fakes() -> None:
@@ -411,3 +632,12 @@ def paged_attention_op() -> Any | None:
     if load_cpu_ops(_EXTENSION_NAME, _CPP_SOURCE, "torch attention backend", _register_fakes):
         return torch.ops.servelab.paged_attention
     return None
+
+
+def set_amx_attention(enabled: bool) -> bool:
+    """Allow (or forbid) the op's AMX path; returns whether it now runs (built for this CPU and
+    permitted by the kernel). Off, bfloat16 takes the AVX-512 path: tests and A/B benchmarks run
+    both in one process. `SERVELAB_CPU_AMX=0` starts a process with it off."""
+    if not load_cpu_ops(_EXTENSION_NAME, _CPP_SOURCE, "torch attention backend", _register_fakes):
+        return False
+    return bool(torch.ops.servelab.set_amx_attention(enabled))

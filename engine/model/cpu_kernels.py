@@ -13,6 +13,9 @@ rounded once on the store). They are torch ops, `torch.ops.servelab.<name>`:
         signed-sin rows [T, D] (the tables of `RotaryEmbedding`)
     silu_mul(Tensor gate_up) -> Tensor
         [T, 2I] -> silu(gate) * up [T, I]
+    argmax_rows(Tensor logits) -> Tensor
+        [N, V] -> [N] int64, each row's first maximum (a NaN counts as the maximum), as
+        `logits.max(dim=-1).indices`, read in bfloat16 where the logits are (greedy sampling)
 
 All tensors contiguous, on the CPU, one dtype (float32 or bfloat16). `kernels()` returns
 `torch.ops.servelab` once they are loaded, or None where no C++ toolchain builds them
@@ -190,6 +193,63 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// Row r's argmax: the first index of its maximum, a NaN counting as the maximum (the first NaN
+// wins), as torch.max(dim=-1).indices. Read in the storage type: no float32 copy of the logits.
+template <typename T>
+static int64_t argmax_row(const T* x, int64_t V) {
+  int64_t i0 = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t at = 0;
+  bool found = false;  // best holds a value read from the row
+#if defined(__AVX512F__)
+  if (V >= 16) {
+    // Lane l keeps the best of indices l, l + 16, ...: strictly greater (or a first NaN) replaces.
+    __m512 bv = vld(x);
+    __m512i bi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i idx = bi;
+    const __m512i step = _mm512_set1_epi32(16);
+    for (i0 = 16; i0 + 16 <= V; i0 += 16) {
+      idx = _mm512_add_epi32(idx, step);
+      const __m512 v = vld(x + i0);
+      const __mmask16 nan_v = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan_b = _mm512_cmp_ps_mask(bv, bv, _CMP_UNORD_Q);
+      const __mmask16 take = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ) | (nan_v & static_cast<__mmask16>(~nan_b));
+      bv = _mm512_mask_mov_ps(bv, take, v);
+      bi = _mm512_mask_mov_epi32(bi, take, idx);
+    }
+    alignas(64) float vals[16];
+    alignas(64) int32_t ids[16];
+    _mm512_store_ps(vals, bv);
+    _mm512_store_si512(ids, bi);
+    for (int l = 0; l < 16; ++l) {
+      const float v = vals[l];
+      const bool better = !found || (std::isnan(v) ? (!std::isnan(best) || ids[l] < at)
+                                                   : (!std::isnan(best) && (v > best || (v == best && ids[l] < at))));
+      if (better) { best = v; at = ids[l]; found = true; }
+    }
+  }
+#endif
+  for (int64_t i = i0; i < V; ++i) {  // the tail (indices above every lane's): strictly greater
+    const float v = ld(x, i);
+    if (!found || (std::isnan(v) ? !std::isnan(best) : v > best)) { best = v; at = i; found = true; }
+  }
+  return at;
+}
+
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  check(logits, logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits: [N, V] with V > 0");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  auto out = torch::empty({N}, logits.options().dtype(torch::kInt64));
+  int64_t* op = out.data_ptr<int64_t>();
+  SERVELAB_DISPATCH(logits, [&] {
+    const scalar_t* xp = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) op[r] = argmax_row(xp + r * V, V);
+    });
+  });
+  return out;
+}
+
 }  // namespace servelab
 
 TORCH_LIBRARY_FRAGMENT(servelab, m) {
@@ -197,6 +257,7 @@ TORCH_LIBRARY_FRAGMENT(servelab, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelab, CPU, m) {
@@ -204,11 +265,12 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
   m.impl("rms_norm", &servelab::rms_norm);
   m.impl("rope_", &servelab::rope_);
   m.impl("silu_mul", &servelab::silu_mul);
+  m.impl("argmax_rows", &servelab::argmax_rows);
 }
 """
 
 # Bump with every change of _CPP_SOURCE or KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_layer_ops_v7"
+_EXTENSION_NAME = "servelab_cpu_layer_ops_v8"
 
 
 def _register_fakes() -> None:
@@ -225,6 +287,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("servelab::rope_")
     def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
         return None
+
+    @torch.library.register_fake("servelab::argmax_rows")
+    def _(logits: torch.Tensor) -> torch.Tensor:
+        return logits.new_empty(logits.shape[:1], dtype=torch.int64)
 
     @torch.library.register_fake("servelab::silu_mul")
     def _(gate_up: torch.Tensor) -> torch.Tensor:

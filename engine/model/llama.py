@@ -4,6 +4,7 @@ Contract with the model runner:
     hidden = model(input_ids [T] int64, positions [T] int64, kv_caches (one per layer),
                    attn_metadata)                      -> [T, hidden_size]
     logits = model.compute_logits(hidden[rows])        -> [N, vocab_size] float32
+             (upcast=False: the model's dtype, for greedy-only sampling)
 The model never calls `attn_backend.begin_step`: the runner does, once per step.
 Weights come in under HF names through `load_weights`; Q/K/V and gate/up are stored
 fused (one GEMM each), so the loader copies each HF tensor into its slice.
@@ -226,13 +227,16 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden_size]
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden: [N, H] -> logits [N, vocab], float32 (upcast=False: in the model's dtype, for a
+        caller that only takes each row's argmax: no float32 copy of N x vocab values)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         packed = self.packed_lm_head
         if packed is not None and hidden.dtype == weight.dtype and not torch.compiler.is_compiling():
-            return packed_linear(hidden, packed).float()
-        return F.linear(hidden, weight).float()
+            logits = packed_linear(hidden, packed)
+        else:
+            logits = F.linear(hidden, weight)
+        return logits.float() if upcast else logits
 
     def prepack(self) -> int:
         """Prepack the linear weights and the LM head for oneDNN where that applies

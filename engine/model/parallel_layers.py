@@ -145,8 +145,9 @@ class ParallelLlamaForCausalLM(LlamaForCausalLM):
             if isinstance(module, ExpertParallelMoE):
                 module.dispatcher = dispatcher
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, vocab] float32 on rank 0; an empty tensor on the others."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, vocab] float32 on rank 0 (whatever `upcast` says: the
+        gather is in float32); an empty tensor on the others."""
         local = super().compute_logits(hidden)  # [N, vocab slice]
         if hidden.shape[0] == 0:  # every rank knows N: no collective for an empty step
             return local.new_empty((0, self.full_arch.vocab_size))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.cpu_kernels import kernels
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -35,6 +36,11 @@ class SamplingBatch:
         return all(p.greedy for p in self.params)
 
     @property
+    def argmax_only(self) -> bool:
+        """Every row greedy, no penalties, no logprobs: sampling needs only each row's argmax."""
+        return self.all_greedy and not self.needs_penalties and self.max_logprobs is None
+
+    @property
     def needs_penalties(self) -> bool:
         return any(
             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
@@ -51,7 +57,8 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [N, V] float32 -> (sampled id per row, logprobs per row or None)."""
+        """logits: [N, V] float32 (any float dtype when `batch.argmax_only`) -> (sampled id per
+        row, logprobs per row or None)."""
         raw = logits
         if batch.needs_penalties:
             logits = apply_penalties(logits.clone(), batch)
@@ -99,9 +106,15 @@ class Sampler:
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] int64: the first index of each row's maximum, as `argmax`.
 
-    `max(dim).indices` returns the same index (the first maximum, documented), and on a CPU it
-    is 2.5x faster than `argmax` over a 49k vocabulary (0.8 vs 2.0 ms for 64 rows, 2 threads).
+    On a CPU the C++ `argmax_rows` (engine/model/cpu_kernels.py; the same index, NaN included)
+    reads float32 or bfloat16 logits in place: 64 x 49,152 bfloat16 in 0.23 ms on 2 threads,
+    where converting them to float32 and `max(dim).indices` took 2.1 ms. Elsewhere
+    `max(dim).indices` (the first maximum, documented; 2.5x `argmax` on a CPU).
     """
+    if logits.device.type == "cpu" and logits.dim() == 2 and logits.is_contiguous() and logits.shape[1] > 0:
+        ops = kernels() if logits.dtype in (torch.float32, torch.bfloat16) else None
+        if ops is not None:
+            return ops.argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 

@@ -68,7 +68,7 @@ class CausalLM(Protocol):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor: ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor: ...
 
 
 class ModelRunner:
@@ -271,7 +271,10 @@ class ModelRunner:
         with self.hooks.phase("forward"):
             c1 = time.thread_time()
             hidden, mode = self._forward(inp)
-            logits = self.model.compute_logits(hidden[inp.logits_indices])
+            # Greedy-only steps take argmaxes of the logits in the model's dtype (the C++ argmax
+            # reads bfloat16 directly); every other sampling option sees float32 logits.
+            argmax_only = inp.sampling.argmax_only and inp.drafts is None and inp.grammar_rows is None
+            logits = self.model.compute_logits(hidden[inp.logits_indices], upcast=not argmax_only)
             if inp.grammar_rows is not None and inp.grammar_bitmask is not None:
                 logits = apply_bitmask(logits, inp.grammar_rows, inp.grammar_bitmask)
             if self._test_slowdown:

@@ -9,6 +9,7 @@ import torch
 from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
 from engine.dtypes import torch_dtype
+from engine.hugepages import zeros_huge
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
 from engine.kv_transfer.worker_step import execute_with_connector
@@ -65,7 +66,7 @@ class Worker:
         self.kv_bytes_per_block = per_block
         num_blocks = cache.num_blocks or max(2, int(cache.kv_cache_memory_gb * (1 << 30) // per_block))
         shape = (2, num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim)
-        kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(arch.num_layers)]
+        kv_caches = [zeros_huge(shape, self.kv_dtype, self.device) for _ in range(arch.num_layers)]
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size,
                     num_blocks * per_block / (1 << 20))
         self.model_runner = ModelRunner(

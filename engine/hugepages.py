@@ -1,0 +1,72 @@
+"""CPU tensors backed by transparent huge pages (2 MiB), for the paged KV cache.
+
+Decode attention reads each request's cache blocks (a few KiB each, scattered over the whole
+cache) once per layer and step: with 4 KiB pages nearly every block read starts with a TLB
+miss. Linux backs anonymous memory with 2 MiB pages where the process asks for them
+(`/sys/kernel/mm/transparent_hugepage/enabled` = `madvise`, the common default) or always
+(`always`). `zeros_huge` allocates a tensor whose storage starts on a 2 MiB boundary, marks
+it `MADV_HUGEPAGE` before the first touch, then zeroes it: the pages fault in as huge pages.
+Measured on SmolLM2's cold-cache decode (benchmarks/cpu_paged_attention.py --layers 30,
+bfloat16, 2 threads): 3-5% faster per layer. Elsewhere (no Linux, THP `never`, a GPU, a
+failed `madvise`) it is `torch.zeros`: the same values, only 4 KiB pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@functools.cache
+def thp_mode() -> str:
+    """The selected THP mode (`always`, `madvise`, `never`), or "" where there is none."""
+    try:
+        text = _THP_MODE.read_text()
+    except OSError:
+        return ""
+    for word in text.split():
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return ""
+
+
+@functools.cache
+def _madvise():  # type: ignore[no-untyped-def]
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fn = libc.madvise
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`torch.zeros(shape, dtype=dtype, device=device)`, its storage in huge pages where the OS
+    gives them (module note). The tensor is contiguous and views a slightly larger buffer."""
+    device = torch.device(device)
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or not sys.platform.startswith("linux") or thp_mode() != "madvise" or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype, device=device)  # `always` needs no advice; `never` takes none
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    start = raw.data_ptr() + offset
+    length = nbytes - nbytes % HUGE_PAGE  # whole huge pages only; the tail keeps small pages
+    if _madvise()(start, length, MADV_HUGEPAGE) != 0:
+        logger.debug("madvise(MADV_HUGEPAGE) failed (errno %d): 4 KiB pages", ctypes.get_errno())
+    out = raw[offset : offset + nbytes].view(dtype).view(shape)
+    out.zero_()
+    return out
