@@ -250,3 +250,45 @@ def test_argmax_rows_matches_torch_max_indices(dtype, vocab) -> None:  # type: i
     got = kernels().argmax_rows(x)
     assert got.dtype == torch.int64
     assert torch.equal(got, x.max(dim=-1).indices)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,seq_lens,q_lens",
+    [
+        (9, 3, 64, [40, 20, 150], [15, 20, 150]),  # prefill over a cached context, fresh prefills
+        (6, 2, 128, [33, 17, 64, 5], [33, 1, 7, 5]),  # a one-row request, partial query blocks
+        (9, 3, 64, [300, 1], [45, 1]),  # a long context, a single-token prompt
+    ],
+)
+@torch.inference_mode()
+def test_amx_prefill_attention_matches_dense_reference(hq, hkv, d, seq_lens, q_lens) -> None:  # type: ignore[no-untyped-def]
+    """The AMX prefill op (bfloat16) against a float32 dense reference, requests given in any
+    order; the rows of a request it is not given (here request 0) are left untouched."""
+    from engine.attention.cpu_paged_attention import paged_prefill_attention_op
+
+    torch.manual_seed(0)
+    bs, scale = 16, d**-0.5
+    needed = [-(-s // bs) for s in seq_lens]
+    perm = torch.randperm(sum(needed) + 3).tolist()
+    tables, at = [], 0
+    for n in needed:
+        tables.append(perm[at : at + n])
+        at += n
+    cache = torch.randn(2, len(perm), bs, hkv, d).bfloat16()
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    q = torch.randn(qsl[-1], hq + 2 * hkv, d).bfloat16()[:, :hq]
+    width = max(needed)
+    order = list(range(1, len(seq_lens)))[::-1]
+    table = torch.tensor([tables[b] + [0] * (width - len(tables[b])) for b in order], dtype=torch.int32)
+    out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
+    ran = paged_prefill_attention_op()(
+        out, q, cache, table, torch.tensor([qsl[b] for b in order]), torch.tensor([q_lens[b] for b in order]),
+        torch.tensor([seq_lens[b] for b in order]), scale,
+    )
+    if not ran:
+        pytest.skip("no AMX on this CPU (amx_bf16), so no AMX build of the prefill op")
+    want = _dense_attention(q, cache, tables, qsl, seq_lens, scale)
+    torch.testing.assert_close(out[qsl[1] :].float(), want[qsl[1] :], **TOL[torch.bfloat16])
+    assert torch.all(out[: qsl[1]] == 7.0)

@@ -498,6 +498,225 @@ static void paged_attention_amx(const torch::Tensor& q, const torch::Tensor& kv_
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Prefill rows on AMX (bfloat16): attention of whole query blocks as tile products, reading keys
+// and values from the paged cache (this step's are already written), for fresh prefills and
+// prefills over a cached context alike. Per request and kv head, the context is first laid out
+// once for the tile unit: keys transposed into B's pair layout (KT[c][k2][t] = the pair k2 of
+// chunk c of key t, as 32 bits) and values as pairs of consecutive tokens (VV[t / 2][d] = v[t][d],
+// v[t + 1][d]). Then per query block (16 query rows of one query head): S = Q K^T in 16 x 16
+// tiles, the causal mask (query row r sits at position ctx + r), an exact softmax per row (max
+// over the row, exp, sum, in float32), O = P V in 16 x 16 tiles summed in float32, O / sum rounded
+// once on the store. The tile unit multiplies bfloat16 only: P goes in as two bfloat16 terms, its
+// rounded value and the rounded remainder (16 significant bits, against 8 for P rounded once), so
+// O keeps float32-like probabilities for one more cheap tile product per value tile.
+struct PrefillRequest {
+  int64_t b, q0, q_len, ctx, S, S16, S32, buf;  // buf: offset of its KT / VV buffers (uint32 words)
+};
+
+template <int C>
+static void prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp,
+                                  int64_t bts, const int64_t* qstart, const int64_t* qlen, const int64_t* slp,
+                                  int64_t B, float scale, torch::Tensor& out) {
+  constexpr int64_t D = 16 * C, DC = D / 32;  // DC: 32-element chunks of a head (2 or 4)
+  static_assert(DC + 2 <= 8, "tiles: S, the query chunks, one B");
+  const int64_t Hq = q.size(1), BS = kv_cache.size(2), Hkv = kv_cache.size(3), G = Hq / Hkv;
+  const int64_t row = Hkv * D, qs0 = q.stride(0), qs1 = q.stride(1);
+  const bf16* qp = q.data_ptr<bf16>();
+  const bf16* kp = kv_cache.data_ptr<bf16>();
+  const bf16* vp = kp + kv_cache.size(1) * BS * row;
+  bf16* op = out.data_ptr<bf16>();
+  std::vector<PrefillRequest> reqs;
+  int64_t words = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = qlen[b];
+    if (q_len == 0) continue;
+    const int64_t S = slp[b], S16 = (S + 15) / 16 * 16, S32 = (S + 31) / 32 * 32;
+    reqs.push_back({b, qstart[b], q_len, S - q_len, S, S16, S32, words});
+    words += Hkv * (D / 2 * S16 + S32 / 2 * D);  // KT then VV, per kv head
+  }
+  std::vector<uint32_t> buf(words);
+  // 1. Context layouts, one item per (request, kv head).
+  at::parallel_for(0, static_cast<int64_t>(reqs.size()) * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const PrefillRequest& r = reqs[w / Hkv];
+      const int64_t h = w % Hkv;
+      uint32_t* kt = buf.data() + r.buf + h * (D / 2 * r.S16 + r.S32 / 2 * D);
+      uint32_t* vv = kt + D / 2 * r.S16;
+      const int64_t* blocks = btp + r.b * bts;
+      for (int64_t t = 0; t < r.S16; ++t) {
+        if (t >= r.S) {
+          for (int64_t k2 = 0; k2 < D / 2; ++k2) kt[k2 * r.S16 + t] = 0u;
+          continue;
+        }
+        const uint32_t* k32 = reinterpret_cast<const uint32_t*>(kp + (blocks[t / BS] * BS + t % BS) * row + h * D);
+        for (int64_t k2 = 0; k2 < D / 2; ++k2) kt[k2 * r.S16 + t] = k32[k2];
+      }
+      const uint16_t* zero = nullptr;
+      for (int64_t t = 0; t < r.S32; t += 2) {
+        const uint16_t* v0 = t < r.S ? reinterpret_cast<const uint16_t*>(vp + (blocks[t / BS] * BS + t % BS) * row + h * D) : zero;
+        const uint16_t* v1 = t + 1 < r.S ? reinterpret_cast<const uint16_t*>(vp + (blocks[(t + 1) / BS] * BS + (t + 1) % BS) * row + h * D) : zero;
+        uint32_t* dst = vv + t / 2 * D;
+        for (int64_t d = 0; d < D; ++d)
+          dst[d] = (v0 ? v0[d] : 0u) | (static_cast<uint32_t>(v1 ? v1[d] : 0u) << 16);
+      }
+    }
+  });
+  // 2. Query blocks, one item per (request, query head, 16 query rows).
+  std::vector<int64_t> item_start(reqs.size() + 1, 0);
+  for (size_t i = 0; i < reqs.size(); ++i) item_start[i + 1] = item_start[i] + (reqs[i].q_len + 15) / 16 * Hq;
+  at::parallel_for(0, item_start.back(), 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    std::vector<float> sbuf;
+    std::vector<bf16> pbuf;
+    alignas(64) float obuf[16 * D];
+    alignas(64) bf16 qpad[16 * D];
+    float inv[16];
+    size_t ri = std::upper_bound(item_start.begin(), item_start.end(), begin) - item_start.begin() - 1;
+    for (int64_t w = begin; w < end; ++w) {
+      while (w >= item_start[ri + 1]) ++ri;
+      const PrefillRequest& r = reqs[ri];
+      const int64_t local = w - item_start[ri], j = local % Hq, qb = local / Hq, h = j / G;
+      const int64_t r0 = qb * 16, nr = std::min<int64_t>(16, r.q_len - r0);
+      const uint32_t* kt = buf.data() + r.buf + h * (D / 2 * r.S16 + r.S32 / 2 * D);
+      const uint32_t* vv = kt + D / 2 * r.S16;
+      // Query rows: in place (row stride qs0) when 16 rows exist, else a zero-padded copy.
+      const bf16* qa = qp + (r.q0 + r0) * qs0 + j * qs1;
+      int64_t qstride = qs0 * static_cast<int64_t>(sizeof(bf16));
+      if (nr < 16) {
+        std::memset(qpad, 0, sizeof(qpad));
+        for (int64_t rr = 0; rr < nr; ++rr) std::memcpy(qpad + rr * D, qa + rr * qs0, D * sizeof(bf16));
+        qa = qpad;
+        qstride = D * static_cast<int64_t>(sizeof(bf16));
+      }
+      const int64_t tmax = r.ctx + r0 + nr;  // positions attended by the block's last row: 0 .. tmax - 1
+      const int64_t nt = (tmax + 15) / 16, n32 = (tmax + 31) / 32;
+      const int64_t sw = nt * 16, pw = n32 * 32;  // row widths of the score and probability buffers
+      sbuf.resize(16 * sw);
+      pbuf.resize(2 * 16 * pw);  // P's bfloat16 value, then its remainder (P - value, as bfloat16)
+      _tile_loadd(1, qa, qstride);
+      _tile_loadd(2, qa + 32, qstride);
+      if constexpr (DC == 4) {
+        _tile_loadd(3, qa + 64, qstride);
+        _tile_loadd(4, qa + 96, qstride);
+      }
+      const int64_t kstride = r.S16 * static_cast<int64_t>(sizeof(uint32_t));
+      for (int64_t tb = 0; tb < nt; ++tb) {
+        _tile_zero(0);
+        _tile_loadd(5, kt + 0 * 16 * r.S16 + tb * 16, kstride);
+        _tile_dpbf16ps(0, 1, 5);
+        _tile_loadd(5, kt + 1 * 16 * r.S16 + tb * 16, kstride);
+        _tile_dpbf16ps(0, 2, 5);
+        if constexpr (DC == 4) {
+          _tile_loadd(5, kt + 2 * 16 * r.S16 + tb * 16, kstride);
+          _tile_dpbf16ps(0, 3, 5);
+          _tile_loadd(5, kt + 3 * 16 * r.S16 + tb * 16, kstride);
+          _tile_dpbf16ps(0, 4, 5);
+        }
+        _tile_stored(0, sbuf.data() + tb * 16, sw * static_cast<int64_t>(sizeof(float)));
+      }
+      const __m512 vscale = _mm512_set1_ps(scale);
+      for (int64_t rr = 0; rr < 16; ++rr) {
+        bf16* prow = pbuf.data() + rr * pw;
+        bf16* plow = prow + 16 * pw;
+        if (rr >= nr) {  // padding rows: zero probabilities (their output is not stored)
+          std::memset(prow, 0, pw * sizeof(bf16));
+          std::memset(plow, 0, pw * sizeof(bf16));
+          continue;
+        }
+        const int64_t L = r.ctx + r0 + rr + 1;  // this row attends to positions 0 .. L - 1
+        float* srow = sbuf.data() + rr * sw;
+        __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t t = 0; t < L; t += 16)
+          mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, tail_mask(L - t), srow + t));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < pw; t += 16) {
+          const __mmask16 k = t < L ? tail_mask(L - t) : static_cast<__mmask16>(0);
+          const __m512 e = _mm512_maskz_mov_ps(k, vexp(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, srow + t), m), vscale)));
+          sum = _mm512_add_ps(sum, e);
+          const __m256bh hi = _mm512_cvtneps_pbh(e);
+          const __m512 rest = _mm512_sub_ps(e, _mm512_cvtpbh_ps(hi));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + t), (__m256i)hi);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(plow + t), (__m256i)_mm512_cvtneps_pbh(rest));
+        }
+        inv[rr] = 1.f / _mm512_reduce_add_ps(sum);
+      }
+      // O = P V: four 16-column tiles of O at a time (tiles 0-3), P in tile 4, V in tile 5.
+      const int64_t pstride = pw * static_cast<int64_t>(sizeof(bf16)), vstride = D * static_cast<int64_t>(sizeof(uint32_t));
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t t0 = 0; t0 < n32 * 32; t0 += 32) {
+          _tile_loadd(4, pbuf.data() + t0, pstride);
+          _tile_loadd(6, pbuf.data() + 16 * pw + t0, pstride);
+          const uint32_t* vb = vv + t0 / 2 * D + d0;
+          _tile_loadd(5, vb, vstride);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_dpbf16ps(0, 6, 5);
+          _tile_loadd(5, vb + 16, vstride);
+          _tile_dpbf16ps(1, 4, 5);
+          _tile_dpbf16ps(1, 6, 5);
+          _tile_loadd(5, vb + 32, vstride);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_dpbf16ps(2, 6, 5);
+          _tile_loadd(5, vb + 48, vstride);
+          _tile_dpbf16ps(3, 4, 5);
+          _tile_dpbf16ps(3, 6, 5);
+        }
+        const int64_t ostride = D * static_cast<int64_t>(sizeof(float));
+        _tile_stored(0, obuf + d0, ostride);
+        _tile_stored(1, obuf + d0 + 16, ostride);
+        _tile_stored(2, obuf + d0 + 32, ostride);
+        _tile_stored(3, obuf + d0 + 48, ostride);
+      }
+      for (int64_t rr = 0; rr < nr; ++rr) {
+        bf16* orow = op + ((r.q0 + r0 + rr) * Hq + j) * D;
+        const __m512 vr = _mm512_set1_ps(inv[rr]);
+        for (int c = 0; c < C; ++c) vst(orow + 16 * c, _mm512_mul_ps(_mm512_load_ps(obuf + rr * D + 16 * c), vr));
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Prefill rows through the AMX path (module note): request b's query rows are q[query_start[b] ..
+// + query_len[b]), attending to positions 0 .. seq_lens[b] - 1 (causal with offset), written to the
+// same rows of out; other rows of out are left alone. False where the path does not apply (no AMX
+// build or CPU, switched off, not bfloat16, head_dim not 64 / 128): the caller uses another path.
+bool paged_prefill_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                              torch::Tensor query_start, torch::Tensor query_len, torch::Tensor seq_lens, double scale) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (!(g_amx_enabled && amx_ready() && q.scalar_type() == torch::kBFloat16 && kv_cache.scalar_type() == torch::kBFloat16 &&
+        (q.size(2) == 64 || q.size(2) == 128)))
+    return false;
+  check_cpu(q, "q");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && q.dim() == 3 && q.stride(2) == 1 &&
+                  q.size(2) == kv_cache.size(4) && q.size(1) % kv_cache.size(3) == 0,
+              "q [T, Hq, D] (unit stride in D), kv_cache [2, blocks, block_size, Hkv, D]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out: like q, contiguous");
+  auto bt = block_table.to(torch::kInt64).contiguous();
+  auto qs = query_start.to(torch::kInt64).contiguous();
+  auto ql = query_len.to(torch::kInt64).contiguous();
+  auto sl = seq_lens.to(torch::kInt64).contiguous();
+  const int64_t B = sl.numel();
+  TORCH_CHECK(qs.numel() == B && ql.numel() == B && bt.size(0) == B, "query_start, query_len, seq_lens: [B]; block_table: [B, n]");
+  const int64_t *qsp = qs.data_ptr<int64_t>(), *qlp = ql.data_ptr<int64_t>(), *slp = sl.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(qsp[b] >= 0 && qlp[b] >= 0 && qsp[b] + qlp[b] <= q.size(0) && qlp[b] <= slp[b] &&
+                    (slp[b] + kv_cache.size(2) - 1) / kv_cache.size(2) <= bt.size(1),
+                "request ", b, ": rows outside q, more queries than positions, or too few blocks");
+  if (q.size(2) == 64)
+    prefill_attention_amx<4>(q, kv_cache, bt.data_ptr<int64_t>(), bt.size(1), qsp, qlp, slp, B, static_cast<float>(scale), out);
+  else
+    prefill_attention_amx<8>(q, kv_cache, bt.data_ptr<int64_t>(), bt.size(1), qsp, qlp, slp, B, static_cast<float>(scale), out);
+  return true;
+#else
+  (void)out; (void)q; (void)kv_cache; (void)block_table; (void)query_start; (void)query_len; (void)seq_lens; (void)scale;
+  return false;
+#endif
+}
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale) {
   check_cpu(q, "q");
@@ -597,22 +816,30 @@ TORCH_LIBRARY_FRAGMENT(servelab, m) {
         "Tensor seq_lens, float scale) -> Tensor");
   m.def("write_kv_(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def("set_amx_attention(bool enabled) -> bool", &servelab::set_amx_attention);
+  m.def("paged_prefill_attention_(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, "
+        "Tensor query_start, Tensor query_len, Tensor seq_lens, float scale) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(servelab, CPU, m) {
   m.impl("paged_attention", &servelab::paged_attention);
   m.impl("write_kv_", &servelab::write_kv_);
+  m.impl("paged_prefill_attention_", &servelab::paged_prefill_attention_);
 }
 """
 
 # Bump with every change of _CPP_SOURCE or the shared KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_paged_attention_amx9"
+_EXTENSION_NAME = "servelab_cpu_paged_attention_amx11"
 
 
 def _register_fakes() -> None:
     @torch.library.register_fake("servelab::write_kv_")
     def _(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         return None
+
+    @torch.library.register_fake("servelab::paged_prefill_attention_")
+    def _(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+          query_start: torch.Tensor, query_len: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> bool:
+        return False
 
     @torch.library.register_fake("servelab::paged_attention")
     def _(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
@@ -624,6 +851,15 @@ def write_kv_op() -> Any | None:
     """`torch.ops.servelab.write_kv_(kv_cache, k, v, slot_mapping)`, or None where no C++ toolchain builds it."""
     if load_cpu_ops(_EXTENSION_NAME, _CPP_SOURCE, "torch attention backend", _register_fakes):
         return torch.ops.servelab.write_kv_
+    return None
+
+
+def paged_prefill_attention_op() -> Any | None:
+    """`torch.ops.servelab.paged_prefill_attention_(out, q, kv_cache, block_table, query_start,
+    query_len, seq_lens, scale) -> bool` (prefill rows on AMX; False: not applicable, use
+    another path), or None where no C++ toolchain builds it."""
+    if load_cpu_ops(_EXTENSION_NAME, _CPP_SOURCE, "torch attention backend", _register_fakes):
+        return torch.ops.servelab.paged_prefill_attention_
     return None
 
 

@@ -19,6 +19,7 @@ from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
 from engine.distributed import parallel_state as ps
 from engine.distributed.sharding import rank_plan
+from engine.hugepages import zeros_huge
 from engine.outputs import TokenLogprobs
 from engine.sample.sampler import Sampler, SamplingBatch
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
@@ -82,7 +83,7 @@ class ParallelWorker(Worker):
         num_blocks = cache.num_blocks or max(2, int(cache.kv_cache_memory_gb * (1 << 30) // per_block))
         num_blocks = ps.all_reduce_min(num_blocks)
         shape = (2, num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim)
-        kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(arch.num_layers)]
+        kv_caches = [zeros_huge(shape, self.kv_dtype, self.device) for _ in range(arch.num_layers)]
         logger.info("rank %d/%d: %d q heads, %d KV heads; KV cache %d blocks (%.1f MiB)", info.rank,
                     info.world_size, arch.num_heads, arch.num_kv_heads, num_blocks, num_blocks * per_block / (1 << 20))
         self.model_runner = ModelRunner(
