@@ -12,6 +12,7 @@ fused (one GEMM each), so the loader copies each HF tensor into its slice.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.model import amx_linear
 from engine.model.arch import ModelArch
 from engine.model.cpu_kernels import kernels
 from engine.model.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
@@ -90,6 +92,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 @dataclass(frozen=True, slots=True)
+class _AmxPacks:
+    """A dense layer's matrices in the AMX kernels' layout (engine/model/amx_linear.py), for
+    steps of at most `amx_linear.DECODE_MAX_ROWS` rows; gate_up packed for the fused silu * up."""
+
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class _LayerPlan:
     """One dense layer's tensors for the planned forward: norm weights and packed matrices."""
 
@@ -100,6 +113,7 @@ class _LayerPlan:
     o: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    amx: _AmxPacks | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +130,8 @@ class _ForwardPlan:
     eps: float
     layers: tuple[_LayerPlan, ...]
     final_norm: torch.Tensor
+    amx_ops: Any = None  # torch.ops.servelab with the AMX linear ops, where every layer has AMX packs
+    sizes: tuple[int, int, int] = (0, 0, 0)  # qkv width, hidden size, intermediate size
 
 
 class LlamaModel(nn.Module):
@@ -132,22 +148,30 @@ class LlamaModel(nn.Module):
         fused kernels are built; returns whether a plan was made."""
         ops = kernels()
         layers = []
+        inter = 0
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             if layer.is_moe or ops is None:
                 return False
             attn, mlp = layer.self_attn, layer.mlp
+            inter = mlp.intermediate_size
             linears: list[nn.Linear] = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
             packed = [m.__dict__.get("packed_weight") for m in linears]
             if any(p is None for p in packed) or any(m.bias is not None for m in linears):
                 return False
             qkv, o, gate_up, down = (p for p in packed if p is not None)
             layers.append(_LayerPlan(attn, layer.input_layernorm.weight.detach(),
-                                     layer.post_attention_layernorm.weight.detach(), qkv, o, gate_up, down))  # fmt: skip
+                                     layer.post_attention_layernorm.weight.detach(), qkv, o, gate_up, down,
+                                     _amx_packs(attn, mlp)))  # fmt: skip
         if not layers:
             return False
+        with_amx = all(lp.amx is not None for lp in layers)
+        if not with_amx:
+            layers = [dataclasses.replace(lp, amx=None) for lp in layers]
+        first = layers[0].attn
+        sizes = (first.q_size + 2 * first.kv_size, int(self.embed_tokens.weight.shape[1]), inter)
         self.plan = _ForwardPlan(self.embed_tokens.weight.dtype, ops, self.norm.eps, tuple(layers),
-                                 self.norm.weight.detach())  # fmt: skip
+                                 self.norm.weight.detach(), amx_linear.amx_ops() if with_amx else None, sizes)  # fmt: skip
         return True
 
     def _planned_forward(
@@ -156,20 +180,31 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         ops, eps = plan.ops, plan.eps
         residual = x
+        t = x.shape[0]
+        amx = plan.amx_ops if t <= amx_linear.DECODE_MAX_ROWS else None  # decode-sized steps: AMX kernels
+        n_qkv, hidden, inter = plan.sizes
         for i, (lp, kv_cache) in enumerate(zip(plan.layers, kv_caches, strict=True)):
             if i == 0:
                 x = ops.rms_norm(residual, lp.in_norm, eps)
             else:
                 ops.add_rms_norm_(x, residual, lp.in_norm, eps)
             a = lp.attn
-            t = x.shape[0]
-            qkv = packed_linear(x, lp.qkv).view(t, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
-            ops.rope_(qkv, cos, sin, a.num_heads + a.num_kv_heads)
             hq, hkv = a.num_heads, a.num_kv_heads
+            packs = lp.amx
+            if amx is not None and packs is not None:
+                qkv = amx.amx_linear(x, packs.qkv, n_qkv).view(t, hq + 2 * hkv, a.head_dim)
+            else:
+                qkv = packed_linear(x, lp.qkv).view(t, hq + 2 * hkv, a.head_dim)
+            ops.rope_(qkv, cos, sin, hq + hkv)
             o = a.attn_backend.forward(qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :], kv_cache, metadata, a.scale)
-            x = packed_linear(o.reshape(t, a.q_size), lp.o)
-            ops.add_rms_norm_(x, residual, lp.post_norm, eps)
-            x = packed_linear(ops.silu_mul(packed_linear(x, lp.gate_up)), lp.down)
+            if amx is not None and packs is not None:
+                x = amx.amx_linear(o.reshape(t, a.q_size), packs.o, hidden)
+                ops.add_rms_norm_(x, residual, lp.post_norm, eps)
+                x = amx.amx_linear(amx.amx_linear_silu_mul(x, packs.gate_up, inter), packs.down, hidden)
+            else:
+                x = packed_linear(o.reshape(t, a.q_size), lp.o)
+                ops.add_rms_norm_(x, residual, lp.post_norm, eps)
+                x = packed_linear(ops.silu_mul(packed_linear(x, lp.gate_up)), lp.down)
         ops.add_rms_norm_(x, residual, plan.final_norm, eps)
         return x
 
@@ -197,6 +232,19 @@ class LlamaModel(nn.Module):
         return x
 
 
+def _amx_packs(attn: LlamaAttention, mlp: GatedMLP) -> _AmxPacks | None:
+    """The layer's matrices for the AMX kernels, or None where they do not apply (no AMX, not
+    bfloat16, a shape they do not take)."""
+    weights = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.down_proj.weight)
+    inter = mlp.intermediate_size
+    if not amx_linear.available() or not all(amx_linear.supports(w) for w in weights):
+        return None
+    if not amx_linear.supports(mlp.gate_up_proj.weight, inter):
+        return None
+    qkv, o, down = (amx_linear.pack(w) for w in weights)
+    return _AmxPacks(qkv, o, amx_linear.pack(mlp.gate_up_proj.weight, inter), down)
+
+
 # HF projection name -> (fused parameter name, shard index).
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -217,6 +265,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(arch, attn_backend, max_positions or arch.max_position_embeddings)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # set by prepack()
+        self.amx_lm_head: torch.Tensor | None = None  # the LM head for the AMX kernels, set by prepack()
 
     def forward(
         self,
@@ -232,11 +281,32 @@ class LlamaForCausalLM(nn.Module):
         caller that only takes each row's argmax: no float32 copy of N x vocab values)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         packed = self.packed_lm_head
-        if packed is not None and hidden.dtype == weight.dtype and not torch.compiler.is_compiling():
+        amx = self._amx_head(hidden)
+        if amx is not None:
+            logits = amx.amx_linear(hidden.contiguous(), self.amx_lm_head, weight.shape[0])
+        elif packed is not None and hidden.dtype == weight.dtype and not torch.compiler.is_compiling():
             logits = packed_linear(hidden, packed)
         else:
             logits = F.linear(hidden, weight)
         return logits.float() if upcast else logits
+
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, H] -> [N] int64: the argmax of each row's logits, as
+        `compute_logits(hidden, upcast=False).max(dim=-1).indices`, computed without storing the
+        logits (the AMX LM head's fused argmax); None where that kernel does not apply."""
+        amx = self._amx_head(hidden)
+        if amx is None:
+            return None
+        return amx.amx_linear_argmax(hidden.contiguous(), self.amx_lm_head, self.arch.vocab_size)
+
+    def _amx_head(self, hidden: torch.Tensor) -> Any | None:
+        plan = self.model.plan
+        if (
+            self.amx_lm_head is None or plan is None or plan.amx_ops is None or hidden.dtype != torch.bfloat16
+            or hidden.shape[0] > amx_linear.DECODE_MAX_ROWS or hidden.device.type != "cpu" or torch.compiler.is_compiling()
+        ):  # fmt: skip
+            return None
+        return plan.amx_ops
 
     def prepack(self) -> int:
         """Prepack the linear weights and the LM head for oneDNN where that applies
@@ -249,6 +319,10 @@ class LlamaForCausalLM(nn.Module):
         elif n and prepack_supported(self.model.embed_tokens.weight):
             self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)  # the tied head: a matrix of its own
             n += 1
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        plan = self.model.plan
+        if plan is not None and plan.amx_ops is not None and amx_linear.supports(head):
+            self.amx_lm_head = amx_linear.pack(head)
         return n
 
     # ---- weights -----------------------------------------------------------------

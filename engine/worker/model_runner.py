@@ -29,6 +29,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.hooks import NULL_HOOKS, StepHooks
+from engine.outputs import TokenLogprobs
 from engine.sample.logits_mask import apply_bitmask
 from engine.sample.sampler import Sampler, SamplingBatch
 from engine.spec_decode.verify import logits_layout, sample_with_drafts
@@ -271,11 +272,15 @@ class ModelRunner:
         with self.hooks.phase("forward"):
             c1 = time.thread_time()
             hidden, mode = self._forward(inp)
-            # Greedy-only steps take argmaxes of the logits in the model's dtype (the C++ argmax
-            # reads bfloat16 directly); every other sampling option sees float32 logits.
+            # Greedy-only steps need each row's argmax only: the LM head's fused argmax where the
+            # model has one (no logits stored), else the logits in the model's dtype (the C++
+            # argmax reads bfloat16 directly). Every other sampling option sees float32 logits.
             argmax_only = inp.sampling.argmax_only and inp.drafts is None and inp.grammar_rows is None
-            logits = self.model.compute_logits(hidden[inp.logits_indices], upcast=not argmax_only)
-            if inp.grammar_rows is not None and inp.grammar_bitmask is not None:
+            rows = hidden[inp.logits_indices]
+            fused_argmax = getattr(self.model, "greedy_ids", None) if argmax_only else None
+            greedy_ids = fused_argmax(rows) if fused_argmax is not None else None
+            logits = None if greedy_ids is not None else self.model.compute_logits(rows, upcast=not argmax_only)
+            if logits is not None and inp.grammar_rows is not None and inp.grammar_bitmask is not None:
                 logits = apply_bitmask(logits, inp.grammar_rows, inp.grammar_bitmask)
             if self._test_slowdown:
                 spin_cpu(self._test_slowdown * (time.thread_time() - c1))
@@ -284,10 +289,16 @@ class ModelRunner:
             sample_rows = inp.rows[inp.sample_req_idx]
             if inp.sampling.needs_penalties:
                 self._add_penalty_ids(inp, sample_rows)
-            if inp.drafts is None:
+            if greedy_ids is not None:
+                ids = greedy_ids.tolist()
+                sampled = [[t] for t in ids]
+                logprobs: list[TokenLogprobs | None] = [None] * len(ids)
+            elif inp.drafts is None:
+                assert logits is not None
                 ids, logprobs = self.sampler.sample(logits, inp.sampling)
                 sampled = [[t] for t in ids]
             else:
+                assert logits is not None
                 sampled, logprobs = sample_with_drafts(self.sampler, logits, inp.sampling, inp.drafts)
             self._last_sampled = torch.tensor([t[-1] for t in sampled], dtype=torch.int64, device=self.device)
             out = self._collect(inp, sample_rows, sampled, logprobs)
