@@ -84,6 +84,10 @@ static inline __m512 vld(const bf16* p) {
 }
 static inline void vst(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 static inline void vst(bf16* p, __m512 v) {  // round to nearest even, as st() does
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));  // one instruction
+  return;
+#endif
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);

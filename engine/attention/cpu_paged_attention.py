@@ -828,7 +828,7 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
 """
 
 # Bump with every change of _CPP_SOURCE or the shared KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_paged_attention_amx11"
+_EXTENSION_NAME = "servelab_cpu_paged_attention_v12"
 
 
 def _register_fakes() -> None:

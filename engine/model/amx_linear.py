@@ -326,7 +326,7 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
 """
 
 # Bump with every change of _CPP_SOURCE or KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_amx_linear_v1"
+_EXTENSION_NAME = "servelab_cpu_amx_linear_v2"
 
 
 def _register_fakes() -> None:

@@ -270,7 +270,7 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
 """
 
 # Bump with every change of _CPP_SOURCE or KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_layer_ops_v8"
+_EXTENSION_NAME = "servelab_cpu_layer_ops_v9"
 
 
 def _register_fakes() -> None:
