@@ -186,6 +186,8 @@ def servelab_options(args: argparse.Namespace) -> tuple[dict[str, Any], list[str
 def make_servelab(args: argparse.Namespace, dtype: str, options: dict[str, Any]):  # type: ignore[no-untyped-def]
     from engine.llm import LLM
 
+    if "warm_up_linears" in engine_option_names():  # start-up work (oneDNN's kernels) is never timed
+        options = {"warm_up_linears": True, **options}
     return LLM(
         model="smollm2",
         dtype=dtype,

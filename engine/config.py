@@ -40,6 +40,9 @@ class ModelConfig:
     enforce_eager: bool = True  # vLLM's name: False compiles the forward (torch.compile / CUDA graphs)
     # bfloat16 on a CPU: reorder the linear weights once into oneDNN's layout (engine/model/cpu_linear.py).
     prepack_weights: bool = True
+    # Build oneDNN's kernels for every step size at start-up (a few seconds), so that no step
+    # waits for one (cpu_linear.padded_rows). None: on for servelab-serve, off for offline use.
+    warm_up_linears: bool | None = None
 
 
 @dataclass

@@ -145,3 +145,49 @@ def test_packed_silu_mul_matches_float32_reference(rows: int) -> None:
     if kernels() is not None:  # no less accurate than the fused projection then silu_mul
         other = kernels().silu_mul(packed_linear(x, pack_weight(w)))
         assert rel <= 1.1 * ((other.float() - want).norm() / want.norm()).item()
+
+
+def test_padded_rows_are_few_shapes() -> None:
+    from engine.model.cpu_linear import padded_rows
+
+    assert [padded_rows(r) for r in (1, 8, 9, 128, 129, 160, 161, 2048)] == [8, 8, 16, 128, 160, 160, 192, 2048]
+    assert len({padded_rows(r) for r in range(1, 2049)}) == 16 + 60  # what warm_up_linears builds
+    x, w = torch.randn(150, 64).bfloat16(), torch.randn(40, 64).bfloat16()
+    got = packed_linear(x, pack_weight(w))  # 150 rows run as 160, cut back to 150
+    assert got.shape == (150, 40)
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=5e-2)
+
+
+def test_planned_forward_on_padded_prefill_steps_gives_the_modules_tokens() -> None:
+    """Steps of more than 128 rows (oneDNN, rows padded to a multiple of 32, the MLP on oneDNN
+    post-ops) against the modules' forward: the same greedy tokens, hidden states within bfloat16
+    rounding; `warm_up_linears` builds every padded shape first."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(model="smollm2", load_format="dummy", num_layers_override=2, dtype="bfloat16", num_blocks=64,
+              max_num_seqs=4, max_num_batched_tokens=300, warm_up_linears=True)
+    model = llm.engine_core.executor.worker.model  # type: ignore[attr-defined]
+    inner = model.model
+    if inner.plan is None:
+        pytest.skip("the fused C++ layer ops are not built here (no C++ toolchain)")
+    assert llm.engine_core.executor.worker.compile_time > 0  # type: ignore[attr-defined]
+    hidden: list[list[torch.Tensor]] = [[], []]
+    forward = inner.forward
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = forward(*args, **kwargs)
+        hidden[record].append(out.clone())
+        return out
+
+    inner.forward = recording
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(100, 250)), list(range(300, 337))]  # one step of 187 rows, then decodes
+    plan, tokens = inner.plan, []
+    for record in (0, 1):
+        inner.plan = plan if record == 0 else None
+        llm.reset_prefix_cache()
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert tokens[0] == tokens[1]
+    assert hidden[0][0].shape == hidden[1][0].shape == (187, 576)  # the padding rows are cut off
+    torch.testing.assert_close(hidden[0][0].float(), hidden[1][0].float(), rtol=5e-2, atol=5e-2)

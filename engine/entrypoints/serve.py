@@ -146,7 +146,9 @@ def _server_settings(values: dict[str, Any]) -> ServerSettings:
 
 
 def engine_threads(engine: EngineConfig) -> None:
-    """On a CPU, the EngineCore process computes on every core available (unless told otherwise).
+    """Serving defaults: `model.warm_up_linears` on unless set (no step of a live server waits for
+    oneDNN to build a kernel); on a CPU, the EngineCore computes on every core available
+    (unless told otherwise).
 
     Measured with benchmarks/serving_throughput.py (64 requests x 128 + 128 tokens at
     concurrency 16): the API process (HTTP, detokenizing, SSE) spends ~0.2-0.3 ms of CPU per
@@ -158,6 +160,8 @@ def engine_threads(engine: EngineConfig) -> None:
     """
     import torch
 
+    if engine.model.warm_up_linears is None:  # a server builds oneDNN's kernels before its first request
+        engine.model.warm_up_linears = True
     on_gpu = engine.device.device == "cuda" or (engine.device.device == "auto" and torch.cuda.is_available())
     if on_gpu or engine.device.num_threads > 0 or os.environ.get("OMP_NUM_THREADS"):
         return

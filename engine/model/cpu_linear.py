@@ -44,13 +44,30 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
 
 
+def padded_rows(rows: int) -> int:
+    """The row count oneDNN runs `rows` rows as: a multiple of 8 up to 128, of 32 above.
+
+    oneDNN builds (JIT-compiles) a primitive for every new input shape: 1.5-6 ms for a linear
+    and 5-35 ms for one with post-ops, the first time a row count is seen, measured at SmolLM2's
+    shapes. A server's steps take every row count from 1 to the token budget, so unpadded each
+    new one stalls its step; padded, the shapes are few and `warm_up_linears` builds them all at
+    start-up (the padding rows cost at most 1/4 of a step past 128 rows, 1.5% at 2,048)."""
+    step = 8 if rows <= 128 else 32
+    return -(-rows // step) * step
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ packed.T (+ bias) -> [..., N], in x's dtype."""
-    if x.dim() == 2 and x.is_contiguous():
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    """x [..., K] @ packed.T (+ bias) -> [..., N], in x's dtype (rows padded to `padded_rows`
+    for oneDNN, the padding cut off again)."""
+    flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    rows = flat.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        flat = torch.nn.functional.pad(flat, (0, 0, 0, padded - rows))
     out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-    return out.view(*x.shape[:-1], out.shape[-1])
+    if padded != rows:
+        out = out[:rows]
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -104,5 +121,10 @@ def packed_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> to
     the [T, 2I] gate/up result is never stored and read back (2,048 rows at SmolLM2's shape:
     3.40 against 3.90 ms for the fused projection then `servelab::silu_mul`; closer to float32
     too, the gate entering the SiLU unrounded)."""
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
     g = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
-    return torch.ops.mkldnn._linear_pointwise.binary(x, g, up, None, "mul")
+    out = torch.ops.mkldnn._linear_pointwise.binary(x, g, up, None, "mul")
+    return out[:rows] if padded != rows else out

@@ -13,6 +13,7 @@ fused (one GEMM each), so the loader copies each HF tensor into its slice.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from engine.model.cpu_linear import (
     pack_weight,
     packed_linear,
     packed_silu_mul,
+    padded_rows,
     prepack_linears,
     prepack_supported,
 )
@@ -192,9 +194,13 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
     ) -> torch.Tensor:  # fmt: skip
         ops, eps = plan.ops, plan.eps
-        residual = x
         t = x.shape[0]
         amx = plan.amx_ops if t <= amx_linear.DECODE_MAX_ROWS else None  # decode-sized steps: AMX kernels
+        rows = t if amx is not None else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
+        if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them
+            x = F.pad(x, (0, 0, 0, rows - t))
+            cos, sin = F.pad(cos, (0, 0, 0, 0, 0, rows - t)), F.pad(sin, (0, 0, 0, 0, 0, rows - t))
+        residual = x
         n_qkv, hidden, inter = plan.sizes
         for i, (lp, kv_cache) in enumerate(zip(plan.layers, kv_caches, strict=True)):
             if i == 0:
@@ -207,22 +213,49 @@ class LlamaModel(nn.Module):
             if amx is not None and packs is not None:
                 qkv = amx.amx_linear(x, packs.qkv, n_qkv).view(t, hq + 2 * hkv, a.head_dim)
             else:
-                qkv = packed_linear(x, lp.qkv).view(t, hq + 2 * hkv, a.head_dim)
+                qkv = packed_linear(x, lp.qkv).view(rows, hq + 2 * hkv, a.head_dim)
             ops.rope_(qkv, cos, sin, hq + hkv)
-            o = a.attn_backend.forward(qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :], kv_cache, metadata, a.scale)
+            q_rows = qkv[:t] if rows != t else qkv
+            o = a.attn_backend.forward(q_rows[:, :hq], q_rows[:, hq : hq + hkv], q_rows[:, hq + hkv :], kv_cache,
+                                       metadata, a.scale)  # fmt: skip
             if amx is not None and packs is not None:
                 x = amx.amx_linear(o.reshape(t, a.q_size), packs.o, hidden)
                 ops.add_rms_norm_(x, residual, lp.post_norm, eps)
                 x = amx.amx_linear(amx.amx_linear_silu_mul(x, packs.gate_up, inter), packs.down, hidden)
             else:
-                x = packed_linear(o.reshape(t, a.q_size), lp.o)
+                o = o.reshape(t, a.q_size)
+                x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o)
                 ops.add_rms_norm_(x, residual, lp.post_norm, eps)
                 if lp.gate_up_split is not None:
                     x = packed_linear(packed_silu_mul(x, *lp.gate_up_split), lp.down)
                 else:
                     x = packed_linear(ops.silu_mul(packed_linear(x, lp.gate_up)), lp.down)
         ops.add_rms_norm_(x, residual, plan.final_norm, eps)
-        return x
+        return x[:t] if rows != t else x
+
+    @torch.inference_mode()
+    def warm_up_linears(self, max_rows: int) -> float:
+        """Run each oneDNN linear of the planned forward once at every padded row count a step of
+        up to `max_rows` tokens can have (`cpu_linear.padded_rows`), so that oneDNN has built all
+        its primitives before the first request; returns the seconds taken (0 without a plan)."""
+        plan = self.plan
+        if plan is None:
+            return 0.0
+        t0 = time.perf_counter()
+        lp = plan.layers[0]  # every layer has the same shapes
+        n_qkv, hidden, inter = plan.sizes
+        q_size = lp.attn.q_size
+        low = amx_linear.DECODE_MAX_ROWS + 1 if plan.amx_ops is not None else 1
+        for rows in sorted({padded_rows(r) for r in range(low, max(max_rows, low) + 1)}):
+            x = torch.zeros(rows, hidden, dtype=plan.dtype)
+            packed_linear(x, lp.qkv)
+            packed_linear(torch.zeros(rows, q_size, dtype=plan.dtype), lp.o)
+            if lp.gate_up_split is not None:
+                h = packed_silu_mul(x, *lp.gate_up_split)
+            else:
+                h = plan.ops.silu_mul(packed_linear(x, lp.gate_up))
+            packed_linear(h, lp.down)
+        return time.perf_counter() - t0
 
     def forward(
         self,

@@ -80,6 +80,12 @@ class Worker:
             enforce_eager=self.config.model.enforce_eager,
         )
         self.compile_time = self.model_runner.warm_up()
+        warm_up_linears = getattr(getattr(self.model, "model", None), "warm_up_linears", None)
+        if self.config.model.warm_up_linears and warm_up_linears is not None:  # oneDNN's kernels, before serving
+            seconds = warm_up_linears(self.config.scheduler.max_num_batched_tokens)
+            if seconds:
+                logger.info("built oneDNN's linear kernels for every step size in %.1f s", seconds)
+            self.compile_time += seconds
         self.kv_connector = create_kv_connector(self.config, KVConnectorRole.WORKER, per_block)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(kv_caches)
