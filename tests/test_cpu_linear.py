@@ -11,14 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.cpu_linear import (
-    fused_silu_mul_supported,
-    pack_weight,
-    packed_linear,
-    packed_silu_mul,
-    prepack_linears,
-    prepack_supported,
-)
+from engine.model.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
 
 pytestmark = pytest.mark.skipif(
     not prepack_supported(torch.empty(1, 1, dtype=torch.bfloat16)), reason="this torch has no oneDNN (mkldnn)"
@@ -125,28 +118,6 @@ def test_planned_forward_equals_the_modules_forward_bit_for_bit() -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("rows", [1, 130, 2048])
-def test_packed_silu_mul_matches_float32_reference(rows: int) -> None:
-    """The MLP's silu(gate) * up as two oneDNN GEMMs with post-ops (prefill-sized steps): within
-    bfloat16 rounding of the float32 result, as the projection-then-silu_mul path is."""
-    if not fused_silu_mul_supported():
-        pytest.skip("this torch's oneDNN has no swish / binary-mul linear post-ops")
-    from engine.model.cpu_kernels import kernels
-
-    torch.manual_seed(rows)
-    inter = 1536
-    w = (torch.randn(2 * inter, 576) / 24).bfloat16()
-    x = torch.randn(rows, 576).bfloat16()
-    got = packed_silu_mul(x, pack_weight(w[:inter].contiguous()), pack_weight(w[inter:].contiguous()))
-    want = F.silu(x.float() @ w[:inter].float().t()) * (x.float() @ w[inter:].float().t())
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
-    rel = ((got.float() - want).norm() / want.norm()).item()
-    assert rel < 5e-3
-    if kernels() is not None:  # no less accurate than the fused projection then silu_mul
-        other = kernels().silu_mul(packed_linear(x, pack_weight(w)))
-        assert rel <= 1.1 * ((other.float() - want).norm() / want.norm()).item()
-
-
 def test_padded_rows_are_few_shapes() -> None:
     from engine.model.cpu_linear import padded_rows
 
@@ -159,9 +130,9 @@ def test_padded_rows_are_few_shapes() -> None:
 
 
 def test_planned_forward_on_padded_prefill_steps_gives_the_modules_tokens() -> None:
-    """Steps of more than 128 rows (oneDNN, rows padded to a multiple of 32, the MLP on oneDNN
-    post-ops) against the modules' forward: the same greedy tokens, hidden states within bfloat16
-    rounding; `warm_up_linears` builds every padded shape first."""
+    """Steps of more than 128 rows (oneDNN, rows padded to a multiple of 32) against the modules'
+    forward: the same greedy tokens, hidden states within bfloat16 rounding; `warm_up_linears`
+    builds every padded shape first."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 

@@ -16,7 +16,6 @@ it pays.
 
 from __future__ import annotations
 
-import functools
 import logging
 import types
 
@@ -47,9 +46,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def padded_rows(rows: int) -> int:
     """The row count oneDNN runs `rows` rows as: a multiple of 8 up to 128, of 32 above.
 
-    oneDNN builds (JIT-compiles) a primitive for every new input shape: 1.5-6 ms for a linear
-    and 5-35 ms for one with post-ops, the first time a row count is seen, measured at SmolLM2's
-    shapes. A server's steps take every row count from 1 to the token budget, so unpadded each
+    oneDNN builds (JIT-compiles) a primitive for every new input shape: 1.5-6 ms per linear the
+    first time a row count is seen, measured at SmolLM2's shapes. A server's steps take every row count from 1 to the token budget, so unpadded each
     new one stalls its step; padded, the shapes are few and `warm_up_linears` builds them all at
     start-up (the padding rows cost at most 1/4 of a step past 128 rows, 1.5% at 2,048)."""
     step = 8 if rows <= 128 else 32
@@ -97,34 +95,3 @@ def prepack_linears(model: nn.Module) -> int:
         return 0
     return len(linears)
 
-
-@functools.cache
-def fused_silu_mul_supported() -> bool:
-    """Whether this torch's oneDNN runs a linear with a swish post-op and one with a binary mul
-    post-op (what `packed_silu_mul` needs); probed once on a tiny problem."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        return False
-    try:
-        w = pack_weight(torch.ones(32, 32, dtype=torch.bfloat16))
-        x = torch.ones(2, 32, dtype=torch.bfloat16)
-        g = torch.ops.mkldnn._linear_pointwise(x, w, None, "swish", [], "")
-        torch.ops.mkldnn._linear_pointwise.binary(x, g, w, None, "mul")
-    except (RuntimeError, AttributeError) as exc:
-        logger.info("oneDNN linear post-ops unavailable (%s): silu * up stays a separate pass", exc)
-        return False
-    return True
-
-
-def packed_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) for x [T, K] contiguous, gate / up packed by `pack_weight`:
-    the SiLU is the gate GEMM's swish post-op and the product the up GEMM's binary post-op, so
-    the [T, 2I] gate/up result is never stored and read back (2,048 rows at SmolLM2's shape:
-    3.40 against 3.90 ms for the fused projection then `servelab::silu_mul`; closer to float32
-    too, the gate entering the SiLU unrounded)."""
-    rows = x.shape[0]
-    padded = padded_rows(rows)
-    if padded != rows:
-        x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
-    g = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
-    out = torch.ops.mkldnn._linear_pointwise.binary(x, g, up, None, "mul")
-    return out[:rows] if padded != rows else out

@@ -26,10 +26,8 @@ from engine.model import amx_linear
 from engine.model.arch import ModelArch
 from engine.model.cpu_kernels import kernels
 from engine.model.cpu_linear import (
-    fused_silu_mul_supported,
     pack_weight,
     packed_linear,
-    packed_silu_mul,
     padded_rows,
     prepack_linears,
     prepack_supported,
@@ -123,8 +121,6 @@ class _LayerPlan:
     gate_up: torch.Tensor
     down: torch.Tensor
     amx: _AmxPacks | None = None
-    # gate and up apart, for `packed_silu_mul` (oneDNN post-ops) on prefill-sized steps
-    gate_up_split: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,13 +167,9 @@ class LlamaModel(nn.Module):
             if any(p is None for p in packed) or any(m.bias is not None for m in linears):
                 return False
             qkv, o, gate_up, down = (p for p in packed if p is not None)
-            split = None
-            if fused_silu_mul_supported():
-                w = mlp.gate_up_proj.weight.detach()
-                split = (pack_weight(w[:inter].contiguous()), pack_weight(w[inter:].contiguous()))
             layers.append(_LayerPlan(attn, layer.input_layernorm.weight.detach(),
                                      layer.post_attention_layernorm.weight.detach(), qkv, o, gate_up, down,
-                                     _amx_packs(attn, mlp), split))  # fmt: skip
+                                     _amx_packs(attn, mlp)))  # fmt: skip
         if not layers:
             return False
         with_amx = all(lp.amx is not None for lp in layers)
@@ -226,10 +218,7 @@ class LlamaModel(nn.Module):
                 o = o.reshape(t, a.q_size)
                 x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o)
                 ops.add_rms_norm_(x, residual, lp.post_norm, eps)
-                if lp.gate_up_split is not None:
-                    x = packed_linear(packed_silu_mul(x, *lp.gate_up_split), lp.down)
-                else:
-                    x = packed_linear(ops.silu_mul(packed_linear(x, lp.gate_up)), lp.down)
+                x = packed_linear(ops.silu_mul(packed_linear(x, lp.gate_up)), lp.down)
         ops.add_rms_norm_(x, residual, plan.final_norm, eps)
         return x[:t] if rows != t else x
 
@@ -250,11 +239,7 @@ class LlamaModel(nn.Module):
             x = torch.zeros(rows, hidden, dtype=plan.dtype)
             packed_linear(x, lp.qkv)
             packed_linear(torch.zeros(rows, q_size, dtype=plan.dtype), lp.o)
-            if lp.gate_up_split is not None:
-                h = packed_silu_mul(x, *lp.gate_up_split)
-            else:
-                h = plan.ops.silu_mul(packed_linear(x, lp.gate_up))
-            packed_linear(h, lp.down)
+            packed_linear(plan.ops.silu_mul(packed_linear(x, lp.gate_up)), lp.down)
         return time.perf_counter() - t0
 
     def forward(
