@@ -10,7 +10,7 @@ Same run, same model (default smollm2), same greedy request with ignore_eos:
    ITL = gaps between outputs.
 Both are up at once but never busy at once: requests alternate between the two paths, so
 slow drifts of a shared machine hit both. Both use the engine threads the server would use
-(on a CPU, every core: see engine_threads in engine/entrypoints/serve.py).
+(on a CPU, every core: see serving_defaults in engine/entrypoints/serve.py).
 Target: the server adds <= 3 ms to median TTFT and <= 1 ms to median ITL.
 """
 

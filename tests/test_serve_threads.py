@@ -1,4 +1,5 @@
-"""How many CPU threads `servelab-serve` gives its EngineCore (engine/entrypoints/serve.py)."""
+"""The defaults `servelab-serve` gives its engine (engine/entrypoints/serve.py): CPU threads,
+the CPU token budget, kernel warm-up; what the user set is kept."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import pytest
 
 from engine.config import EngineConfig
-from engine.entrypoints.serve import engine_threads
+from engine.entrypoints.serve import CPU_SERVING_BATCHED_TOKENS, serving_defaults
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs os.sched_getaffinity (Linux)")
 
@@ -22,16 +23,38 @@ def _cpu_config(num_threads: int = 0) -> EngineConfig:
 def test_every_core_goes_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = _cpu_config()
-    engine_threads(cfg)
+    serving_defaults(cfg)
     assert cfg.device.num_threads == len(os.sched_getaffinity(0))
 
 
 def test_explicit_count_and_omp_num_threads_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = _cpu_config(num_threads=3)
-    engine_threads(cfg)
+    serving_defaults(cfg)
     assert cfg.device.num_threads == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     cfg = _cpu_config()
-    engine_threads(cfg)
+    serving_defaults(cfg)
     assert cfg.device.num_threads == 0  # torch's own default, which honours OMP_NUM_THREADS
+
+
+def test_cpu_budget_and_warm_up_defaults_unless_given() -> None:
+    cfg = _cpu_config(num_threads=1)
+    serving_defaults(cfg)
+    assert cfg.scheduler.max_num_batched_tokens == CPU_SERVING_BATCHED_TOKENS
+    assert cfg.model.warm_up_linears is True
+    for explicit in ({"scheduler.max_num_batched_tokens"}, {"scheduler"}):
+        cfg = _cpu_config(num_threads=1)
+        cfg.scheduler.max_num_batched_tokens = 2048
+        cfg.model.warm_up_linears = False
+        serving_defaults(cfg, explicit)
+        assert cfg.scheduler.max_num_batched_tokens == 2048 and cfg.model.warm_up_linears is False
+
+
+def test_both_entry_points_report_what_the_user_set() -> None:
+    from engine.entrypoints.serve import load_config
+
+    engine, _ = load_config(["device.device=cpu", "device.num_threads=1"])
+    assert engine.scheduler.max_num_batched_tokens == CPU_SERVING_BATCHED_TOKENS
+    engine, _ = load_config(["device.device=cpu", "device.num_threads=1", "scheduler.max_num_batched_tokens=1024"])
+    assert engine.scheduler.max_num_batched_tokens == 1024

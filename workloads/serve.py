@@ -17,7 +17,7 @@ import tempfile
 
 from engine.config import EngineConfig
 from engine.entrypoints.api_server import ServerSettings
-from engine.entrypoints.serve import ConfigError, engine_threads, flags_to_overrides, run
+from engine.entrypoints.serve import ConfigError, flags_to_overrides, run, serving_defaults
 
 
 def load_config(overrides: list[str]) -> tuple[EngineConfig, ServerSettings]:
@@ -32,7 +32,7 @@ def load_config(overrides: list[str]) -> tuple[EngineConfig, ServerSettings]:
         engine = cfg.engine_config(shape_dir=tempfile.mkdtemp(prefix="servelab-shape-") if cfg.model.arch else None)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    engine_threads(engine)
+    serving_defaults(engine, {item.split("=", 1)[0].lstrip("+~") for item in overrides})
     return engine, cfg.server
 
 
