@@ -58,6 +58,8 @@ if [ "$("$VENV/bin/python" -c "import torch; print(int(torch.cuda.is_available()
   "$VENV/bin/python" -c "
 from engine.attention.cpu_paged_attention import paged_attention_op
 from engine.model.cpu_kernels import kernels
+from engine.model import amx_linear
 print('[setup] CPU paged attention op:', 'ready' if paged_attention_op() else 'unavailable (torch ops are used)')
-print('[setup] CPU layer kernels:', 'ready' if kernels() else 'unavailable (torch ops are used)')"
+print('[setup] CPU layer kernels:', 'ready' if kernels() else 'unavailable (torch ops are used)')
+print('[setup] AMX linear kernels:', 'ready' if amx_linear.available() else 'not used (no amx_bf16 on this CPU)')"
 fi

@@ -23,7 +23,12 @@ import sys
 from pathlib import Path
 
 # Files whose text makes up the C++ kernels (engine/cpu_extension.py builds them with load_inline).
-KERNEL_SOURCES = ("engine/cpu_extension.py", "engine/model/cpu_kernels.py", "engine/attention/cpu_paged_attention.py")
+KERNEL_SOURCES = (
+    "engine/cpu_extension.py",
+    "engine/model/cpu_kernels.py",
+    "engine/model/amx_linear.py",
+    "engine/attention/cpu_paged_attention.py",
+)
 MAIN_BRANCHES = ("main", "origin/main", "master", "origin/master")
 
 

@@ -93,10 +93,22 @@ struct RowTiles {
 static inline void block_product(const RowTiles& rt, int64_t mt, const uint32_t* wb, int64_t KC, float (*c)[2][256]) {
   const bool two = mt + 1 < rt.MT;
   const bf16* a0 = rt.tile(mt);
-  const bf16* a1 = two ? rt.tile(mt + 1) : a0;
   const int64_t sx = rt.K * static_cast<int64_t>(sizeof(bf16));
   _tile_zero(0);
   _tile_zero(1);
+  if (!two) {  // one row tile (small batches): half the tile products
+    for (int64_t kc = 0; kc < KC; ++kc) {
+      _tile_loadd(6, wb + kc * 512, 64);
+      _tile_loadd(7, wb + kc * 512 + 256, 64);
+      _tile_loadd(4, a0 + kc * 32, sx);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, c[0][0], 64);
+    _tile_stored(1, c[0][1], 64);
+    return;
+  }
+  const bf16* a1 = rt.tile(mt + 1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t kc = 0; kc < KC; ++kc) {
@@ -111,10 +123,8 @@ static inline void block_product(const RowTiles& rt, int64_t mt, const uint32_t*
   }
   _tile_stored(0, c[0][0], 64);
   _tile_stored(1, c[0][1], 64);
-  if (two) {
-    _tile_stored(2, c[1][0], 64);
-    _tile_stored(3, c[1][1], 64);
-  }
+  _tile_stored(2, c[1][0], 64);
+  _tile_stored(3, c[1][1], 64);
 }
 
 // Round to bfloat16 and back (round to nearest even), as storing a result and reading it would.
@@ -326,7 +336,7 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
 """
 
 # Bump with every change of _CPP_SOURCE or KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_amx_linear_v2"
+_EXTENSION_NAME = "servelab_cpu_amx_linear_v3"
 
 
 def _register_fakes() -> None:
