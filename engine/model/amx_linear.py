@@ -23,11 +23,14 @@ Fused epilogues save a pass over memory each:
     torch.ops.servelab.amx_linear_argmax(Tensor x, Tensor packed, int N) -> Tensor      [M] int64
 
 K must be a multiple of 32 (and I of 16); x is contiguous [M, K] bfloat16. `available()` says
-whether the CPU and the build have AMX (amx_bf16, and the kernel grants the tile state).
+whether the CPU and the build have AMX (amx_bf16, and the kernel grants the tile state);
+`SERVELAB_CPU_AMX=0` in the environment turns these kernels off, as it does the attention
+op's AMX path (the engine then runs oneDNN's kernels, as on a CPU without AMX).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -371,6 +374,8 @@ def _loaded() -> bool:
     from engine.platform import cpu_flags
 
     if "amx_bf16" not in cpu_flags():  # no build attempt on CPUs without AMX
+        return False
+    if os.environ.get("SERVELAB_CPU_AMX") == "0":  # as the attention op: every AMX path off (A/B, tests)
         return False
     return load_cpu_ops(_EXTENSION_NAME, _CPP_SOURCE, "AMX linear layers", _register_fakes)
 
