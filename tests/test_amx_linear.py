@@ -9,7 +9,9 @@ from engine.model import amx_linear
 from engine.model.cpu_kernels import kernels
 from engine.model.cpu_linear import pack_weight, packed_linear, prepack_supported
 
-pytestmark = pytest.mark.skipif(not amx_linear.available(), reason="no AMX on this CPU (amx_bf16)")
+pytestmark = pytest.mark.skipif(
+    not amx_linear.available(), reason="no AMX (amx_bf16) on this CPU, or SERVELAB_CPU_AMX=0"
+)
 
 ROWS = [1, 5, 16, 17, 31, 64, 100]
 

@@ -124,7 +124,7 @@ def test_paged_attention_matches_dense_reference(dtype, seq_lens, q_lens, d, pat
     a float32 dense reference; for SmolLM2's 9 / 3 heads too (the AMX path's resident B tiles)."""
     if not set_amx_attention(path == "amx") and path == "amx":
         set_amx_attention(True)
-        pytest.skip("no AMX on this CPU (amx_bf16), so no AMX build of the op")
+        pytest.skip("no AMX (amx_bf16) on this CPU, or SERVELAB_CPU_AMX=0: the op has no AMX path")
     try:
         _check_paged_attention(dtype, seq_lens, q_lens, d, 6, 2)
         if d == 64:
@@ -288,7 +288,7 @@ def test_amx_prefill_attention_matches_dense_reference(hq, hkv, d, seq_lens, q_l
         torch.tensor([seq_lens[b] for b in order]), scale,
     )
     if not ran:
-        pytest.skip("no AMX on this CPU (amx_bf16), so no AMX build of the prefill op")
+        pytest.skip("no AMX (amx_bf16) on this CPU, or SERVELAB_CPU_AMX=0: the prefill op has no AMX path")
     want = _dense_attention(q, cache, tables, qsl, seq_lens, scale)
     torch.testing.assert_close(out[qsl[1] :].float(), want[qsl[1] :], **TOL[torch.bfloat16])
     assert torch.all(out[: qsl[1]] == 7.0)
