@@ -11,7 +11,7 @@ GATE_RUN := runs/ci_gate/latest
 GATE_PAIRED := runs/ci_gate/paired
 GATE_BASELINE := benchmarks/baselines/ci_gate.json
 
-.PHONY: setup bench test lint typecheck gate gate-stored gate-baseline soak gpu-check peers clean
+.PHONY: setup bench test lint typecheck gate gate-stored gate-baseline soak gpu-check peers peers-llamacpp clean
 
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -75,6 +75,10 @@ gpu-check:
 # benchmarks/offline_throughput.py --peer vllm and benchmarks/serving_throughput.py --peer vllm.
 peers: $(SETUP_STAMP)
 	PY=$(PY) bash scripts/peers.sh
+
+# llama-cpp-python's server in a side venv (~/.cache/servelab-peers/llamacpp), for target=llamacpp.
+peers-llamacpp:
+	bash scripts/peers.sh --llamacpp
 
 clean:
 	rm -rf runs outputs multirun test-output .pytest_cache .mypy_cache .ruff_cache

@@ -144,7 +144,8 @@ class WorkloadSection:
 @dataclass
 class TargetSection:
     """inprocess | server (servelab-serve started by the harness) | openai (any URL) | vllm (vLLM's
-    server started by the harness from a side venv) | simulated | pd (prefill/decode disaggregation:
+    server started by the harness from a side venv) | llamacpp (llama-cpp-python's server, the same)
+    | simulated | pd (prefill/decode disaggregation:
     Mooncake master, servers and servelab-router, all local)."""
 
     kind: str = "inprocess"
@@ -169,6 +170,8 @@ class TargetSection:
     # extra server arguments and environment.
     venv: str | None = None
     hf_model: str | None = None
+    # target=llamacpp: the GGUF file its server loads (null: the embedded default model's)
+    gguf: str | None = None
     peer_args: list[str] = field(default_factory=list)
     peer_env: dict[str, str] = field(default_factory=dict)
 

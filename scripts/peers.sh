@@ -8,6 +8,12 @@
 #      (config.json + safetensors + tokenizer files) with transformers, which vLLM reads.
 # Idempotent: each step is skipped when its result is already there.
 #
+# `scripts/peers.sh --llamacpp` instead makes llama-cpp-python's side venv (target=llamacpp):
+# llama-cpp-python[server] built from source for this CPU (~9 min on 2 cores). It reads the
+# embedded GGUF itself, so no conversion is needed.
+#
+#   SERVELAB_LLAMACPP_VENV  side venv          (default ~/.cache/servelab-peers/llamacpp)
+#
 #   SERVELAB_PEERS_VENV   side venv          (default ~/.cache/servelab-peers/vllm)
 #   SERVELAB_PEERS_MODEL  HF model folder    (default ~/.cache/servelab-peers/smollm2-hf)
 #   PY                    project python, for the conversion (default .venv/bin/python)
@@ -21,6 +27,18 @@ PYTHON=${PYTHON:-python3}
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 VPY="$PEERS_VENV/bin/python"
+LLAMACPP_VERSION=0.3.36
+
+if [ "${1:-}" = "--llamacpp" ]; then
+  LVENV=${SERVELAB_LLAMACPP_VENV:-$HOME/.cache/servelab-peers/llamacpp}
+  [ -x "$LVENV/bin/python" ] || { echo "[peers] creating $LVENV"; "$PYTHON" -m venv "$LVENV"; }
+  if ! "$LVENV/bin/python" -c "import llama_cpp, uvicorn" >/dev/null 2>&1; then
+    echo "[peers] building llama-cpp-python[server]==$LLAMACPP_VERSION for this CPU (about 9 minutes on 2 cores)"
+    CMAKE_ARGS="-DGGML_NATIVE=ON" "$LVENV/bin/python" -m pip install -q "llama-cpp-python[server]==$LLAMACPP_VERSION"
+  fi
+  echo "[peers] ready: $LVENV/bin/python (llama-cpp-python $("$LVENV/bin/python" -c "import llama_cpp; print(llama_cpp.__version__)"))"
+  exit 0
+fi
 
 if [ ! -x "$VPY" ]; then
   echo "[peers] creating $PEERS_VENV"

@@ -86,7 +86,7 @@ def test_check_overrides_names_unknown_keys_in_one_line() -> None:
     assert check_overrides(ServeConfig, ["server.port=1"]) is None
     assert check_overrides(PlanConfig, ["plan.rates=[1,2]"]) is None
     assert check_overrides(RunConfig, ["target=servr"]) == (
-        "unknown target 'servr' (known: inprocess, offline, openai, pd, server, simulated, vllm)")
+        "unknown target 'servr' (known: inprocess, llamacpp, offline, openai, pd, server, simulated, vllm)")
 
 
 def test_engine_serve_reads_one_config_file_strictly(tmp_path) -> None:

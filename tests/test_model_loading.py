@@ -120,6 +120,45 @@ def test_gguf_dequantize_round_trip(tmp_path, qtype):
         assert (got - want).abs().max().item() <= QUANT_TOLERANCE[qtype] + 1e-6, gguf_name
 
 
+def _same_as_gguf_reader(path) -> None:
+    """engine/model/gguf_file.py reads what gguf.GGUFReader reads: every metadata value (type
+    included) and every tensor's name, type, shape and data."""
+    import gguf
+
+    from engine.model.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(str(path), "r")
+    want = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert want.keys() == ours.metadata.keys()
+    for key, value in want.items():
+        assert ours.metadata[key] == value and type(ours.metadata[key]) is type(value), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert a.tensor_type == b.tensor_type and a.shape == tuple(int(d) for d in b.shape), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data, b.data), a.name
+
+
+def test_gguf_file_reads_what_gguf_reader_reads(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, {"attn_q": "Q4_1", "ffn_down": "BF16", "ffn_up": "F16", "token_embd": "Q8_0"})
+    _same_as_gguf_reader(path)
+    if HAS_SMOLLM2:  # 36 fields with a 49,152-token vocabulary and merges; 272 Q4_1/F32 tensors
+        _same_as_gguf_reader(embedded_gguf_path())
+
+
+def test_gguf_file_errors_are_one_line(tmp_path):
+    from engine.model.gguf_file import GGUFFile
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + (9).to_bytes(4, "little") + bytes(16))
+    with pytest.raises(ValueError, match=r"GGUF version 9 is not supported"):
+        GGUFFile(bad)
+    bad.write_bytes(b"NOPE" + bytes(20))
+    with pytest.raises(ValueError, match=r"is not a GGUF file \(bad magic\)"):
+        GGUFFile(bad)
+
+
 def test_tiny_gguf_loads_into_model_untied_and_unpermuted(tmp_path):
     path = tmp_path / "tiny.gguf"
     originals = _write_tiny_gguf(path, {})

@@ -4,11 +4,13 @@
   (error.txt, and servelab-run's exit status), before any server starts;
 - with vLLM's CPU build in the side venv (scripts/peers.sh), `servelab-run -m target=server,vllm`
   gives one sweep.csv and one sweep report with both engines side by side. vLLM's start-up is
-  ~1.5 minutes of both cores: skipped, naming what is missing, where the venv is absent.
+  ~1.5 minutes of both cores: skipped, naming what is missing, where the venv is absent;
+- the same two for `target=llamacpp` (llama-cpp-python's server, `scripts/peers.sh --llamacpp`).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from workloads.targets.peer import DEFAULT_HF_MODEL, DEFAULT_VENV, PeerMissingError, check_vllm
+from workloads.targets.peer import (
+    DEFAULT_HF_MODEL,
+    DEFAULT_LLAMACPP_VENV,
+    DEFAULT_VENV,
+    PeerMissingError,
+    check_llamacpp,
+    check_vllm,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["workload=fixed", "workload.num_requests=3", "workload.prompt_len.value=16", "workload.output_len.value=4",
@@ -64,3 +73,47 @@ def test_server_and_vllm_side_by_side(tmp_path: Path) -> None:
     assert "Engines side by side" in page and "vllm" in page
     vllm_steps = pd.read_csv(df.set_index("target").loc["vllm", "run_dir"] + "/steps.csv")
     assert "num_running" in vllm_steps  # its /metrics was scraped
+
+
+def test_missing_llamacpp_is_one_line_at_start_up(tmp_path: Path) -> None:
+    with pytest.raises(PeerMissingError, match=r"target=llamacpp: no Python at .*nope/bin/python"):
+        check_llamacpp(tmp_path / "nope")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "workloads.cli", "target=llamacpp", f"target.venv={venv}", *TINY,
+                           "report.html=false", f"hydra.run.dir={run}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "servelab-run: PeerMissingError: target=llamacpp: llama-cpp-python[server] is not installed in" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    assert "llama-cpp-python[server] is not installed" in (run / "error.txt").read_text()
+
+
+def _llamacpp_missing() -> str | None:
+    try:
+        check_llamacpp(DEFAULT_LLAMACPP_VENV.expanduser())
+    except PeerMissingError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_llamacpp_missing() is not None, reason=f"needs llama-cpp-python: {_llamacpp_missing()}")
+def test_server_and_llamacpp_side_by_side(tmp_path: Path) -> None:
+    """Text prompts (llama.cpp takes no token ids), fixed lengths: the EOS bias keeps llama.cpp
+    generating to max_tokens as ignore_eos does for servelab."""
+    sweep = tmp_path / "sweep"
+    text = [t for t in TINY if "prompt_as_token_ids" not in t]
+    proc = subprocess.run([sys.executable, "-m", "workloads.cli", "-m", "target=server,llamacpp", *text,
+                           "model.max_model_len=512", f"hydra.sweep.dir={sweep}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    df = pd.read_csv(sweep / "sweep.csv")
+    assert sorted(df["target"]) == ["llamacpp", "server"]
+    assert (df["completed"] == 3).all() and (df["total_output_tokens"] == 12).all()
+    page = (sweep / "report.html").read_text()
+    assert "Engines side by side" in page and "llamacpp" in page
+    summary = json.loads(Path(df.set_index("target").loc["llamacpp", "run_dir"], "summary.json").read_text())
+    assert str(summary.get("server_metrics", "")).startswith("unavailable")  # no /metrics: said once

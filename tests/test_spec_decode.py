@@ -4,7 +4,8 @@ Exactness: greedy output with speculation equals greedy output without it, token
 (oracle prompts and a repetitive workload; together, under chunked prefill and under
 preemption); the rejection sampler's output distribution equals the target's (a seeded
 statistical test: total-variation distance below 0.02 over 20,000 draws, where a sampler
-that ignores rejection would be off by 0.7).
+that ignores rejection would be off by 0.7), and end to end, seeded sampling with speculation
+has the token distribution of sampling without it (a chi-square test per position).
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def test_sample_with_drafts_mixes_plain_and_speculated_rows() -> None:
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[LLM, LLM]]:
-    kw = {"dtype": "float32", "max_model_len": 256, "num_gpu_blocks_override": 128, "max_num_seqs": 16}
+    kw = {"dtype": "float32", "max_model_len": 256, "num_gpu_blocks_override": 128, "max_num_seqs": 48}
     plain, spec = LLM(**kw), LLM(speculative_config=NGRAM, **kw)  # type: ignore[arg-type]
     yield plain, spec
     plain.engine_core.shutdown()
@@ -224,7 +225,7 @@ def _greedy_ids(llm: LLM, prompts: list[str], max_tokens: int = 16) -> list[list
 
 
 def _configure(llm: LLM, num_blocks: int = 128, **sched: object) -> None:
-    llm.engine_core.reconfigure(SchedulerConfig(max_num_seqs=16, **sched), CacheConfig(), num_blocks)  # type: ignore[arg-type]
+    llm.engine_core.reconfigure(SchedulerConfig(**{"max_num_seqs": 16, **sched}), CacheConfig(), num_blocks)  # type: ignore[arg-type]
     llm.reset_prefix_cache()
     llm.step_stats.clear()
 
@@ -271,6 +272,56 @@ def test_sampled_with_speculation_runs_seeded_and_reproducible(engines: tuple[LL
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert all(len(o.outputs[0].token_ids) == 16 for o in a)
     assert sum(s.num_accepted_tokens for s in spec.step_stats) > 0
+
+
+def _chi2_homogeneity_p(a: Counter[int], b: Counter[int], min_pooled: int = 10) -> float:
+    """p-value of Pearson's chi-square test that two samples come from one distribution
+    (categories with fewer than `min_pooled` draws in both samples together are lumped into one)."""
+    pooled = a + b
+    cats = [t for t, c in pooled.items() if c >= min_pooled]
+    rows = [[a[t] for t in cats] + [sum(a.values()) - sum(a[t] for t in cats)],
+            [b[t] for t in cats] + [sum(b.values()) - sum(b[t] for t in cats)]]
+    if rows[0][-1] + rows[1][-1] == 0:
+        rows = [r[:-1] for r in rows]
+    table = torch.tensor(rows, dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    dof = table.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_sampled_with_speculation_has_the_distribution_without(engines: tuple[LLM, LLM]) -> None:
+    """End to end: 400 seeded requests per engine (temperature 1.2) on a repetitive prompt, so
+    drafts are proposed from the first decode step on and rejection sampling runs at tokens 2-4.
+    Each position's token distribution with speculation must pass a chi-square homogeneity test
+    against the one without (p > 0.001 at each of 4 positions: a family-wise false-alarm bound
+    of 0.4% for a correct sampler; the seeds are fixed, so the outcome is deterministic).
+    Power: the plain engine's most likely token at positions 2-4 has at most 90% of the draws
+    (asserted), so a verifier that accepted every draft would shift a category by >= 10 points,
+    about 5 standard deviations at n = 400."""
+    plain, spec = engines
+    n, positions = 400, 4
+    prompt = REPETITIVE_PROMPTS[0]
+    samples = []
+    for llm in engines:
+        _configure(llm, max_num_seqs=48)
+        params = [SamplingParams(max_tokens=positions, temperature=1.2, seed=1000 + i, ignore_eos=True)
+                  for i in range(n)]
+        outs = llm.generate([prompt] * n, params, use_tqdm=False)
+        llm.engine_core.scheduler.assert_idle()
+        samples.append([o.outputs[0].token_ids for o in outs])
+    stats = spec.step_stats
+    drafts, accepted = sum(s.num_draft_tokens for s in stats), sum(s.num_accepted_tokens for s in stats)
+    assert 0 < accepted < drafts  # drafts were both accepted and rejected
+    for pos in range(positions):
+        a = Counter(ids[pos] for ids in samples[0])
+        b = Counter(ids[pos] for ids in samples[1])
+        p_value = _chi2_homogeneity_p(a, b)
+        print(f"position {pos}: p={p_value:.3f} plain {a.most_common(4)} spec {b.most_common(4)}")
+        assert p_value > 1e-3, (pos, a.most_common(5), b.most_common(5))
+        if pos > 0:
+            assert a.most_common(1)[0][1] <= 0.9 * n, (pos, a.most_common(3))
 
 
 # ---- measurement --------------------------------------------------------------------------------

@@ -6,8 +6,9 @@
 Each overrides argument is a file of `key=value` lines (`#` comments) or, when no such file
 exists, the overrides themselves separated by spaces. Both configurations replay RUN_DIR
 (`replay=RUN_DIR`: its arrivals, prompts and sampling settings) `--repeats` times, in ABBA
-order (A B, B A, A B, ...) so slow drift of the machine falls on both. Per metric the paired
-difference B - A (same request, same repeat) gets a bootstrap interval (workloads/stats.py);
+order (A B, B A, A B, ...) so slow drift of the machine falls on both. Per metric the median of
+the paired differences B - A (same request, same repeat; the gate's statistic) gets a
+bootstrap interval (workloads/stats.py);
 the table, ab.csv and ab.json go to `--out` with the run folders (a_0, b_0, ...).
 """
 
@@ -80,7 +81,7 @@ def compare(a_runs: list[Path], b_runs: list[Path], *, min_effect: float, seed: 
 
 def table(diffs: list[Difference]) -> pd.DataFrame:
     rows = [{**asdict(d), "relative": d.relative} for d in diffs]
-    return pd.DataFrame(rows, columns=["metric", "mean_a", "mean_b", "diff", "low", "high", "relative",
+    return pd.DataFrame(rows, columns=["metric", "median_a", "median_b", "diff", "low", "high", "relative",
                                        "n_pairs", "significant"])
 
 

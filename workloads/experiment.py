@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -224,7 +225,19 @@ def _make_target(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path):
                             startup_timeout_s=t.startup_timeout_s, log_path=str(run_dir / "server.log"),
                             endpoint=t.endpoint, timeout_s=t.request_timeout_s)
         return target, tokenizer, _max_model_len(engine_config)
-    raise ValueError(f"target.kind: unknown {kind!r} (inprocess|offline|server|openai|vllm|simulated|pd)")
+    if kind == "llamacpp":
+        from engine.model.loader import embedded_gguf_path
+        from workloads.targets.peer import LlamaCppTarget
+
+        t = cfg.target
+        gguf = t.gguf or str(embedded_gguf_path())
+        eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+        target = LlamaCppTarget(t.venv, gguf, max_model_len=_max_model_len(engine_config), threads=len(os.sched_getaffinity(0)),
+                                eos_token_ids=eos, extra_args=list(t.peer_args), extra_env=dict(t.peer_env),
+                                startup_timeout_s=t.startup_timeout_s, log_path=str(run_dir / "server.log"),
+                                endpoint=t.endpoint, timeout_s=t.request_timeout_s)
+        return target, tokenizer, _max_model_len(engine_config)
+    raise ValueError(f"target.kind: unknown {kind!r} (inprocess|offline|server|openai|vllm|llamacpp|simulated|pd)")
 
 
 def _max_model_len(engine_config: EngineConfig) -> int:
@@ -265,7 +278,7 @@ def _drive(cfg: RunConfig, target: Any, specs: list, run_dir: Path) -> RunResult
     from profiling.telemetry import TelemetrySampler
 
     closed_loop, concurrency = send_limits(cfg)
-    scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai", "pd", "vllm") else None
+    scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai", "pd", "vllm", "llamacpp") else None
     journal = runfolder.RequestJournal(run_dir)
     driver = Driver(target, closed_loop=closed_loop, concurrency=concurrency,
                     max_duration_s=cfg.run.max_duration_s, progress=True, scrape_interval_s=scrape,

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-# GGUF metadata readers are duck-typed: anything with `.fields` of gguf ReaderFields.
+# GGUF readers are duck-typed: anything with `.metadata` (key -> Python value) and `.tensors`
+# (engine/model/gguf_file.py's GGUFFile).
 GGUFReaderLike = Any
 
 
@@ -69,7 +70,7 @@ class ModelArch:
 
     @classmethod
     def from_gguf_metadata(cls, reader: GGUFReaderLike) -> ModelArch:
-        """From a `gguf.GGUFReader`'s metadata (keys `<arch>.block_count`, ...).
+        """From a GGUF file's metadata (a `GGUFFile`; keys `<arch>.block_count`, ...).
 
         Tied embeddings are inferred from the absence of an `output.weight` tensor.
         """
@@ -151,16 +152,14 @@ def _first_id(value: Any) -> int | None:
 
 
 class GGUFMetadata:
-    """Typed access to a GGUFReader's key/value fields (scalars, strings, arrays)."""
+    """Typed access to a GGUF file's key/value metadata (scalars, strings, arrays)."""
 
     def __init__(self, reader: GGUFReaderLike) -> None:
-        self.fields = reader.fields
+        self.fields: dict[str, Any] = reader.metadata
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.fields.get(key)
-        if field is None:
-            return default
-        return field.contents()
+        value = self.fields.get(key)
+        return default if value is None else value
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -169,5 +168,5 @@ class GGUFMetadata:
         return value
 
     def array_len(self, key: str) -> int | None:
-        field = self.fields.get(key)
-        return None if field is None else len(field.data)
+        value = self.fields.get(key)
+        return None if value is None else len(value)

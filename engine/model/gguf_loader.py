@@ -19,10 +19,9 @@ import numpy as np
 import torch
 
 from engine.model.arch import ModelArch
+from engine.model.gguf_file import GGUF_MAGIC, GGUFFile
 
 logger = logging.getLogger(__name__)
-
-GGUF_MAGIC = b"GGUF"
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -52,13 +51,10 @@ def is_gguf_file(path: str | Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def open_gguf(path: str | Path):
-    """A `gguf.GGUFReader` over `path` (memory-mapped); ValueError if it is not a GGUF file.
-
-    Parsing the metadata takes seconds (the vocabulary is ~100k small arrays), so
-    readers are cached per (file, modification time): the loader, the architecture
-    and the tokenizer share one parse.
-    """
+def open_gguf(path: str | Path) -> GGUFFile:
+    """A `GGUFFile` over `path` (memory-mapped; engine/model/gguf_file.py); ValueError if it is
+    not a GGUF file. Cached per (file, modification time): the loader, the architecture and
+    the tokenizer share one parse."""
     path = Path(path).resolve()
     if not path.is_file():
         raise ValueError(f"model: no such file {str(path)!r}")
@@ -68,10 +64,8 @@ def open_gguf(path: str | Path):
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, mtime_ns: int):
-    import gguf
-
-    return gguf.GGUFReader(path, "r")
+def _cached_reader(path: str, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
 def read_gguf_arch(path: str | Path) -> ModelArch:
@@ -121,7 +115,7 @@ def hf_names(gguf_name: str, num_experts: int) -> list[tuple[str, int | None]]:
 
 
 def dequantize_tensor(tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """One GGUF ReaderTensor -> a torch tensor of `dtype` in row-major (torch) shape."""
+    """One GGUF tensor (`GGUFTensor`) -> a torch tensor of `dtype` in row-major (torch) shape."""
     from gguf.quants import dequantize
 
     array = dequantize(tensor.data, tensor.tensor_type)

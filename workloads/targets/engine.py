@@ -161,6 +161,7 @@ class ServerTarget(OpenAITarget):
         await super().start()
 
     label = "servelab-serve"  # names the server in start-up errors
+    health_path = "/health"  # answers 200 once the server takes requests
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "engine.entrypoints.serve", "--config", self.config_path,
@@ -179,7 +180,7 @@ class ServerTarget(OpenAITarget):
                     raise RuntimeError(f"{self.label} exited with code {self.proc.returncode} during start-up"
                                        + (f" (log: {self.log_path})" if self.log_path else ""))
                 with contextlib.suppress(aiohttp.ClientError, OSError):
-                    async with session.get(f"{self.base_url}/health") as resp:
+                    async with session.get(f"{self.base_url}{self.health_path}") as resp:
                         if resp.status == 200:
                             return
                 await asyncio.sleep(0.5)
