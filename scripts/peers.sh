@@ -33,8 +33,17 @@ if [ "${1:-}" = "--llamacpp" ]; then
   LVENV=${SERVELAB_LLAMACPP_VENV:-$HOME/.cache/servelab-peers/llamacpp}
   [ -x "$LVENV/bin/python" ] || { echo "[peers] creating $LVENV"; "$PYTHON" -m venv "$LVENV"; }
   if ! "$LVENV/bin/python" -c "import llama_cpp, uvicorn" >/dev/null 2>&1; then
-    echo "[peers] building llama-cpp-python[server]==$LLAMACPP_VERSION for this CPU (about 9 minutes on 2 cores)"
-    CMAKE_ARGS="-DGGML_NATIVE=ON" "$LVENV/bin/python" -m pip install -q "llama-cpp-python[server]==$LLAMACPP_VERSION"
+    # The instruction sets this CPU has, named one by one: GGML_NATIVE=ON also compiles ggml's
+    # AMX int8 path, which dies with a general-protection fault on the first token on the AMX
+    # machines here (llama-cpp-python 0.3.36).
+    FLAGS="$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)"
+    ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON"
+    for pair in avx2:AVX2 fma:FMA f16c:F16C avx_vnni:AVX_VNNI avx512f:AVX512 avx512vbmi:AVX512_VBMI \
+                avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+      case " $FLAGS " in *" ${pair%%:*} "*) ARGS="$ARGS -DGGML_${pair#*:}=ON" ;; esac
+    done
+    echo "[peers] building llama-cpp-python[server]==$LLAMACPP_VERSION for this CPU ($ARGS; about 9 minutes on 2 cores)"
+    CMAKE_ARGS="$ARGS" "$LVENV/bin/python" -m pip install -q "llama-cpp-python[server]==$LLAMACPP_VERSION"
   fi
   echo "[peers] ready: $LVENV/bin/python (llama-cpp-python $("$LVENV/bin/python" -c "import llama_cpp; print(llama_cpp.__version__)"))"
   exit 0
