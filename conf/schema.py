@@ -159,6 +159,7 @@ class TargetSection:
     num_prefill: int = 1  # pd: prefill (kv_producer) instances
     num_decode: int = 1  # pd: decode (kv_consumer) instances
     router_policy: str = "round_robin"  # pd: round_robin | least_loaded
+    kv_connector: str = "store"  # pd: store (Mooncake's store) | transfer (its TransferEngine, direct)
     # HTTP targets ask for the servelab timing extension (per-token engine times; a header,
     # ignored by other servers). false: chunk timing only.
     server_timing: bool = True

@@ -179,7 +179,7 @@ def _speculative_from(value: Any) -> SpeculativeConfig:
     return SpeculativeConfig(**value)
 
 
-KV_CONNECTORS = ("CPUOffloadConnector", "MooncakeStoreConnector")
+KV_CONNECTORS = ("CPUOffloadConnector", "MooncakeStoreConnector", "MooncakeTransferConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 

@@ -1,6 +1,8 @@
 """`servelab-run target=pd workload=shared_prefix` end to end (issue 15): the workbench starts a
 Mooncake master, a prefill and a decode servelab-serve and the router, drives the router with
-the shared-prefix workload, and writes a run folder whose report has the connector figures.
+the shared-prefix workload, and writes a run folder whose report has the connector figures;
+with Mooncake's store between the instances (`target.kv_connector=store`) and with its
+TransferEngine reading the prefill instance's outbox directly (`transfer`).
 
 Real SmolLM2 weights and real processes, a short workload: 6 requests of 300-340 prompt tokens
 over 2 shared 256-token prefixes (16 full blocks each, saved by the prefill instance and
@@ -26,13 +28,15 @@ WORKLOAD = ["workload=shared_prefix", "workload.num_requests=6", "workload.warmu
             "workload.prompt_len.low=300", "workload.prompt_len.high=340", "workload.output_len.value=4",
             "workload.shared_prefix.num_groups=2", "workload.shared_prefix.fraction=1.0",
             "workload.arrival.rate=2.0", "workload.prompt_as_token_ids=true",
-            "cache.num_blocks=256", "scheduler.max_num_seqs=8", "run.time_reference=false",
+            "cache.num_blocks=256", "scheduler.max_num_seqs=8", "model.num_layers_override=8", "run.time_reference=false",
             "profiling.telemetry=false"]
 
 
-def test_servelab_run_target_pd_writes_a_run_folder_with_connector_figures(tmp_path: Path) -> None:
+@pytest.mark.parametrize("connector", ["store", "transfer"])
+def test_servelab_run_target_pd_writes_a_run_folder_with_connector_figures(tmp_path: Path, connector: str) -> None:
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "workloads.cli", "target=pd", *WORKLOAD, f"hydra.run.dir={run}"],
+    proc = subprocess.run([sys.executable, "-m", "workloads.cli", "target=pd", f"target.kv_connector={connector}",
+                           *WORKLOAD, f"hydra.run.dir={run}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not (run / "error.txt").exists()

@@ -1,6 +1,6 @@
-"""Mooncake's TransferEngine over TCP on 127.0.0.1: the API a direct producer -> consumer KV
-connector would stand on (not built yet: docs/kv_transfer.md, "Not yet"). One engine registers
-a buffer, the other reads from it by address, whole and at an offset (one block's worth).
+"""Mooncake's TransferEngine over TCP on 127.0.0.1: the API MooncakeTransferConnector stands on
+(tests/test_kv_transfer_direct.py tests the connector). One engine registers a buffer, the
+other reads from it by address, whole and at an offset (one block's worth).
 
 Needs `mooncake-transfer-engine-non-cuda` and Debian's libibverbs1 / libnuma1, like
 tests/test_kv_mooncake.py; the HTTP metadata server is `mooncake_master`'s.

@@ -203,7 +203,7 @@ def _make_target(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path):
 
         t = cfg.target
         target = PDTarget(engine_config, run_dir, t.num_prefill, t.num_decode, t.router_policy, t.startup_timeout_s,
-                          endpoint=t.endpoint, timeout_s=t.request_timeout_s)  # fmt: skip
+                          endpoint=t.endpoint, timeout_s=t.request_timeout_s, connector=t.kv_connector)  # fmt: skip
         return target, tokenizer, _max_model_len(engine_config)
     if kind == "openai":
         if not cfg.target.url:

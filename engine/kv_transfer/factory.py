@@ -27,4 +27,8 @@ def create_kv_connector(config: EngineConfig, role: KVConnectorRole, bytes_per_b
         from engine.kv_transfer.mooncake_store import MooncakeStoreConnector
 
         return MooncakeStoreConnector(config, role)
+    if name == "MooncakeTransferConnector":
+        from engine.kv_transfer.mooncake_transfer import MooncakeTransferConnector
+
+        return MooncakeTransferConnector(config, role, bytes_per_block)
     raise ValueError(f"unknown kv_connector {name!r}")

@@ -3,7 +3,9 @@
 A local `mooncake_master`, `num_prefill` servers with `kv_transfer.kv_role=kv_producer`,
 `num_decode` servers with `kv_role=kv_consumer` (all `engine.entrypoints.serve` with the run's
 engine config and Mooncake's store as their connector) and `servelab-router` in front; the
-driver talks to the router like to any OpenAI server. At the end each instance's connector
+driver talks to the router like to any OpenAI server. `target.kv_connector=transfer` joins them
+with Mooncake's TransferEngine instead (the decode instances read the prefill instances'
+outboxes directly; engine/kv_transfer/mooncake_transfer.py). At the end each instance's connector
 counters (from its /metrics) go to `<run>/pd_instances.json`, one entry per instance with its
 role, so the report can set the prefill and decode instances side by side.
 """
@@ -31,6 +33,10 @@ from engine.kv_transfer.mooncake_master import MooncakeMaster
 from workloads.targets.engine import free_port
 from workloads.targets.openai import OpenAITarget
 
+# target.kv_connector: Mooncake's store between the instances, or its TransferEngine reading the
+# prefill instance's outbox directly (engine/kv_transfer/mooncake_transfer.py).
+CONNECTORS = {"store": "MooncakeStoreConnector", "transfer": "MooncakeTransferConnector"}
+
 _COUNTERS = ("loaded_blocks", "saved_blocks", "loaded_bytes", "saved_bytes", "load_seconds", "save_seconds",
              "external_hit_tokens", "load_failures")  # fmt: skip
 
@@ -41,10 +47,15 @@ class PDTarget(OpenAITarget):
     def __init__(
         self, engine_config: EngineConfig, run_dir: str | os.PathLike[str], num_prefill: int = 1, num_decode: int = 1,
         policy: str = "round_robin", startup_timeout_s: float = 180.0, endpoint: str = "completions",
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, connector: str = "store",
     ) -> None:  # fmt: skip
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("target.num_prefill and target.num_decode must be >= 1")
+        if connector not in CONNECTORS:
+            raise ValueError(f"target.kv_connector: {connector!r} is not one of {', '.join(CONNECTORS)}")
+        self.connector = connector
+        # transfer: each prefill instance's directory (the decode instances ask all of them)
+        self.directories = [f"tcp://127.0.0.1:{free_port()}" for _ in range(num_prefill)]
         self.router_port = free_port()
         super().__init__(f"http://127.0.0.1:{self.router_port}", model="", endpoint=endpoint,
                          extra_body={"temperature": 0.0}, timeout_s=timeout_s)  # fmt: skip
@@ -84,8 +95,15 @@ class PDTarget(OpenAITarget):
     def _instance_config(self, role: str, index: int) -> Path:
         assert self.master is not None
         extra = dict(self.engine_config.kv_transfer.kv_connector_extra_config)
-        extra.update(self.master.extra_config())
-        kv = KVTransferConfig("MooncakeStoreConnector", "kv_producer" if role == "prefill" else "kv_consumer", extra)
+        if self.connector == "store":
+            extra.update(self.master.extra_config())
+        else:
+            extra["metadata_server"] = self.master.metadata_server
+            if role == "prefill":
+                extra["directory_address"] = self.directories[index]
+            else:
+                extra["producer_directories"] = list(self.directories)
+        kv = KVTransferConfig(CONNECTORS[self.connector], "kv_producer" if role == "prefill" else "kv_consumer", extra)
         config = replace(self.engine_config, kv_transfer=kv)
         path = self.run_dir / f"serve_config_{role}{index}.yaml"
         path.write_text(f"# written by servelab-run for target=pd ({role} instance {index})\n"
