@@ -3,8 +3,8 @@
 A run recorded on the simulated target (fast: no model) is replayed on the in-process engine
 (a tiny random-weight shape): the replay sends the recorded requests with the recorded arrivals
 and prompts. servelab-ab on two identical configurations finds no significant difference;
-with long prompts, max_num_batched_tokens 16 against 2048 is a significant TTFT difference
-(32 prefill chunks against 1). The bootstrap itself is checked on synthetic numbers.
+with long prompts, max_num_batched_tokens 64 against 2048 (the issue's pair) is a significant TTFT difference
+(2,048-token prompts: 32 prefill chunks against 1). The bootstrap itself is checked on synthetic numbers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from workloads.stats import paired_bootstrap
 ENGINE = ["model.model=tiny", "model.arch={hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
           "intermediate_size: 128, vocab_size: 49152}", "model.dtype=float32", "run.time_reference=false"]
 WORKLOAD = ["workload=fixed", "workload.num_requests=7", "workload.warmup_requests=1",
-            "workload.prompt_len.value=512", "workload.output_len.value=3",
+            "workload.prompt_len.value=2048", "workload.output_len.value=3",
             "workload.arrival.rate=5", "workload.prompt_as_token_ids=true"]
 
 
@@ -65,7 +65,7 @@ def test_replay_resends_the_recorded_requests(recorded: Path, tmp_path: Path) ->
     df = pd.read_csv(tmp_path / "requests.csv", dtype={"request_id": str})
     planned = {k: v["arrival_s"] for k, v in before.items()}
     assert dict(zip(df["request_id"], df["scheduled_s"], strict=True)) == pytest.approx(planned)
-    assert (df["prompt_tokens"] == 512).all()
+    assert (df["prompt_tokens"] == 2048).all()
 
 
 def test_replay_of_a_folder_that_is_not_a_run_fails_with_one_line(tmp_path: Path) -> None:
@@ -77,10 +77,12 @@ def test_replay_of_a_folder_that_is_not_a_run_fails_with_one_line(tmp_path: Path
     assert outcome.error == f"replay: {tmp_path / 'nope'} is not a run folder (no config.yaml)"
 
 
-# Identical configurations differed by up to 45% in TTFT between runs on the shared 2-core test
-# machine (load average 8): the test asks for a 50% effect, above that noise floor; the budget
-# change makes TTFT 2-8 times longer. On a quiet machine the default (5%) applies.
-NOISE_FLOOR = 0.5
+# With means, identical configurations differed by up to 45% in TTFT between runs on the shared
+# 2-core test machine (load average 8); with the median paired difference (servelab-ab's
+# statistic since) the largest relative difference seen between identical runs was 0.38, with
+# an interval across 0 each time. The test asks for a 25% effect; the budget change here makes
+# TTFT ~1.6 times longer (37%). On a quiet machine the default (5%) applies.
+NOISE_FLOOR = 0.25
 
 
 @pytest.mark.slow
@@ -91,7 +93,7 @@ def test_ab_identical_is_not_significant_and_batch_budget_is(recorded: Path, tmp
                   [*ENGINE, "scheduler.max_num_batched_tokens=2048"], tmp_path / "same", repeats=2,
                   min_effect=NOISE_FLOOR)
     assert not same["significant"].any(), same.to_string()
-    budget = run_ab(recorded, [*ENGINE, "scheduler.max_num_batched_tokens=16"],
+    budget = run_ab(recorded, [*ENGINE, "scheduler.max_num_batched_tokens=64"],
                     [*ENGINE, "scheduler.max_num_batched_tokens=2048"], tmp_path / "budget", repeats=2,
                     min_effect=NOISE_FLOOR)
     ttft = budget.set_index("metric").loc["ttft_ms"]
