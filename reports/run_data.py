@@ -60,7 +60,7 @@ class RunData:
         req = self.measured_requests()
         if req is None:
             return None
-        ok = req["error"].fillna("").astype(str).str.len() == 0 if "error" in req else True
+        ok = req["error"].astype(object).fillna("").astype(str).str.len() == 0 if "error" in req else True
         if "ttft_ms" in req:
             ok = ok & req["ttft_ms"].notna()
         return req[ok]

@@ -220,7 +220,7 @@ def errors(run: RunData) -> Section:
         s.notes.append("error.txt: " + run.error[:2000])
     req = run.measured_requests()
     if req is not None and "error" in req:
-        failed = req[req["error"].fillna("").astype(str).str.len() > 0]
+        failed = req[req["error"].astype(object).fillna("").astype(str).str.len() > 0]
         s.notes.append(f"{len(failed)} of {len(req)} measured requests failed.")
         if len(failed):
             counts = failed["error"].value_counts().rename_axis("error").reset_index(name="count")

@@ -132,10 +132,10 @@ def best(df: pd.DataFrame, swept: list[str], cfg: dict[str, Any]) -> Section:
 
 def failed_jobs(df: pd.DataFrame, swept: list[str], cfg: dict[str, Any]) -> Section:
     s = Section("failed-jobs", "Failed jobs")
-    if "error" not in df or not df["error"].fillna("").astype(str).str.len().any():
+    if "error" not in df or not df["error"].astype(object).fillna("").astype(str).str.len().any():
         s.missing = "Every job finished without an error."
         return s
-    bad = df[df["error"].fillna("").astype(str).str.len() > 0]
+    bad = df[df["error"].astype(object).fillna("").astype(str).str.len() > 0]
     s.alert = f"{len(bad)} of {len(df)} jobs failed or stopped early."
     s.tables.append(html_table(bad[[c for c in ("job", *swept, "error", "run_dir") if c in bad]]))
     return s

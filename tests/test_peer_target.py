@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -32,30 +33,44 @@ TINY = ["workload=fixed", "workload.num_requests=3", "workload.prompt_len.value=
         "workload.prompt_as_token_ids=true", "run.time_reference=false"]
 
 
-def test_missing_vllm_is_one_line_at_start_up(tmp_path: Path) -> None:
-    with pytest.raises(PeerMissingError, match=r"no Python at .*nope/bin/python \(vLLM is not installed there"):
-        check_vllm(tmp_path / "nope", tmp_path)
-    venv = tmp_path / "venv"  # a python without vllm: this test's own
+def _venv_without_the_peer(tmp_path: Path) -> Path:
+    venv = tmp_path / "venv"  # a python without the peer: this test's own
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(sys.executable)
-    with pytest.raises(PeerMissingError, match=r"vLLM is not installed in .*venv \(its python cannot find"):
-        check_vllm(venv, tmp_path)
+    return venv
+
+
+def _fails_at_start_up(tmp_path: Path, target: str, venv: Path, message: str) -> None:
+    """servelab-run target=<target> exits 1 with `message` in one line (stderr and error.txt)."""
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "workloads.cli", "target=vllm", f"target.venv={venv}", *TINY,
+    proc = subprocess.run([sys.executable, "-m", "workloads.cli", f"target={target}", f"target.venv={venv}", *TINY,
                            "report.html=false", f"hydra.run.dir={run}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
-    assert "servelab-run: PeerMissingError: target=vllm: vLLM is not installed in" in proc.stderr
+    assert f"servelab-run: PeerMissingError: target={target}: {message}" in proc.stderr
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    assert "vLLM is not installed" in (run / "error.txt").read_text()
+    assert message in (run / "error.txt").read_text()
 
 
-def _vllm_missing() -> str | None:
+def _missing(check: Callable[[], object]) -> str | None:
     try:
-        check_vllm(DEFAULT_VENV.expanduser(), DEFAULT_HF_MODEL.expanduser())
+        check()
     except PeerMissingError as exc:
         return str(exc)
     return None
+
+
+def test_missing_vllm_is_one_line_at_start_up(tmp_path: Path) -> None:
+    with pytest.raises(PeerMissingError, match=r"no Python at .*nope/bin/python \(vLLM is not installed there"):
+        check_vllm(tmp_path / "nope", tmp_path)
+    venv = _venv_without_the_peer(tmp_path)
+    with pytest.raises(PeerMissingError, match=r"vLLM is not installed in .*venv \(its python cannot find"):
+        check_vllm(venv, tmp_path)
+    _fails_at_start_up(tmp_path, "vllm", venv, "vLLM is not installed in")
+
+
+def _vllm_missing() -> str | None:
+    return _missing(lambda: check_vllm(DEFAULT_VENV.expanduser(), DEFAULT_HF_MODEL.expanduser()))
 
 
 @pytest.mark.slow
@@ -78,25 +93,12 @@ def test_server_and_vllm_side_by_side(tmp_path: Path) -> None:
 def test_missing_llamacpp_is_one_line_at_start_up(tmp_path: Path) -> None:
     with pytest.raises(PeerMissingError, match=r"target=llamacpp: no Python at .*nope/bin/python"):
         check_llamacpp(tmp_path / "nope")
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
-    run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "workloads.cli", "target=llamacpp", f"target.venv={venv}", *TINY,
-                           "report.html=false", f"hydra.run.dir={run}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    assert "servelab-run: PeerMissingError: target=llamacpp: llama-cpp-python[server] is not installed in" in proc.stderr
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    assert "llama-cpp-python[server] is not installed" in (run / "error.txt").read_text()
+    _fails_at_start_up(tmp_path, "llamacpp", _venv_without_the_peer(tmp_path),
+                       "llama-cpp-python[server] is not installed in")
 
 
 def _llamacpp_missing() -> str | None:
-    try:
-        check_llamacpp(DEFAULT_LLAMACPP_VENV.expanduser())
-    except PeerMissingError as exc:
-        return str(exc)
-    return None
+    return _missing(lambda: check_llamacpp(DEFAULT_LLAMACPP_VENV.expanduser()))
 
 
 @pytest.mark.slow

@@ -284,9 +284,12 @@ def _drive(cfg: RunConfig, target: Any, specs: list, run_dir: Path) -> RunResult
                     max_duration_s=cfg.run.max_duration_s, progress=True, scrape_interval_s=scrape,
                     on_record=journal)
 
+    sigint = _SigintWatch()
+
     async def go() -> RunResult:
         await target.start()
         sampler = None
+        sigint.install()
         try:
             if cfg.profiling.telemetry:
                 # A server target's own process tree (server + EngineCore), else the harness's.
@@ -296,14 +299,50 @@ def _drive(cfg: RunConfig, target: Any, specs: list, run_dir: Path) -> RunResult
                 sampler.start()
             return await driver.run(specs)
         finally:
+            sigint.remove()
             if sampler is not None:
                 sampler.stop()
             await target.stop()
 
     try:
-        return asyncio.run(go())
+        result = asyncio.run(go())
     finally:
         journal.close()
+    if sigint.seen and not result.stop_reason:
+        result.stop_reason = "cancelled"  # Ctrl-C came while the run was ending: still a partial run
+    return result
+
+
+class _SigintWatch:
+    """Ctrl-C while the driver runs: cancel the run (the driver keeps what finished) and remember
+    it, so the run is reported as interrupted wherever the cancellation lands; a second Ctrl-C
+    stops at once (KeyboardInterrupt)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._task: asyncio.Task[Any] | None = None
+
+    def install(self) -> None:
+        import signal
+
+        self._task = asyncio.current_task()
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._on_sigint)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            self._task = None
+
+    def _on_sigint(self) -> None:
+        if self.seen or self._task is None:
+            raise KeyboardInterrupt
+        self.seen = True
+        self._task.cancel()
+
+    def remove(self) -> None:
+        import signal
+
+        if self._task is not None:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+            self._task = None
 
 
 def _shutdown(target: Any) -> None:

@@ -38,8 +38,9 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +56,37 @@ logger = logging.getLogger(__name__)
 
 # request id -> the ids of every block it holds (`KVCacheManager.get_block_ids`).
 BlockIdsOf = Callable[[str], list[int]]
+
+
+def checked_extra_config(connector: str, extra: Mapping[str, Any], known: Collection[str]) -> dict[str, Any]:
+    """`kv_connector_extra_config` as a dict; ValueError naming the known keys if one is unknown."""
+    unknown = set(extra) - set(known)
+    if unknown:
+        raise ValueError(f"{connector}: unknown kv_connector_extra_config key(s) {sorted(unknown)} "
+                         f"(known: {', '.join(sorted(known))})")  # fmt: skip
+    return dict(extra)
+
+
+def assign_save_slots(
+    transfer: BlockTransfer, index: OrderedDict[bytes, int], free_slots: list[int], evict: Callable[[], int | None]
+) -> BlockTransfer | None:
+    """Slot-addressed stores (the CPU tier, the transfer outbox): the blocks of `transfer` the
+    store lacks, each given a slot (a free one, else `evict()`'s; None: that block is not
+    stored), and recorded in `index` (hash -> slot, least recently used first). Blocks already
+    held move to the end of the LRU order. None when nothing is left to save."""
+    keep = BlockTransfer(transfer.req_id, [], [], [])
+    for block_id, h in zip(transfer.block_ids, transfer.block_hashes, strict=True):
+        if h in index:
+            index.move_to_end(h)
+            continue
+        slot = free_slots.pop() if free_slots else evict()
+        if slot is None:
+            continue
+        index[h] = slot
+        keep.block_ids.append(block_id)
+        keep.block_hashes.append(h)
+        keep.slots.append(slot)
+    return keep if len(keep) else None
 
 
 class KVConnectorRole(enum.Enum):

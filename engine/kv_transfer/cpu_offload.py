@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kv_transfer.base import BlockStoreConnector, KVConnectorRole
+from engine.kv_transfer.base import (
+    BlockStoreConnector,
+    KVConnectorRole,
+    assign_save_slots,
+    checked_extra_config,
+)
 from engine.kv_transfer.metadata import BlockTransfer, KVConnectorOutput
 
 if TYPE_CHECKING:
@@ -33,11 +38,8 @@ DEFAULT_CPU_BYTES = 256 << 20
 class CPUOffloadConnector(BlockStoreConnector):
     def __init__(self, config: EngineConfig, role: KVConnectorRole, bytes_per_block: int) -> None:
         super().__init__(config, role)
-        extra = self.transfer_config.kv_connector_extra_config
-        unknown = set(extra) - {"cpu_bytes", "num_cpu_blocks", "async_load"}
-        if unknown:
-            raise ValueError(f"CPUOffloadConnector: unknown kv_connector_extra_config key(s) {sorted(unknown)} "
-                             "(known: async_load, cpu_bytes, num_cpu_blocks)")  # fmt: skip
+        extra = checked_extra_config("CPUOffloadConnector", self.transfer_config.kv_connector_extra_config,
+                                     ("cpu_bytes", "num_cpu_blocks", "async_load"))
         if "num_cpu_blocks" in extra:
             self.num_slots = int(extra["num_cpu_blocks"])
         else:
@@ -91,19 +93,8 @@ class CPUOffloadConnector(BlockStoreConnector):
         return None
 
     def select_saves(self, transfer: BlockTransfer) -> BlockTransfer | None:
-        keep = BlockTransfer(transfer.req_id, [], [], [])
-        for block_id, h in zip(transfer.block_ids, transfer.block_hashes, strict=True):
-            if h in self._index:
-                self._index.move_to_end(h)
-                continue
-            slot = self._free_slots.pop() if self._free_slots else self._evict()
-            if slot is None:
-                continue  # every slot is being read by a load: this block is not offloaded
-            self._index[h] = slot
-            keep.block_ids.append(block_id)
-            keep.block_hashes.append(h)
-            keep.slots.append(slot)
-        return keep if len(keep) else None
+        # every slot being read by a load: that block is not offloaded
+        return assign_save_slots(transfer, self._index, self._free_slots, self._evict)
 
     # ---- worker half -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:

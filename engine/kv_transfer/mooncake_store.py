@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.kv_transfer.base import BlockStoreConnector, KVConnectorRole
+from engine.kv_transfer.base import BlockStoreConnector, KVConnectorRole, checked_extra_config
 from engine.kv_transfer.metadata import BlockTransfer
 
 if TYPE_CHECKING:
@@ -119,11 +119,8 @@ def default_key_prefix(config: EngineConfig) -> str:
 class MooncakeStoreConnector(BlockStoreConnector):
     def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
         super().__init__(config, role)
-        extra = dict(self.transfer_config.kv_connector_extra_config)
-        unknown = set(extra) - _KNOWN_KEYS
-        if unknown:
-            raise ValueError(f"MooncakeStoreConnector: unknown kv_connector_extra_config key(s) {sorted(unknown)} "
-                             f"(known: {', '.join(sorted(_KNOWN_KEYS))})")  # fmt: skip
+        extra = checked_extra_config("MooncakeStoreConnector", self.transfer_config.kv_connector_extra_config,
+                                     _KNOWN_KEYS)
         self.key_prefix = str(extra.get("key_prefix") or default_key_prefix(config))
         self.retry_after_s = float(extra.get("retry_after_s", 10.0))
         self._client_key, self.store = _open_client(extra)

@@ -43,7 +43,12 @@ import numpy as np
 import torch
 import zmq
 
-from engine.kv_transfer.base import BlockStoreConnector, KVConnectorRole
+from engine.kv_transfer.base import (
+    BlockStoreConnector,
+    KVConnectorRole,
+    assign_save_slots,
+    checked_extra_config,
+)
 from engine.kv_transfer.metadata import BlockTransfer
 
 if TYPE_CHECKING:
@@ -151,11 +156,8 @@ class _Producer:
 class MooncakeTransferConnector(BlockStoreConnector):
     def __init__(self, config: EngineConfig, role: KVConnectorRole, bytes_per_block: int) -> None:
         super().__init__(config, role)
-        extra = dict(self.transfer_config.kv_connector_extra_config)
-        unknown = set(extra) - _KNOWN_KEYS
-        if unknown:
-            raise ValueError(f"MooncakeTransferConnector: unknown kv_connector_extra_config key(s) {sorted(unknown)} "
-                             f"(known: {', '.join(sorted(_KNOWN_KEYS))})")  # fmt: skip
+        extra = checked_extra_config("MooncakeTransferConnector", self.transfer_config.kv_connector_extra_config,
+                                     _KNOWN_KEYS)
         tc = self.transfer_config
         if tc.is_producer and tc.is_consumer:
             raise ValueError("MooncakeTransferConnector: kv_role must be kv_producer or kv_consumer "
@@ -196,20 +198,7 @@ class MooncakeTransferConnector(BlockStoreConnector):
 
     # ---- producer, scheduler half --------------------------------------------------------
     def select_saves(self, transfer: BlockTransfer) -> BlockTransfer | None:
-        keep = BlockTransfer(transfer.req_id, [], [], [])
-        for block_id, h in zip(transfer.block_ids, transfer.block_hashes, strict=True):
-            if h in self._index:
-                self._index.move_to_end(h)
-                continue
-            if self._free_slots:
-                slot = self._free_slots.pop()
-            else:
-                _, slot = self._index.popitem(last=False)
-            self._index[h] = slot
-            keep.block_ids.append(block_id)
-            keep.block_hashes.append(h)
-            keep.slots.append(slot)
-        return keep if len(keep) else None
+        return assign_save_slots(transfer, self._index, self._free_slots, lambda: self._index.popitem(last=False)[1])
 
     # ---- consumer, scheduler half --------------------------------------------------------
     def lookup(self, block_hashes: list[bytes]) -> int | None:

@@ -34,18 +34,24 @@ class PeerMissingError(RuntimeError):
     """The configured peer is not installed; the message is one line for the user."""
 
 
-def check_vllm(venv: Path, hf_model: Path) -> Path:
-    """The venv's python, or PeerMissingError saying what is missing."""
+def _venv_python(venv: Path, target: str, package: str, modules: tuple[str, ...], how: str) -> Path:
+    """`venv`'s python if it can import `modules`, else PeerMissingError (one line naming `how`)."""
     python = venv / "bin" / "python"
     if not python.is_file():
-        raise PeerMissingError(f"target=vllm: no Python at {python} (vLLM is not installed there; "
-                               "scripts/peers.sh makes the side venv, or set target.venv)")
-    probe = subprocess.run([str(python), "-c", "import importlib.util as u, sys; "
-                            "sys.exit(0 if u.find_spec('vllm') else 3)"],
+        raise PeerMissingError(f"target={target}: no Python at {python} ({package} is not installed there; "
+                               f"{how}, or set target.venv)")
+    found = " and ".join(f"u.find_spec({m!r})" for m in modules)
+    probe = subprocess.run([str(python), "-c", f"import importlib.util as u, sys; sys.exit(0 if {found} else 3)"],
                            capture_output=True, text=True, timeout=60, env=_clean_env())
     if probe.returncode != 0:
-        raise PeerMissingError(f"target=vllm: vLLM is not installed in {venv} (its python cannot find "
-                               "the vllm package; scripts/peers.sh installs it, or set target.venv)")
+        raise PeerMissingError(f"target={target}: {package} is not installed in {venv} (its python cannot find "
+                               f"{' and '.join(modules)}; {how.replace('makes the side venv', 'installs it')})")
+    return python
+
+
+def check_vllm(venv: Path, hf_model: Path) -> Path:
+    """The venv's python, or PeerMissingError saying what is missing."""
+    python = _venv_python(venv, "vllm", "vLLM", ("vllm",), "scripts/peers.sh makes the side venv")
     if not (hf_model / "config.json").is_file():
         raise PeerMissingError(f"target=vllm: no HF model folder at {hf_model} (config.json missing; "
                                "scripts/peers.sh converts the model, or set target.hf_model)")
@@ -96,17 +102,8 @@ DEFAULT_LLAMACPP_VENV = PEERS / "llamacpp"
 
 def check_llamacpp(venv: Path) -> Path:
     """The venv's python, or PeerMissingError saying what is missing."""
-    python = venv / "bin" / "python"
-    if not python.is_file():
-        raise PeerMissingError(f"target=llamacpp: no Python at {python} (llama-cpp-python is not installed "
-                               "there; scripts/peers.sh --llamacpp makes the side venv, or set target.venv)")
-    probe = subprocess.run([str(python), "-c", "import importlib.util as u, sys; "
-                            "sys.exit(0 if u.find_spec('llama_cpp') and u.find_spec('uvicorn') else 3)"],
-                           capture_output=True, text=True, timeout=60, env=_clean_env())
-    if probe.returncode != 0:
-        raise PeerMissingError(f"target=llamacpp: llama-cpp-python[server] is not installed in {venv} (its python "
-                               "cannot find llama_cpp and uvicorn; scripts/peers.sh --llamacpp installs it)")
-    return python
+    return _venv_python(venv, "llamacpp", "llama-cpp-python[server]", ("llama_cpp", "uvicorn"),
+                        "scripts/peers.sh --llamacpp makes the side venv")
 
 
 class LlamaCppTarget(ServerTarget):
