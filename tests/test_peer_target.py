@@ -73,20 +73,27 @@ def _vllm_missing() -> str | None:
     return _missing(lambda: check_vllm(DEFAULT_VENV.expanduser(), DEFAULT_HF_MODEL.expanduser()))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(_vllm_missing() is not None, reason=f"needs vLLM's CPU build: {_vllm_missing()}")
-def test_server_and_vllm_side_by_side(tmp_path: Path) -> None:
+def _side_by_side(tmp_path: Path, peer: str, workload: list[str]) -> pd.DataFrame:
+    """`servelab-run -m target=server,<peer>`: one sweep.csv with 3 complete requests of 4
+    tokens per target and one sweep report with both engines; the sweep frame, by target."""
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "-m", "workloads.cli", "-m", "target=server,vllm", *TINY,
+    proc = subprocess.run([sys.executable, "-m", "workloads.cli", "-m", f"target=server,{peer}", *workload,
                            "model.max_model_len=512", f"hydra.sweep.dir={sweep}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     df = pd.read_csv(sweep / "sweep.csv")
-    assert sorted(df["target"]) == ["server", "vllm"]
+    assert sorted(df["target"]) == sorted(["server", peer])
     assert (df["completed"] == 3).all() and (df["total_output_tokens"] == 12).all()
     page = (sweep / "report.html").read_text()
-    assert "Engines side by side" in page and "vllm" in page
-    vllm_steps = pd.read_csv(df.set_index("target").loc["vllm", "run_dir"] + "/steps.csv")
+    assert "Engines side by side" in page and peer in page
+    return df.set_index("target")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_vllm_missing() is not None, reason=f"needs vLLM's CPU build: {_vllm_missing()}")
+def test_server_and_vllm_side_by_side(tmp_path: Path) -> None:
+    df = _side_by_side(tmp_path, "vllm", TINY)
+    vllm_steps = pd.read_csv(df.loc["vllm", "run_dir"] + "/steps.csv")
     assert "num_running" in vllm_steps  # its /metrics was scraped
 
 
@@ -106,16 +113,6 @@ def _llamacpp_missing() -> str | None:
 def test_server_and_llamacpp_side_by_side(tmp_path: Path) -> None:
     """Text prompts (llama.cpp takes no token ids), fixed lengths: the EOS bias keeps llama.cpp
     generating to max_tokens as ignore_eos does for servelab."""
-    sweep = tmp_path / "sweep"
-    text = [t for t in TINY if "prompt_as_token_ids" not in t]
-    proc = subprocess.run([sys.executable, "-m", "workloads.cli", "-m", "target=server,llamacpp", *text,
-                           "model.max_model_len=512", f"hydra.sweep.dir={sweep}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    df = pd.read_csv(sweep / "sweep.csv")
-    assert sorted(df["target"]) == ["llamacpp", "server"]
-    assert (df["completed"] == 3).all() and (df["total_output_tokens"] == 12).all()
-    page = (sweep / "report.html").read_text()
-    assert "Engines side by side" in page and "llamacpp" in page
-    summary = json.loads(Path(df.set_index("target").loc["llamacpp", "run_dir"], "summary.json").read_text())
+    df = _side_by_side(tmp_path, "llamacpp", [t for t in TINY if "prompt_as_token_ids" not in t])
+    summary = json.loads(Path(df.loc["llamacpp", "run_dir"], "summary.json").read_text())
     assert str(summary.get("server_metrics", "")).startswith("unavailable")  # no /metrics: said once

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -323,8 +324,6 @@ class _SigintWatch:
         self._task: asyncio.Task[Any] | None = None
 
     def install(self) -> None:
-        import signal
-
         self._task = asyncio.current_task()
         try:
             asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._on_sigint)
@@ -338,8 +337,6 @@ class _SigintWatch:
         self._task.cancel()
 
     def remove(self) -> None:
-        import signal
-
         if self._task is not None:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
             self._task = None

@@ -32,7 +32,6 @@ async_load (true).
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 import zmq
 
+from engine.executor.multiproc import free_port
 from engine.kv_transfer.base import (
     BlockStoreConnector,
     KVConnectorRole,
@@ -65,12 +65,6 @@ _KNOWN_KEYS = {
 _SLOT_BITS = 40  # a load slot is (producer index << 40) | slot
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _transfer_engine(extra: dict[str, Any]) -> tuple[Any, str]:
     try:
         from mooncake.engine import TransferEngine
@@ -78,7 +72,8 @@ def _transfer_engine(extra: dict[str, Any]) -> tuple[Any, str]:
         raise RuntimeError(f"MooncakeTransferConnector needs Mooncake: pip install 'servelab[kv]' "
                            f"(mooncake-transfer-engine-non-cuda; Debian libibverbs1 libnuma1) ({exc})") from None
     engine = TransferEngine()
-    name = f"{extra.get('local_hostname', '127.0.0.1')}:{_free_port()}"
+    host = str(extra.get("local_hostname", "127.0.0.1"))
+    name = f"{host}:{free_port(host)}"
     metadata = str(extra.get("metadata_server", "http://127.0.0.1:8080/metadata"))
     rc = engine.initialize(name, metadata, str(extra.get("protocol", "tcp")), str(extra.get("device_name", "")))
     if rc != 0:
@@ -192,7 +187,9 @@ class MooncakeTransferConnector(BlockStoreConnector):
         self._session = ""
         self._buffer: np.ndarray | None = None  # producer: the outbox; consumer: the read buffer
         self._directory: _Directory | None = None
-        self._slot_hash: dict[int, bytes] = {}  # producer worker: what each written slot holds
+        # producer worker: what each written slot holds, and where each hash is (the directory's view)
+        self._slot_hash: dict[int, bytes] = {}
+        self._hash_slot: dict[bytes, int] = {}
         self._dir_lock = threading.Lock()
         self._remote: dict[int, tuple[str, int, int]] = {}  # consumer worker: producer -> (session, base, stride)
 
@@ -244,14 +241,13 @@ class MooncakeTransferConnector(BlockStoreConnector):
 
     def _lookup_slots(self, hashes: list[bytes]) -> list[int]:
         """Directory thread: the slot holding each hash, -1 from the first one not held."""
-        with self._dir_lock:
-            where = {h: s for s, h in self._slot_hash.items()}
         out = []
-        for h in hashes:
-            slot = where.get(h)
-            if slot is None:
-                break
-            out.append(slot)
+        with self._dir_lock:
+            for h in hashes:
+                slot = self._hash_slot.get(h)
+                if slot is None:
+                    break
+                out.append(slot)
         return out + [-1] * (len(hashes) - len(out))
 
     def put_blocks(self, transfer: BlockTransfer, data: torch.Tensor) -> None:
@@ -260,12 +256,15 @@ class MooncakeTransferConnector(BlockStoreConnector):
         for i, (slot, h) in enumerate(zip(transfer.slots, transfer.block_hashes, strict=True)):
             at = slot * self.stride
             with self._dir_lock:  # the slot is unlisted while it is rewritten
-                self._slot_hash.pop(slot, None)
+                old = self._slot_hash.pop(slot, None)
+                if old is not None and self._hash_slot.get(old) == slot:
+                    del self._hash_slot[old]
             self._buffer[at:at + HEADER] = 0
             self._buffer[at:at + len(h)] = np.frombuffer(h, dtype=np.uint8)
             self._buffer[at + HEADER:at + self.stride] = raw[i]
             with self._dir_lock:
                 self._slot_hash[slot] = h
+                self._hash_slot[h] = slot
 
     def _remote_of(self, index: int) -> tuple[str, int, int]:
         if index not in self._remote:
