@@ -14,7 +14,8 @@ from torch import nn
 from engine.model.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
 
 pytestmark = pytest.mark.skipif(
-    not prepack_supported(torch.empty(1, 1, dtype=torch.bfloat16)), reason="this torch has no oneDNN (mkldnn)"
+    not prepack_supported(torch.empty(1, 1, dtype=torch.bfloat16)),
+    reason="no oneDNN bfloat16 kernels: this torch lacks oneDNN or this CPU lacks avx512bw/vl/dq and avx_ne_convert",
 )
 
 

@@ -1,4 +1,4 @@
-"""Linear layers with weights prepacked once for oneDNN (bfloat16 on a CPU).
+"""Linear layers with weights prepacked once for oneDNN (bfloat16 on a CPU; float32 where it is faster).
 
 `F.linear` on a bfloat16 CPU tensor hands the plain [N, K] weight to oneDNN, which reorders it
 into its blocked layout on every call: at decode batch sizes that reorder costs as much as the
@@ -10,17 +10,25 @@ avx512_bf16 (benchmarks/cpu_decode_step.py): 1.2-3x faster per GEMM, the LM head
 
 Only the eager forward uses packed weights: the compiled forward (`enforce_eager=False`) keeps
 the plain ones, which inductor packs itself. The plain weights stay (other code reads them), so
-the linear weights take twice their memory on a CPU; this is only done for bfloat16, where
-it pays.
+the linear weights take twice their memory on a CPU; this is done for bfloat16, and for float32
+only where a start-up probe finds oneDNN's packed kernel faster than the CPU BLAS (AVX2-only
+CPUs, `onednn_float32_faster`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import time
 import types
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from engine.model import cpu_gemv
 
 logger = logging.getLogger(__name__)
 
@@ -28,19 +36,73 @@ logger = logging.getLogger(__name__)
 _PACK_HINT_ROWS = 64
 
 
-def prepack_supported(weight: torch.Tensor) -> bool:
-    """oneDNN prepacking applies: a bfloat16 CPU weight and a torch built with oneDNN."""
+def onednn_bf16_supported() -> bool:
+    """A torch built with oneDNN on a CPU whose instructions oneDNN's bfloat16 kernels need
+    (avx512bw/vl/dq or avx_ne_convert): on an AVX2-only CPU the reorder raises."""
     return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
+        torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
+
+
+def prepack_supported(weight: torch.Tensor) -> bool:
+    """oneDNN prepacking applies: a CPU weight, a torch built with oneDNN, and either bfloat16
+    (where oneDNN's bfloat16 kernels run here) or float32 where the packed kernel beats the plain
+    BLAS on this CPU (`onednn_float32_faster`)."""
+    if weight.device.type != "cpu":
+        return False
+    if weight.dtype == torch.bfloat16:
+        return onednn_bf16_supported()
+    return weight.dtype == torch.float32 and onednn_float32_faster()
+
+
+@functools.cache
+def onednn_float32_faster() -> bool:
+    """Whether oneDNN's prepacked float32 linear beats `F.linear` (the CPU BLAS, on the engine's
+    column-major weights) at SmolLM2's MLP shapes, 64 rows: a probe of ~50 ms, once per process.
+
+    Measured 2026-12-02 (benchmarks/cpu_decode_step.py shapes, 2 threads): on a 2-core AMD EPYC
+    with AVX2 only, oneDNN ran 1.1-2.5x faster than MKL at 8-256 rows (the LM head 2.3-2.6x,
+    gate_up 1.9x); on the Intel Xeons with AVX-512 the engine was tuned on, MKL's float32 path
+    was the one measured fast. `SERVELAB_ONEDNN_FP32=1|0` skips the probe."""
+    forced = os.environ.get("SERVELAB_ONEDNN_FP32")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    plain = packed = 0.0
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.inference_mode():
+            for n, k in ((3072, 576), (576, 1536)):
+                w = torch.randn(n, k, generator=gen)
+                w_cm = w.t().contiguous().t()
+                x = torch.randn(64, k, generator=gen)
+                pw = pack_weight(w)
+                plain += _best_seconds(lambda: F.linear(x, w_cm))  # noqa: B023
+                packed += _best_seconds(lambda: packed_linear(x, pw))  # noqa: B023
+    except RuntimeError:
+        return False
+    faster = packed < 0.8 * plain
+    logger.info("float32 linears: oneDNN prepacked %.2fx the plain BLAS here -> %s", plain / packed,
+                "prepacked" if faster else "plain")
+    return faster
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> the same matrix in oneDNN's blocked layout (an opaque mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT_ROWS)
 
 
 def padded_rows(rows: int) -> int:
@@ -73,11 +135,13 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling() or torch.is_grad_enabled() or x.dtype != self.weight.dtype:
         return nn.Linear.forward(self, x)
     packed: torch.Tensor = self.__dict__["packed_weight"]
+    if self.bias is None and cpu_gemv.applies(x, self.weight) and (gemv := cpu_gemv.gemv_ops()) is not None:
+        return gemv.gemv_f32(x.contiguous(), self.weight)  # float32, a few rows (as the planned forward)
     return packed_linear(x, packed, self.bias)
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Give every bfloat16 CPU `nn.Linear` of `model` a prepacked weight; returns how many.
+    """Give every CPU `nn.Linear` of `model` a prepacked weight where `prepack_supported`; returns how many.
 
     A no-op (0) where oneDNN prepacking does not apply; a failure to pack logs once and leaves
     the layers as they were (correct, only slower).
@@ -85,6 +149,8 @@ def prepack_linears(model: nn.Module) -> int:
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and prepack_supported(m.weight)]
     try:
         for m in linears:
+            if m.weight.dtype == torch.float32:  # row-major for oneDNN and the GEMV (undo the BLAS layout)
+                m.weight.data = m.weight.data.contiguous()
             m.packed_weight = pack_weight(m.weight)  # type: ignore[assignment]
             m.forward = types.MethodType(_packed_forward, m)  # type: ignore[method-assign]
     except RuntimeError as exc:  # a torch whose oneDNN lacks the op at run time

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.model import amx_linear
+from engine.model import amx_linear, cpu_gemv
 from engine.model.arch import ModelArch
 from engine.model.cpu_kernels import kernels
 from engine.model.cpu_linear import (
@@ -121,6 +121,7 @@ class _LayerPlan:
     gate_up: torch.Tensor
     down: torch.Tensor
     amx: _AmxPacks | None = None
+    plain: tuple[torch.Tensor, ...] | None = None  # float32: row-major qkv, o, gate_up, down for the GEMV
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,7 @@ class _ForwardPlan:
     final_norm: torch.Tensor
     amx_ops: Any = None  # torch.ops.servelab with the AMX linear ops, where every layer has AMX packs
     sizes: tuple[int, int, int] = (0, 0, 0)  # qkv width, hidden size, intermediate size
+    gemv_ops: Any = None  # torch.ops.servelab with the float32 GEMV (cpu_gemv), for steps of <= 4 rows
 
 
 class LlamaModel(nn.Module):
@@ -167,9 +169,12 @@ class LlamaModel(nn.Module):
             if any(p is None for p in packed) or any(m.bias is not None for m in linears):
                 return False
             qkv, o, gate_up, down = (p for p in packed if p is not None)
+            plain: tuple[torch.Tensor, ...] | None = tuple(m.weight.detach() for m in linears)
+            if not all(w.dtype == torch.float32 and w.is_contiguous() for w in plain or ()):
+                plain = None
             layers.append(_LayerPlan(attn, layer.input_layernorm.weight.detach(),
                                      layer.post_attention_layernorm.weight.detach(), qkv, o, gate_up, down,
-                                     _amx_packs(attn, mlp)))  # fmt: skip
+                                     _amx_packs(attn, mlp), plain))  # fmt: skip
         if not layers:
             return False
         with_amx = all(lp.amx is not None for lp in layers)
@@ -177,8 +182,10 @@ class LlamaModel(nn.Module):
             layers = [dataclasses.replace(lp, amx=None) for lp in layers]
         first = layers[0].attn
         sizes = (first.q_size + 2 * first.kv_size, int(self.embed_tokens.weight.shape[1]), inter)
+        with_gemv = all(lp.plain is not None for lp in layers)
         self.plan = _ForwardPlan(self.embed_tokens.weight.dtype, ops, self.norm.eps, tuple(layers),
-                                 self.norm.weight.detach(), amx_linear.amx_ops() if with_amx else None, sizes)  # fmt: skip
+                                 self.norm.weight.detach(), amx_linear.amx_ops() if with_amx else None, sizes,
+                                 cpu_gemv.gemv_ops() if with_gemv else None)  # fmt: skip
         return True
 
     def _planned_forward(
@@ -188,7 +195,8 @@ class LlamaModel(nn.Module):
         ops, eps = plan.ops, plan.eps
         t = x.shape[0]
         amx = plan.amx_ops if t <= amx_linear.DECODE_MAX_ROWS else None  # decode-sized steps: AMX kernels
-        rows = t if amx is not None else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
+        gemv = plan.gemv_ops if t <= cpu_gemv.MAX_ROWS else None  # float32, a few rows: the GEMV
+        rows = t if amx is not None or gemv is not None else padded_rows(t)  # oneDNN's few shapes (padded_rows)
         if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them
             x = F.pad(x, (0, 0, 0, rows - t))
             cos, sin = F.pad(cos, (0, 0, 0, 0, 0, rows - t)), F.pad(sin, (0, 0, 0, 0, 0, rows - t))
@@ -204,6 +212,8 @@ class LlamaModel(nn.Module):
             packs = lp.amx
             if amx is not None and packs is not None:
                 qkv = amx.amx_linear(x, packs.qkv, n_qkv).view(t, hq + 2 * hkv, a.head_dim)
+            elif gemv is not None and lp.plain is not None:
+                qkv = gemv.gemv_f32(x, lp.plain[0]).view(t, hq + 2 * hkv, a.head_dim)
             else:
                 qkv = packed_linear(x, lp.qkv).view(rows, hq + 2 * hkv, a.head_dim)
             ops.rope_(qkv, cos, sin, hq + hkv)
@@ -214,6 +224,10 @@ class LlamaModel(nn.Module):
                 x = amx.amx_linear(o.reshape(t, a.q_size), packs.o, hidden)
                 ops.add_rms_norm_(x, residual, lp.post_norm, eps)
                 x = amx.amx_linear(amx.amx_linear_silu_mul(x, packs.gate_up, inter), packs.down, hidden)
+            elif gemv is not None and lp.plain is not None:
+                x = gemv.gemv_f32(o.reshape(t, a.q_size).contiguous(), lp.plain[1])
+                ops.add_rms_norm_(x, residual, lp.post_norm, eps)
+                x = gemv.gemv_f32(ops.silu_mul(gemv.gemv_f32(x, lp.plain[2])), lp.plain[3])
             else:
                 o = o.reshape(t, a.q_size)
                 x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o)
@@ -318,6 +332,8 @@ class LlamaForCausalLM(nn.Module):
         amx = self._amx_head(hidden)
         if amx is not None:
             logits = amx.amx_linear(hidden.contiguous(), self.amx_lm_head, weight.shape[0])
+        elif packed is not None and cpu_gemv.applies(hidden, weight) and (gemv := cpu_gemv.gemv_ops()) is not None:
+            logits = gemv.gemv_f32(hidden.contiguous(), weight)
         elif packed is not None and hidden.dtype == weight.dtype and not torch.compiler.is_compiling():
             logits = packed_linear(hidden, packed)
         else:
@@ -327,11 +343,35 @@ class LlamaForCausalLM(nn.Module):
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, H] -> [N] int64: the argmax of each row's logits, as
         `compute_logits(hidden, upcast=False).max(dim=-1).indices`, computed without storing the
-        logits (the AMX LM head's fused argmax); None where that kernel does not apply."""
+        logits (the AMX LM head's fused argmax); from bfloat16 logits elsewhere on a CPU, with
+        their near-ties settled in float32 (`_bf16_argmax`); None otherwise (the sampler's argmax)."""
         amx = self._amx_head(hidden)
-        if amx is None:
+        if amx is not None:
+            return amx.amx_linear_argmax(hidden.contiguous(), self.amx_lm_head, self.arch.vocab_size)
+        if hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" or torch.compiler.is_compiling():
             return None
-        return amx.amx_linear_argmax(hidden.contiguous(), self.amx_lm_head, self.arch.vocab_size)
+        return self._bf16_argmax(hidden)
+
+    def _bf16_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy ids from bfloat16 logits, with the near-ties settled in float32.
+
+        bfloat16 logits keep 8 significant bits: at a logit of 34 two tokens 0.2 apart round to
+        the same value, and the first index wins the tie whatever the model meant. Every token
+        within two bfloat16 steps of a row's maximum is scored again as a float32 dot product of
+        the same bfloat16 hidden row and weight row (a few per row); the best of those wins (the
+        first index among equals), as the AMX LM head's float32 argmax decides."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = self.compute_logits(hidden, upcast=False)
+        top, first = logits.max(dim=-1)  # first: the plain argmax, kept where no row competes (NaN)
+        top = top.float()
+        floor = (top - top.abs() * 2.0**-6).to(logits.dtype)  # <= two steps below, after rounding
+        rows, cols = (logits >= floor[:, None]).nonzero(as_tuple=True)
+        if rows.numel() == logits.shape[0] and torch.equal(rows, torch.arange(rows.numel())):
+            return cols  # one candidate per row: the plain argmax
+        scores = (hidden[rows].float() * weight[cols].float()).sum(dim=-1)
+        best = torch.full_like(top, float("-inf")).scatter_reduce(0, rows, scores, "amax")
+        win = scores == best[rows]
+        return first.scatter_reduce(0, rows[win], cols[win], "amin", include_self=False)
 
     def _amx_head(self, hidden: torch.Tensor) -> Any | None:
         plan = self.model.plan

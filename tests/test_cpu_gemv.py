@@ -1,0 +1,61 @@
+"""The float32 GEMV for a few rows (engine/model/cpu_gemv.py) against a float64 reference, and
+its use by the planned forward (a float32 model whose linears are prepacked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import cpu_gemv
+
+ops = cpu_gemv.gemv_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C++ toolchain to build the GEMV op")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(960, 576), (67, 576), (5, 40), (3, 7)])  # odd N; K % 8 != 0: plain loop
+def test_gemv_matches_float64_reference(rows: int, shape: tuple[int, int]) -> None:
+    torch.manual_seed(rows)
+    w = torch.randn(shape)
+    x = torch.randn(rows, shape[1])
+    got = ops.gemv_f32(x, w)  # type: ignore[union-attr]
+    want = F.linear(x.double(), w.double())
+    assert got.shape == (rows, shape[0]) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_refuses_what_it_does_not_take() -> None:
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        ops.gemv_f32(torch.randn(5, 16), w)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.gemv_f32(torch.randn(1, 16).bfloat16(), w.bfloat16())  # type: ignore[union-attr]
+    assert not cpu_gemv.applies(torch.randn(1, 16), w.t().contiguous().t())  # column-major: not taken
+    assert cpu_gemv.applies(torch.randn(4, 16), w) and not cpu_gemv.applies(torch.randn(5, 16), w)
+
+
+def test_float32_engine_with_prepacked_linears_gives_the_plain_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 with oneDNN prepacking forced on (the AVX2-only CPU's choice) and the GEMV on
+    decode steps of <= 4 rows: the greedy tokens of the plain float32 engine."""
+    from engine.llm import LLM
+    from engine.model import cpu_linear
+    from engine.sampling_params import SamplingParams
+
+    if not cpu_linear.prepack_supported(torch.empty(1, 1, dtype=torch.bfloat16)) and not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ):
+        pytest.skip("this torch has no oneDNN (mkldnn)")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9] * 10, list(range(100, 140))]
+    outs = []
+    for forced in ("1", "0"):
+        monkeypatch.setenv("SERVELAB_ONEDNN_FP32", forced)
+        cpu_linear.onednn_float32_faster.cache_clear()
+        llm = LLM(model="smollm2", load_format="dummy", num_layers_override=2, dtype="float32",
+                  num_blocks=64, max_num_seqs=4)
+        plan = llm.engine_core.executor.worker.model.model.plan  # type: ignore[attr-defined]
+        assert (plan is not None and plan.gemv_ops is not None) == (forced == "1")
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    cpu_linear.onednn_float32_faster.cache_clear()
+    assert outs[0] == outs[1]
