@@ -17,6 +17,7 @@ import json
 import logging
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,11 +42,17 @@ def cpu_flags() -> set[str]:
 def _gemm_seconds(dtype: torch.dtype, m: int = 64, k: int = 576, n: int = 1536, repeats: int = 20) -> float:
     """Best time of one [m, k] x [k, n] GEMM (SmolLM2's MLP shape at a decode batch of 64)."""
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    torch.mm(a, b)  # warm-up (oneDNN picks its kernel on the first call)
+    return best_seconds(lambda: torch.mm(a, b), repeats)
+
+
+def best_seconds(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Best wall time of `repeats` calls of `fn`, after one warm-up call (where oneDNN or the
+    BLAS picks its kernel)."""
+    fn()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        fn()
         best = min(best, time.perf_counter() - t0)
     return best
 

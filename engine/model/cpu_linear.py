@@ -20,15 +20,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
 import types
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.model import cpu_gemv
+from engine.platform import best_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +35,15 @@ logger = logging.getLogger(__name__)
 _PACK_HINT_ROWS = 64
 
 
+def _onednn_linear_available() -> bool:
+    """A torch built with oneDNN that has the prepacked linear ops."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 def onednn_bf16_supported() -> bool:
-    """A torch built with oneDNN on a CPU whose instructions oneDNN's bfloat16 kernels need
+    """oneDNN's linear ops, on a CPU whose instructions oneDNN's bfloat16 kernels need
     (avx512bw/vl/dq or avx_ne_convert): on an AVX2-only CPU the reorder raises."""
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    return _onednn_linear_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def prepack_supported(weight: torch.Tensor) -> bool:
@@ -69,7 +69,7 @@ def onednn_float32_faster() -> bool:
     forced = os.environ.get("SERVELAB_ONEDNN_FP32")
     if forced in ("0", "1"):
         return forced == "1"
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+    if not _onednn_linear_available():
         return False
     plain = packed = 0.0
     gen = torch.Generator().manual_seed(0)
@@ -80,24 +80,14 @@ def onednn_float32_faster() -> bool:
                 w_cm = w.t().contiguous().t()
                 x = torch.randn(64, k, generator=gen)
                 pw = pack_weight(w)
-                plain += _best_seconds(lambda: F.linear(x, w_cm))  # noqa: B023
-                packed += _best_seconds(lambda: packed_linear(x, pw))  # noqa: B023
+                plain += best_seconds(lambda: F.linear(x, w_cm), 5)  # noqa: B023
+                packed += best_seconds(lambda: packed_linear(x, pw), 5)  # noqa: B023
     except RuntimeError:
         return False
     faster = packed < 0.8 * plain
     logger.info("float32 linears: oneDNN prepacked %.2fx the plain BLAS here -> %s", plain / packed,
                 "prepacked" if faster else "plain")
     return faster
-
-
-def _best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -116,10 +106,16 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, plain: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., K] @ packed.T (+ bias) -> [..., N], in x's dtype (rows padded to `padded_rows`
-    for oneDNN, the padding cut off again)."""
+    for oneDNN, the padding cut off again). Given the plain weight (row-major float32), a few
+    rows without bias run the float32 GEMV instead (engine/model/cpu_gemv.py)."""
     flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    if plain is not None and bias is None and cpu_gemv.applies(flat, plain) and (gemv := cpu_gemv.gemv_ops()):
+        out = gemv.gemv_f32(flat, plain)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
     rows = flat.shape[0]
     padded = padded_rows(rows)
     if padded != rows:
@@ -135,9 +131,7 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling() or torch.is_grad_enabled() or x.dtype != self.weight.dtype:
         return nn.Linear.forward(self, x)
     packed: torch.Tensor = self.__dict__["packed_weight"]
-    if self.bias is None and cpu_gemv.applies(x, self.weight) and (gemv := cpu_gemv.gemv_ops()) is not None:
-        return gemv.gemv_f32(x.contiguous(), self.weight)  # float32, a few rows (as the planned forward)
-    return packed_linear(x, packed, self.bias)
+    return packed_linear(x, packed, self.bias, plain=self.weight)
 
 
 def prepack_linears(model: nn.Module) -> int:

@@ -124,6 +124,9 @@ class _LayerPlan:
     plain: tuple[torch.Tensor, ...] | None = None  # float32: row-major qkv, o, gate_up, down for the GEMV
 
 
+_NO_PLAIN: tuple[None, None, None, None] = (None, None, None, None)  # a plan without the GEMV's weights
+
+
 @dataclass(frozen=True, slots=True)
 class _ForwardPlan:
     """The eager CPU forward with every weight prepacked, as a flat list of op calls.
@@ -195,8 +198,8 @@ class LlamaModel(nn.Module):
         ops, eps = plan.ops, plan.eps
         t = x.shape[0]
         amx = plan.amx_ops if t <= amx_linear.DECODE_MAX_ROWS else None  # decode-sized steps: AMX kernels
-        gemv = plan.gemv_ops if t <= cpu_gemv.MAX_ROWS else None  # float32, a few rows: the GEMV
-        rows = t if amx is not None or gemv is not None else padded_rows(t)  # oneDNN's few shapes (padded_rows)
+        gemv = plan.gemv_ops is not None and t <= cpu_gemv.MAX_ROWS  # float32, a few rows: packed_linear's GEMV
+        rows = t if amx is not None or gemv else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
         if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them
             x = F.pad(x, (0, 0, 0, rows - t))
             cos, sin = F.pad(cos, (0, 0, 0, 0, 0, rows - t)), F.pad(sin, (0, 0, 0, 0, 0, rows - t))
@@ -210,12 +213,11 @@ class LlamaModel(nn.Module):
             a = lp.attn
             hq, hkv = a.num_heads, a.num_kv_heads
             packs = lp.amx
+            plain = lp.plain or _NO_PLAIN
             if amx is not None and packs is not None:
                 qkv = amx.amx_linear(x, packs.qkv, n_qkv).view(t, hq + 2 * hkv, a.head_dim)
-            elif gemv is not None and lp.plain is not None:
-                qkv = gemv.gemv_f32(x, lp.plain[0]).view(t, hq + 2 * hkv, a.head_dim)
             else:
-                qkv = packed_linear(x, lp.qkv).view(rows, hq + 2 * hkv, a.head_dim)
+                qkv = packed_linear(x, lp.qkv, plain=plain[0]).view(rows, hq + 2 * hkv, a.head_dim)
             ops.rope_(qkv, cos, sin, hq + hkv)
             q_rows = qkv[:t] if rows != t else qkv
             o = a.attn_backend.forward(q_rows[:, :hq], q_rows[:, hq : hq + hkv], q_rows[:, hq + hkv :], kv_cache,
@@ -224,15 +226,11 @@ class LlamaModel(nn.Module):
                 x = amx.amx_linear(o.reshape(t, a.q_size), packs.o, hidden)
                 ops.add_rms_norm_(x, residual, lp.post_norm, eps)
                 x = amx.amx_linear(amx.amx_linear_silu_mul(x, packs.gate_up, inter), packs.down, hidden)
-            elif gemv is not None and lp.plain is not None:
-                x = gemv.gemv_f32(o.reshape(t, a.q_size).contiguous(), lp.plain[1])
-                ops.add_rms_norm_(x, residual, lp.post_norm, eps)
-                x = gemv.gemv_f32(ops.silu_mul(gemv.gemv_f32(x, lp.plain[2])), lp.plain[3])
             else:
                 o = o.reshape(t, a.q_size)
-                x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o)
+                x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o, plain=plain[1])
                 ops.add_rms_norm_(x, residual, lp.post_norm, eps)
-                x = packed_linear(ops.silu_mul(packed_linear(x, lp.gate_up)), lp.down)
+                x = packed_linear(ops.silu_mul(packed_linear(x, lp.gate_up, plain=plain[2])), lp.down, plain=plain[3])
         ops.add_rms_norm_(x, residual, plan.final_norm, eps)
         return x[:t] if rows != t else x
 
@@ -324,18 +322,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden_size]
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
+    def _lm_head_weight(self) -> torch.Tensor:
+        """[vocab, H]: the LM head's weight, the embedding's where they are tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, vocab], float32 (upcast=False: in the model's dtype, for a
         caller that only takes each row's argmax: no float32 copy of N x vocab values)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self._lm_head_weight()
         packed = self.packed_lm_head
         amx = self._amx_head(hidden)
         if amx is not None:
             logits = amx.amx_linear(hidden.contiguous(), self.amx_lm_head, weight.shape[0])
-        elif packed is not None and cpu_gemv.applies(hidden, weight) and (gemv := cpu_gemv.gemv_ops()) is not None:
-            logits = gemv.gemv_f32(hidden.contiguous(), weight)
         elif packed is not None and hidden.dtype == weight.dtype and not torch.compiler.is_compiling():
-            logits = packed_linear(hidden, packed)
+            logits = packed_linear(hidden, packed, plain=weight)
         else:
             logits = F.linear(hidden, weight)
         return logits.float() if upcast else logits
@@ -360,7 +360,7 @@ class LlamaForCausalLM(nn.Module):
         within two bfloat16 steps of a row's maximum is scored again as a float32 dot product of
         the same bfloat16 hidden row and weight row (a few per row); the best of those wins (the
         first index among equals), as the AMX LM head's float32 argmax decides."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self._lm_head_weight()
         logits = self.compute_logits(hidden, upcast=False)
         top, first = logits.max(dim=-1)  # first: the plain argmax, kept where no row competes (NaN)
         top = top.float()
