@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from reports.compare import compare, format_table, write_html
-from reports.gate import check, load_gate_config, load_summary, make_baseline, write_verdicts
+from reports.gate import check, context_notes, load_gate_config, load_summary, make_baseline, write_verdicts
 from reports.run_data import RunFolderError
 from reports.run_report import build_report
 from reports.sweep import build_sweep_report
@@ -95,8 +95,11 @@ def _gate(args: argparse.Namespace) -> int:
     baseline_path = Path(args.baseline)
     if not baseline_path.is_file():
         raise FileNotFoundError(f"baseline file not found: {baseline_path}")
-    checks = check(json.loads(baseline_path.read_text()), [load_summary(r) for r in args.runs], config)
-    write_verdicts(args.runs, checks, baseline_path)
+    baseline, summaries = json.loads(baseline_path.read_text()), [load_summary(r) for r in args.runs]
+    checks, notes = check(baseline, summaries, config), context_notes(baseline, summaries)
+    write_verdicts(args.runs, checks, baseline_path, notes)
+    for note in notes:
+        print(note)
     for c in checks:
         if c.regressed or args.verbose:
             print(c.line())

@@ -46,13 +46,19 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+# What a run ran on, not how fast: kept in baselines and compared, so that a time change that
+# comes from a different kernel or dtype (a start-up probe's choice, `dtype: auto` on another
+# CPU) is reported as such beside the verdict.
+CONTEXT_KEYS = ("target", "dtype", "float32_linear")
+
+
 def make_baseline(run_dirs: list[str | Path], out: str | Path, config: dict[str, Any]) -> dict[str, Any]:
     """Writes the baseline file from one or more runs' summary.json; returns it."""
     keep = set(config["metrics"]) | {config.get("reference_key", "time_reference_s")}
     runs = []
     for rd in run_dirs:
         s = load_summary(rd)
-        kept = {k: v for k, v in s.items() if k in keep or k.startswith("reference_ratio_")}
+        kept = {k: v for k, v in s.items() if k in keep or k in CONTEXT_KEYS or k.startswith("reference_ratio_")}
         runs.append({"path": str(Path(rd).resolve()), "summary": kept})
     baseline = {"kind": "servelab-gate-baseline", "runs": runs}
     Path(out).write_text(json.dumps(baseline, indent=2))
@@ -138,13 +144,30 @@ def check(baseline: dict[str, Any], summaries: list[dict[str, Any]], config: dic
     return [c for c in checks if c is not None]
 
 
-def write_verdicts(run_dirs: list[str | Path], checks: list[Check], baseline_path: str | Path) -> None:
+def context_notes(baseline: dict[str, Any], summaries: list[dict[str, Any]]) -> list[str]:
+    """A line per `CONTEXT_KEYS` entry whose values differ between the baseline's runs and
+    these, e.g. "NOTE float32_linear: baseline blas, now onednn-prepacked+gemv"."""
+    base = [r["summary"] for r in baseline["runs"]]
+    notes = []
+    for key in CONTEXT_KEYS:
+        was = sorted({str(s[key]) for s in base if key in s})
+        now = sorted({str(s[key]) for s in summaries if key in s})
+        if was and now and was != now:
+            notes.append(f"NOTE {key}: baseline {', '.join(was)}, now {', '.join(now)} "
+                         "(time metrics compare different configurations)")  # fmt: skip
+    return notes
+
+
+def write_verdicts(
+    run_dirs: list[str | Path], checks: list[Check], baseline_path: str | Path, notes: list[str] | None = None
+) -> None:
     """Writes gate.json (verdict, regressions, every check) into each run folder."""
     verdict = {
         "verdict": "fail" if any(c.regressed for c in checks) else "pass",
         "baseline": str(baseline_path),
         "runs": [str(r) for r in run_dirs],
         "regressions": [c.line() for c in checks if c.regressed],
+        "notes": notes or [],
         "checks": [asdict(c) | {"change": c.change if np.isfinite(c.change) else None} for c in checks],
     }
     text = json.dumps(verdict, indent=2, default=float)

@@ -78,3 +78,47 @@ def test_missing_inputs_exit_2(tmp_path, capsys):
     assert gate_main(["--baseline", str(tmp_path / "none.json"), str(tmp_path / "no_run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(e.startswith("servelab-gate: error:") for e in err)
+
+
+def test_a_different_kernel_choice_is_noted_beside_the_verdict(tmp_path, capsys):
+    """summary.json's context (target, dtype, float32_linear) travels into the baseline; a run
+    that ran other kernels gets a NOTE line and gate.json "notes", a run that did not gets none."""
+    run = make_run(tmp_path / "a", profile=False, telemetry=False)
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps(summary | {"dtype": "float32", "float32_linear": "blas"}))
+    base = tmp_path / "base.json"
+    assert gate_main(["--make-baseline", str(base), str(run)]) == 0
+    assert json.loads(base.read_text())["runs"][0]["summary"]["float32_linear"] == "blas"
+    assert gate_main(["--baseline", str(base), str(run)]) == 0
+    assert "NOTE" not in capsys.readouterr().out
+    assert json.loads((run / "gate.json").read_text())["notes"] == []
+
+    (run / "summary.json").write_text(json.dumps(summary | {"dtype": "float32", "float32_linear": "onednn-prepacked"}))
+    gate_main(["--baseline", str(base), str(run)])
+    note = "NOTE float32_linear: baseline blas, now onednn-prepacked (time metrics compare different configurations)"
+    assert note in capsys.readouterr().out.splitlines()
+    assert json.loads((run / "gate.json").read_text())["notes"] == [note]
+
+
+def test_time_reference_runs_once_per_engine_core_at_the_same_time(monkeypatch):
+    """The reference workload runs on `cores` threads together (so a core taken by other work
+    slows it, as it slows the engine), each thread single-threaded; torch's threads are restored."""
+    import threading
+
+    import torch
+
+    from workloads import experiment
+
+    seen: list[int] = []
+    real_tanh = torch.tanh
+
+    def tanh(a):  # type: ignore[no-untyped-def]
+        seen.append(threading.get_ident())
+        assert torch.get_num_threads() == 1
+        return real_tanh(a)
+
+    monkeypatch.setattr(torch, "tanh", tanh)
+    threads = torch.get_num_threads()
+    assert experiment.measure_time_reference(repeats=2, iterations=3, cores=3) > 0
+    assert len(seen) == 2 * 3 * 3 and len(set(seen[:9])) == 3
+    assert torch.get_num_threads() == threads

@@ -64,3 +64,11 @@ def test_engine_config_resolves_auto_once_validated() -> None:
     with pytest.raises(ValueError, match="dtype must be auto"):
         EngineConfig.from_kwargs("smollm2", dtype="fp64")
 
+
+
+def test_interleaved_timer_takes_turns_and_keeps_each_best() -> None:
+    calls: list[str] = []
+    best = platform.best_seconds_interleaved([lambda: calls.append("a"), lambda: calls.append("b")], rounds=3)
+    assert calls == ["a", "b"] * 4  # one warm-up call each, then three rounds in turn
+    assert len(best) == 2 and all(0 <= t < 1 for t in best)
+    assert platform.best_seconds(lambda: calls.append("c"), repeats=2) >= 0 and calls.count("c") == 3

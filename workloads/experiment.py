@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -42,26 +43,55 @@ class Outcome:
     report: Path | None = None
 
 
-def measure_time_reference(repeats: int = 7, iterations: int = 40) -> float:
+# targets that run this engine on this machine (the others are HTTP servers of any kind)
+ENGINE_TARGETS = ("offline", "inprocess", "server", "pd")
+
+
+def _on_cpu(cfg: RunConfig) -> bool:
+    return cfg.device.device == "cpu" or (cfg.device.device == "auto" and not torch.cuda.is_available())
+
+
+def measure_time_reference(repeats: int = 7, iterations: int = 40, cores: int | None = None) -> float:
     """Seconds of a fixed matmul workload on this machine, now: the best of `repeats`.
+
+    The workload runs once on each of `cores` Python threads at the same time (default: the
+    torch threads the engine uses), each thread single-threaded (no barrier spinning: ~1%
+    spread on one core, where one torch op on two threads spreads ~20%), and a repeat takes
+    as long as its slowest thread. A core taken by other work is then seen: on the 2-core CI
+    guest, one busy neighbour process left a one-core reference unchanged (0.060 s) and made
+    this one 0.065 -> 0.10 s, as it slows the engine's two-thread steps.
 
     Gates normalise time metrics by it; runs measure it before and after the workload and
     record the mean, so a machine that got busier during the run is seen in both.
     """
     a0 = torch.randn(384, 384, generator=torch.Generator().manual_seed(0)) / 20
+    cores = cores or torch.get_num_threads()
+
+    def work() -> None:
+        a = a0
+        for _ in range(iterations):
+            a = torch.tanh(a @ a)  # releases the GIL: the threads run on their own cores
+
     best = float("inf")
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: ~1% spread between measurements, against ~20% with two
+    torch.set_num_threads(1)
     try:
         for _ in range(repeats):
-            a = a0
+            workers = [threading.Thread(target=work) for _ in range(cores)]
             t = time.perf_counter()
-            for _ in range(iterations):
-                a = torch.tanh(a @ a)
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
             best = min(best, time.perf_counter() - t)
     finally:
         torch.set_num_threads(threads)
     return best
+
+
+def reference_cores(cfg: RunConfig) -> int:
+    """The threads the time reference runs on: the engine's (`device.num_threads`, else torch's)."""
+    return cfg.device.num_threads or torch.get_num_threads()
 
 
 T = TypeVar("T")
@@ -71,9 +101,10 @@ def _timed(cfg: RunConfig, work: Callable[[], T]) -> tuple[T, float | None]:
     """`work()`, and (when `run.time_reference`) the mean of the time reference before and after it."""
     if not cfg.run.time_reference:
         return work(), None
-    before = measure_time_reference()
+    cores = reference_cores(cfg)
+    before = measure_time_reference(cores=cores)
     result = work()
-    return result, (before + measure_time_reference()) / 2
+    return result, (before + measure_time_reference(cores=cores)) / 2
 
 
 def send_limits(cfg: RunConfig) -> tuple[bool, int | None]:
@@ -380,6 +411,7 @@ def _write_results(
     summary = summarize(result.records, slo=slo_of(cfg), steps=steps_df)
     if reference is not None:
         summary["time_reference_s"] = reference
+        summary["time_reference_cores"] = reference_cores(cfg)
     summary["target"] = cfg.target.kind
     if result.metrics_error:
         summary["server_metrics"] = f"unavailable: {result.metrics_error}"
@@ -387,6 +419,11 @@ def _write_results(
         from engine.platform import resolve_engine_dtype
 
         summary["dtype"] = resolve_engine_dtype(cfg.model.dtype, cfg.device.device, cfg.model.model)
+        if summary["dtype"] == "float32" and cfg.target.kind in ENGINE_TARGETS and _on_cpu(cfg):
+            from engine.model.cpu_linear import float32_linear_kernel
+
+            # decided by a start-up probe: two runs that differ here ran different kernels
+            summary["float32_linear"] = float32_linear_kernel()
     summary.update(kv_connector_summary(run_dir, steps_df))
     if compile_time_s is not None:
         # Start-up compile + warm-up (enforce_eager=False); never inside a throughput figure.

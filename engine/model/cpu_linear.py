@@ -21,13 +21,14 @@ import functools
 import logging
 import os
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.model import cpu_gemv
-from engine.platform import best_seconds
+from engine.platform import best_seconds_interleaved
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +58,21 @@ def prepack_supported(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and onednn_float32_faster()
 
 
+# SmolLM2's gate_up, down and qkv projections ([N, K]), at 64 rows: the probe's GEMMs.
+PROBE_SHAPES = ((3072, 576), (576, 1536), (960, 576))
+# Prepack only where oneDNN is clearly ahead: a 2-core AMD EPYC Zen 4 (AVX-512) measures
+# 1.42-1.86x (the AVX2-only Zen 3 1.24-2.0x, timed less carefully), so a CPU
+# where the two are close keeps the BLAS (and its column-major weights).
+ONEDNN_FP32_MIN_SPEEDUP = 1.15
+
+
 @functools.cache
 def onednn_float32_faster() -> bool:
     """Whether oneDNN's prepacked float32 linear beats `F.linear` (the CPU BLAS, on the engine's
-    column-major weights) at SmolLM2's MLP shapes, 64 rows: a probe of ~50 ms, once per process.
+    column-major weights) at SmolLM2's projection shapes, 64 rows, by at least
+    `ONEDNN_FP32_MIN_SPEEDUP`: a probe of ~70 ms, once per process, the two kernels timed in
+    turn (`platform.best_seconds_interleaved`) so that every process on one machine decides
+    alike (timed one after the other, 1 process in 5 here decided differently).
 
     Measured 2026-12-02 (benchmarks/cpu_decode_step.py shapes, 2 threads): on a 2-core AMD EPYC
     with AVX2 only, oneDNN ran 1.1-2.5x faster than MKL at 8-256 rows (the LM head 2.3-2.6x,
@@ -71,23 +83,31 @@ def onednn_float32_faster() -> bool:
         return forced == "1"
     if not _onednn_linear_available():
         return False
-    plain = packed = 0.0
     gen = torch.Generator().manual_seed(0)
+    calls: list[Callable[[], object]] = []
     try:
         with torch.inference_mode():
-            for n, k in ((3072, 576), (576, 1536)):
+            for n, k in PROBE_SHAPES:
                 w = torch.randn(n, k, generator=gen)
-                w_cm = w.t().contiguous().t()
+                w_cm, pw = w.t().contiguous().t(), pack_weight(w)
                 x = torch.randn(64, k, generator=gen)
-                pw = pack_weight(w)
-                plain += best_seconds(lambda: F.linear(x, w_cm), 5)  # noqa: B023
-                packed += best_seconds(lambda: packed_linear(x, pw), 5)  # noqa: B023
+                calls += [functools.partial(F.linear, x, w_cm), functools.partial(packed_linear, x, pw)]
+            times = best_seconds_interleaved(calls, 10)
     except RuntimeError:
         return False
-    faster = packed < 0.8 * plain
-    logger.info("float32 linears: oneDNN prepacked %.2fx the plain BLAS here -> %s", plain / packed,
+    ratio = sum(times[0::2]) / sum(times[1::2])
+    faster = ratio >= ONEDNN_FP32_MIN_SPEEDUP
+    logger.info("float32 linears: oneDNN prepacked %.2fx the plain BLAS here -> %s", ratio,
                 "prepacked" if faster else "plain")
     return faster
+
+
+def float32_linear_kernel() -> str:
+    """What runs this CPU's float32 linears: "onednn-prepacked" (with the GEMV for <= 4 rows
+    where it is built) or "blas" (`F.linear`); recorded in every run's summary.json."""
+    if not onednn_float32_faster():
+        return "blas"
+    return "onednn-prepacked+gemv" if cpu_gemv.gemv_ops() is not None else "onednn-prepacked"
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
