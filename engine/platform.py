@@ -117,11 +117,24 @@ def resolve_dtype(dtype: str, device: torch.device, source_kind: str = "gguf", p
     return name
 
 
+def resolve_device(name: str, check: bool = True) -> torch.device:
+    """The torch device for a config's `device.device`: "auto" is CUDA where available, else the CPU.
+
+    ValueError for "cuda..." on a machine without a CUDA GPU, unless `check` is False (callers
+    that only ask which kind of device a config names).
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if check and name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device: cuda requested but no CUDA GPU is available")
+    return torch.device(name)
+
+
 def resolve_engine_dtype(dtype: str, device: str, model: str) -> str:
     """`resolve_dtype` for a config's `model.dtype`, `device.device` ("auto" | "cpu" | "cuda..."), `model`."""
     if dtype in DTYPE_NAMES:
         return dtype
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
+    dev = resolve_device(device, check=False)
     kind, path = "gguf", None
     if dev.type != "cpu":
         from engine.model.loader import resolve_source

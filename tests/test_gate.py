@@ -107,7 +107,7 @@ def test_time_reference_runs_once_per_engine_core_at_the_same_time(monkeypatch):
 
     import torch
 
-    from workloads import experiment
+    from workloads import time_reference
 
     seen: list[int] = []
     real_tanh = torch.tanh
@@ -119,6 +119,6 @@ def test_time_reference_runs_once_per_engine_core_at_the_same_time(monkeypatch):
 
     monkeypatch.setattr(torch, "tanh", tanh)
     threads = torch.get_num_threads()
-    assert experiment.measure_time_reference(repeats=2, iterations=3, cores=3) > 0
+    assert time_reference.measure_time_reference(repeats=2, iterations=3, cores=3) > 0
     assert len(seen) == 2 * 3 * 3 and len(set(seen[:9])) == 3
     assert torch.get_num_threads() == threads

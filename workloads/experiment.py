@@ -12,15 +12,12 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import torch
 import yaml
 from omegaconf import OmegaConf
 
@@ -31,6 +28,7 @@ from workloads import runfolder
 from workloads.driver import Driver, RunResult
 from workloads.factory import build_workload
 from workloads.metrics import summarize
+from workloads.time_reference import reference_cores, timed
 
 logger = logging.getLogger(__name__)
 
@@ -45,66 +43,6 @@ class Outcome:
 
 # targets that run this engine on this machine (the others are HTTP servers of any kind)
 ENGINE_TARGETS = ("offline", "inprocess", "server", "pd")
-
-
-def _on_cpu(cfg: RunConfig) -> bool:
-    return cfg.device.device == "cpu" or (cfg.device.device == "auto" and not torch.cuda.is_available())
-
-
-def measure_time_reference(repeats: int = 7, iterations: int = 40, cores: int | None = None) -> float:
-    """Seconds of a fixed matmul workload on this machine, now: the best of `repeats`.
-
-    The workload runs once on each of `cores` Python threads at the same time (default: the
-    torch threads the engine uses), each thread single-threaded (no barrier spinning: ~1%
-    spread on one core, where one torch op on two threads spreads ~20%), and a repeat takes
-    as long as its slowest thread. A core taken by other work is then seen: on the 2-core CI
-    guest, one busy neighbour process left a one-core reference unchanged (0.060 s) and made
-    this one 0.065 -> 0.10 s, as it slows the engine's two-thread steps.
-
-    Gates normalise time metrics by it; runs measure it before and after the workload and
-    record the mean, so a machine that got busier during the run is seen in both.
-    """
-    a0 = torch.randn(384, 384, generator=torch.Generator().manual_seed(0)) / 20
-    cores = cores or torch.get_num_threads()
-
-    def work() -> None:
-        a = a0
-        for _ in range(iterations):
-            a = torch.tanh(a @ a)  # releases the GIL: the threads run on their own cores
-
-    best = float("inf")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(repeats):
-            workers = [threading.Thread(target=work) for _ in range(cores)]
-            t = time.perf_counter()
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            best = min(best, time.perf_counter() - t)
-    finally:
-        torch.set_num_threads(threads)
-    return best
-
-
-def reference_cores(cfg: RunConfig) -> int:
-    """The threads the time reference runs on: the engine's (`device.num_threads`, else torch's)."""
-    return cfg.device.num_threads or torch.get_num_threads()
-
-
-T = TypeVar("T")
-
-
-def _timed(cfg: RunConfig, work: Callable[[], T]) -> tuple[T, float | None]:
-    """`work()`, and (when `run.time_reference`) the mean of the time reference before and after it."""
-    if not cfg.run.time_reference:
-        return work(), None
-    cores = reference_cores(cfg)
-    before = measure_time_reference(cores=cores)
-    result = work()
-    return result, (before + measure_time_reference(cores=cores)) / 2
 
 
 def send_limits(cfg: RunConfig) -> tuple[bool, int | None]:
@@ -201,7 +139,7 @@ def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         specs, extra = plan_workload(cfg, tokenizer, max_len, run_dir)
         if extra:
             (run_dir / "workload_info.json").write_text(json.dumps(extra, indent=2, default=str))
-        result, reference = _timed(cfg, lambda: _drive(cfg, target, specs, run_dir))
+        result, reference = timed(cfg, lambda: _drive(cfg, target, specs, run_dir))
         compile_s = _compile_time(target)  # read before shutdown drops the engine
     finally:
         _shutdown(target)
@@ -416,10 +354,10 @@ def _write_results(
     if result.metrics_error:
         summary["server_metrics"] = f"unavailable: {result.metrics_error}"
     if cfg.target.kind != "simulated":  # the dtype that ran ("auto" resolved, engine/platform.py)
-        from engine.platform import resolve_engine_dtype
+        from engine.platform import resolve_device, resolve_engine_dtype
 
         summary["dtype"] = resolve_engine_dtype(cfg.model.dtype, cfg.device.device, cfg.model.model)
-        if summary["dtype"] == "float32" and cfg.target.kind in ENGINE_TARGETS and _on_cpu(cfg):
+        if summary["dtype"] == "float32" and cfg.target.kind in ENGINE_TARGETS and resolve_device(cfg.device.device, check=False).type == "cpu":
             from engine.model.cpu_linear import float32_linear_kernel
 
             # decided by a start-up probe: two runs that differ here ran different kernels
@@ -495,7 +433,7 @@ def _run_offline(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> 
             outs = llm.generate(prompts, params, use_tqdm=True)
             return outs, t0_wall, time.perf_counter() - t0
 
-        (outs, t0_wall, done), reference = _timed(cfg, generate_all)
+        (outs, t0_wall, done), reference = timed(cfg, generate_all)
     finally:
         llm.engine_core.shutdown()
     records = []

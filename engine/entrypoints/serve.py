@@ -168,12 +168,11 @@ def serving_defaults(engine: EngineConfig, explicit: Collection[str] = ()) -> No
       save ~2%. An OMP_NUM_THREADS in the environment is respected (torch's own default then
       applies): on a machine shared with other busy processes, fewer threads can be faster.
     """
-    import torch
+    from engine.platform import resolve_device
 
     if engine.model.warm_up_linears is None:
         engine.model.warm_up_linears = True
-    on_gpu = engine.device.device == "cuda" or (engine.device.device == "auto" and torch.cuda.is_available())
-    if on_gpu:
+    if resolve_device(engine.device.device, check=False).type == "cuda":
         return
     if not {"scheduler", "scheduler.max_num_batched_tokens"} & set(explicit):
         engine.scheduler.max_num_batched_tokens = CPU_SERVING_BATCHED_TOKENS

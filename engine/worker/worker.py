@@ -13,19 +13,11 @@ from engine.hugepages import zeros_huge
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
 from engine.kv_transfer.worker_step import execute_with_connector
-from engine.platform import resolve_dtype
+from engine.platform import resolve_device, resolve_dtype
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device: cuda requested but no CUDA GPU is available")
-    return torch.device(name)
-
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
