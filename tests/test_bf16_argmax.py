@@ -3,9 +3,11 @@ near-ties that bfloat16 rounding makes exact are settled by float32 dot products
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.model import llama
 from engine.model.arch import ModelArch
 from engine.model.llama import LlamaForCausalLM
 
@@ -22,8 +24,17 @@ def _model() -> LlamaForCausalLM:
     return model
 
 
+@pytest.fixture(params=["fused", "torch"])
+def candidates(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways of finding the near-maximum candidates: the fused kernel, and torch ops (where
+    no C++ toolchain builds the kernels)."""
+    if request.param == "torch":
+        monkeypatch.setattr(llama, "kernels", lambda: None)
+    return str(request.param)
+
+
 @torch.inference_mode()
-def test_a_tie_made_by_rounding_goes_to_the_larger_float32_score() -> None:
+def test_a_tie_made_by_rounding_goes_to_the_larger_float32_score(candidates: str) -> None:
     model = _model()
     w = model.model.embed_tokens.weight
     # hidden . w[3] = 34.375 and hidden . w[7] = 34.578125 (exact in float32): both round to 34.5
@@ -44,7 +55,7 @@ def test_a_tie_made_by_rounding_goes_to_the_larger_float32_score() -> None:
 
 
 @torch.inference_mode()
-def test_clear_winners_and_nan_rows_keep_the_plain_argmax() -> None:
+def test_clear_winners_and_nan_rows_keep_the_plain_argmax(candidates: str) -> None:
     model = _model()
     torch.manual_seed(0)
     model.model.embed_tokens.weight.copy_(torch.randn(VOCAB, HIDDEN))
@@ -58,3 +69,18 @@ def test_clear_winners_and_nan_rows_keep_the_plain_argmax() -> None:
     assert torch.equal(got[keep], exact[keep])
     # float32 models: the sampler's argmax (None)
     assert model.float().greedy_ids(hidden.float()) is None
+
+
+@torch.inference_mode()
+def test_a_row_with_more_candidates_than_the_kernel_lists_is_settled_too(candidates: str) -> None:
+    """A row whose logits all tie in bfloat16 (more candidates than NEAR_MAX_CANDIDATES): the
+    float32 scores decide, as for a row of two."""
+    model = _model()
+    w = model.model.embed_tokens.weight
+    w[:, 0] = 1.0  # every logit of row 0 is 32 in bfloat16 ...
+    w[123, 1] = 2.0**-4  # ... and token 123's float32 score 32.0625 is the largest
+    hidden = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)
+    hidden[0, :2] = torch.tensor([32.0, 1.0])
+    hidden[1, 0] = 1.0  # row 1: all tied exactly, also in float32: the first index
+    assert int((model.compute_logits(hidden, upcast=False)[0] == 32).sum()) == VOCAB
+    assert model.greedy_ids(hidden).tolist() == [123, 0]  # type: ignore[union-attr]

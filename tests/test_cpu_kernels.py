@@ -252,6 +252,35 @@ def test_argmax_rows_matches_torch_max_indices(dtype, vocab) -> None:  # type: i
     assert torch.equal(got, x.max(dim=-1).indices)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 17, 300, 49152])
+def test_near_max_rows_matches_torch_compare_and_nonzero(dtype, vocab) -> None:  # type: ignore[no-untyped-def]
+    """The candidates of greedy's float32 rescoring: each row's first maximum, the count of its
+    values >= floor (the maximum less |max| * rel, rounded to the logits' dtype; 0 for a NaN
+    maximum) and the first k of their indices, as torch's max / compare / nonzero give them."""
+    torch.manual_seed(0)
+    rel, k = 2.0**-6, 4
+    x = (torch.randn(10, vocab) * 8).to(dtype)
+    x[1] = 1.0  # all tied: every index a candidate
+    x[2, vocab - 1] = 100.0  # the maximum in the scalar tail
+    x[3] = float("-inf")
+    x[4, vocab // 2] = float("nan")
+    x[5, : min(vocab, 3)] = 50.0  # three tied near the start
+    x[6, vocab // 3] = 60.0
+    x[6, (2 * vocab) // 3] = 59.9  # within rel of the maximum: two candidates
+    x[7] = -x[7].abs() - 5  # a negative maximum: the floor lies below it
+    first, count, cols = kernels().near_max_rows(x, rel, k)
+    top, want_first = x.max(dim=-1)
+    assert torch.equal(first, want_first)
+    floor = (top.float() - top.float().abs() * rel).to(dtype)
+    for r in range(x.shape[0]):
+        idx = (x[r] >= floor[r]).nonzero().flatten()
+        assert int(count[r]) == idx.numel(), r
+        want = torch.full((k,), -1, dtype=torch.int64)
+        want[: min(k, idx.numel())] = idx[:k]
+        assert torch.equal(cols[r], want), r
+
+
 @pytest.mark.parametrize(
     "hq,hkv,d,seq_lens,q_lens",
     [

@@ -241,3 +241,65 @@ def test_torch_backend_matches_dense_reference(seq_lens, q_lens, decode_path, mo
         torch.testing.assert_close(out[a:b], ref.forward(q[a:b], k[a:b], v[a:b], ref_cache, one, scale),
                                    atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours_cache, ref_cache, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "seq_lens,q_lens",
+    [
+        ([9, 9, 9, 30, 4], [9, 9, 9, 1, 4]),  # fresh prefills, a decode between
+        ([33, 12, 40, 7, 7], [1, 12, 15, 1, 7]),  # decode, fresh prefill, prefill over context
+    ],
+)
+def test_bf16_steps_with_prefills_in_one_paged_op_call_match_dense_reference(seq_lens, q_lens, monkeypatch):
+    """bfloat16 on an AVX512-BF16 CPU without AMX: every row of a step with prefill rows goes
+    through one call of the C++ paged-attention op, against a float32 dense reference of the
+    same values."""
+    from engine.attention import torch_backend
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    if torch_backend.paged_attention_op() is None:
+        pytest.skip("no C++ toolchain: the paged-attention kernel is not built")
+    monkeypatch.setattr(torch_backend, "prefill_on_paged_op", lambda dtype: dtype == torch.bfloat16)
+    calls: list[int] = []
+    real_op = torch_backend.paged_attention_op()
+
+    def counting_op(*args):  # type: ignore[no-untyped-def]
+        calls.append(args[0].shape[0])
+        return real_op(*args)
+
+    monkeypatch.setattr(torch_backend, "_cpu_op", lambda q, kv: counting_op)
+    torch.manual_seed(0)
+    hq, hkv, d, scale = 6, 2, 64, 0.125
+    blocks_needed = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    perm = torch.randperm(sum(blocks_needed) + 3).tolist()
+    tables, at = [], 0
+    for n in blocks_needed:
+        tables.append(perm[at : at + n])
+        at += n
+    cache = torch.randn(2, len(perm), BLOCK_SIZE, hkv, d).bfloat16()
+    md = _batch_metadata(seq_lens, q_lens, tables)
+    t = md.num_tokens
+    qkv = torch.randn(t, hq + 2 * hkv, d).bfloat16()
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    backend = TorchAttentionBackend()
+    backend.begin_step(md)
+    ours_cache = cache.clone()
+    out = backend.forward(q, k, v, ours_cache, md, scale)
+    assert calls == [t] and out.shape == q.shape and out.dtype == torch.bfloat16
+    ref_cache = cache.float()
+    ref = DenseReferenceBackend()
+    for i in range(md.num_reqs):
+        a, b = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
+        one = _batch_metadata([seq_lens[i]], [q_lens[i]], [tables[i]])
+        want = ref.forward(q[a:b].float(), k[a:b].float(), v[a:b].float(), ref_cache, one, scale)
+        torch.testing.assert_close(out[a:b].float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_on_paged_op_follows_the_cpu_flags(monkeypatch):
+    """The rule, by CPU flags only (never a timing probe): bfloat16 with AVX512-BF16 and no AMX."""
+    from engine.attention import torch_backend
+
+    rule = torch_backend.prefill_on_paged_op.__wrapped__
+    for flags, bf16 in [({"avx512f", "avx512_bf16"}, True), ({"avx512_bf16", "amx_bf16"}, False), ({"avx2"}, False)]:
+        monkeypatch.setattr(torch_backend, "cpu_flags", lambda flags=flags: flags)
+        assert rule(torch.bfloat16) is bf16 and rule(torch.float32) is False

@@ -22,6 +22,12 @@ attends, so a layer costs a handful of torch ops whatever the batch holds):
   context) goes through one call of the C++ op `paged_prefill_attention_` per layer instead:
   whole 16-row query blocks as tile products over the paged cache (faster than SDPA once per
   prompt on a 1,948-token step of 15 prompts, 2.5x, benchmarks/cpu_paged_attention.py).
+- On a CPU with AVX512-BF16 but no AMX, in bfloat16, every row of a step that has prefill rows
+  (decode rows too) goes through ONE call of the C++ paged-attention op per layer: its
+  vdpbf16ps path beat SDPA once per prompt there (2-core Zen 5: fresh prefill 4 x 128 1.6 against
+  3.0 ms, 4 x 64-token chunks after 128 cached tokens 1.5 against 2.2 ms of CPU time,
+  benchmarks/cpu_paged_attention.py). Chosen by the CPU's flags, never by a timing probe, so two
+  runs on one machine always run the same kernels. float32 stays on SDPA (0.87-1.03x there).
 - Grouped-query attention goes through SDPA's `enable_gqa`, never `repeat_interleave`.
 
 This backend is the correctness oracle for the Triton and FlashAttention backends.
@@ -29,6 +35,7 @@ This backend is the correctness oracle for the Triton and FlashAttention backend
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +44,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.attention.cpu_paged_attention import paged_attention_op, paged_prefill_attention_op, write_kv_op
+from engine.platform import cpu_flags
 
 _OP_DTYPES = (torch.float32, torch.bfloat16)  # the C++ ops' dtypes
 
@@ -70,6 +78,24 @@ class _PrefillRows:
     query_start: torch.Tensor  # [P] first query row of each
     query_len: torch.Tensor  # [P]
     seq_lens: torch.Tensor  # [P] context length, this step's tokens included
+
+
+@dataclass
+class _StepRows:
+    """Every request of a step with prefill rows, for one call of the C++ paged-attention op."""
+
+    num_tokens: int  # query rows of the requests
+    table: torch.Tensor  # [B, max_blocks] int64
+    query_start_loc: torch.Tensor  # [B + 1] int64
+    seq_lens: torch.Tensor  # [B] int64
+
+
+@functools.cache
+def prefill_on_paged_op(dtype: torch.dtype) -> bool:
+    """Whether a step's prefill rows go through the C++ paged-attention op (module note):
+    bfloat16 on a CPU with AVX512-BF16 and without AMX (which has its own prefill op)."""
+    flags = cpu_flags()
+    return dtype == torch.bfloat16 and "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
 def write_kv(
@@ -122,6 +148,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode: _DecodeGroup | None = None
         self._prefills: list[_PrefillGroup] = []
         self._prefill_rows: _PrefillRows | None = None
+        self._step_rows: _StepRows | None = None
 
     # ---- per-step plan -----------------------------------------------------------------
     def begin_step(self, metadata: AttentionMetadata) -> None:
@@ -132,8 +159,13 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode = self._plan_decode(metadata, np.nonzero(is_decode)[0], seq_lens) if is_decode.any() else None
         prefill_reqs = np.nonzero(~is_decode)[0]
         self._prefills = self._plan_prefills(metadata, prefill_reqs, qsl, seq_lens)
-        self._prefill_rows = None
+        self._prefill_rows = self._step_rows = None
         if len(prefill_reqs) and metadata.block_table.device.type == "cpu":
+            nblk = -(-int(seq_lens.max()) // metadata.block_size)
+            self._step_rows = _StepRows(
+                int(qsl[-1]), metadata.block_table[: len(seq_lens), :nblk].long().contiguous(), torch.from_numpy(qsl),
+                torch.from_numpy(seq_lens),
+            )
             self._prefill_rows = _PrefillRows(
                 metadata.block_table[torch.from_numpy(prefill_reqs)],
                 torch.from_numpy(qsl[prefill_reqs]), torch.from_numpy(q_lens[prefill_reqs]),
@@ -212,6 +244,11 @@ class TorchAttentionBackend(AttentionBackend):
                 if dec is not None:
                     out[dec.rows] = self._attend_decode(q[dec.rows], kv_cache, dec, scale)
                 return out
+        sr = self._step_rows
+        if sr is not None and sr.num_tokens == q.shape[0] and prefill_on_paged_op(q.dtype):
+            op = _cpu_op(q, kv_cache)
+            if op is not None:
+                return op(q, kv_cache, sr.table, sr.query_start_loc, sr.seq_lens, scale)
         parts: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
         if dec is not None:
             parts.append((dec.rows, self._attend_decode(q[dec.rows], kv_cache, dec, scale)))

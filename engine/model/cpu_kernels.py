@@ -16,6 +16,12 @@ rounded once on the store). They are torch ops, `torch.ops.servelab.<name>`:
     argmax_rows(Tensor logits) -> Tensor
         [N, V] -> [N] int64, each row's first maximum (a NaN counts as the maximum), as
         `logits.max(dim=-1).indices`, read in bfloat16 where the logits are (greedy sampling)
+    near_max_rows(Tensor logits, float rel, int k) -> (Tensor first, Tensor count, Tensor cols)
+        [N, V] -> each row's first maximum m (as argmax_rows), how many of its values are at
+        least floor = (m - |m| * rel) rounded to the storage type (0 where m is NaN), and the
+        first k of their indices ([N, k] int64, -1 past the count): the candidates that
+        `LlamaForCausalLM._bf16_argmax` scores again in float32, found in two passes over each
+        row (the second from cache) instead of max + compare + nonzero over all N x V
 
 All tensors contiguous, on the CPU, one dtype (float32 or bfloat16). `kernels()` returns
 `torch.ops.servelab` once they are loaded, or None where no C++ toolchain builds them
@@ -250,6 +256,56 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+// Row r's near-maximum candidates (module note): the values >= floor, in index order.
+template <typename T>
+static int64_t near_max_row(const T* x, int64_t V, float floor, int64_t* cols, int64_t k) {
+  int64_t count = 0, i = 0;
+#if defined(__AVX512F__)
+  const __m512 fv = _mm512_set1_ps(floor);
+  for (; i + 16 <= V; i += 16) {
+    __mmask16 m = _mm512_cmp_ps_mask(vld(x + i), fv, _CMP_GE_OQ);
+    while (m) {  // rare: a handful of values per row
+      const int l = __builtin_ctz(m);
+      if (count < k) cols[count] = i + l;
+      ++count;
+      m &= m - 1;
+    }
+  }
+#endif
+  for (; i < V; ++i) {
+    if (ld(x, i) >= floor) {
+      if (count < k) cols[count] = i;
+      ++count;
+    }
+  }
+  return count;
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> near_max_rows(torch::Tensor logits, double rel, int64_t k) {
+  check(logits, logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits: [N, V] with V > 0");
+  TORCH_CHECK(k > 0, "k: > 0");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  const auto ids = logits.options().dtype(torch::kInt64);
+  auto first = torch::empty({N}, ids), count = torch::empty({N}, ids), cols = torch::full({N, k}, -1, ids);
+  int64_t *fp = first.data_ptr<int64_t>(), *np = count.data_ptr<int64_t>(), *cp = cols.data_ptr<int64_t>();
+  SERVELAB_DISPATCH(logits, [&] {
+    const scalar_t* xp = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* row = xp + r * V;
+        fp[r] = argmax_row(row, V);
+        const float top = ld(row, fp[r]);
+        if (std::isnan(top)) { np[r] = 0; continue; }
+        // floor computed in float32, then rounded to the storage type (nearest even), as torch does
+        const float floor = static_cast<float>(static_cast<scalar_t>(top - std::fabs(top) * static_cast<float>(rel)));
+        np[r] = near_max_row(row, V, floor, cp + r * k, k);
+      }
+    });
+  });
+  return {first, count, cols};
+}
+
 }  // namespace servelab
 
 TORCH_LIBRARY_FRAGMENT(servelab, m) {
@@ -258,6 +314,7 @@ TORCH_LIBRARY_FRAGMENT(servelab, m) {
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("near_max_rows(Tensor logits, float rel, int k) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(servelab, CPU, m) {
@@ -266,11 +323,12 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
   m.impl("rope_", &servelab::rope_);
   m.impl("silu_mul", &servelab::silu_mul);
   m.impl("argmax_rows", &servelab::argmax_rows);
+  m.impl("near_max_rows", &servelab::near_max_rows);
 }
 """
 
 # Bump with every change of _CPP_SOURCE or KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_layer_ops_v9"
+_EXTENSION_NAME = "servelab_cpu_layer_ops_v10"
 
 
 def _register_fakes() -> None:
@@ -291,6 +349,12 @@ def _register_fakes() -> None:
     @torch.library.register_fake("servelab::argmax_rows")
     def _(logits: torch.Tensor) -> torch.Tensor:
         return logits.new_empty(logits.shape[:1], dtype=torch.int64)
+
+    @torch.library.register_fake("servelab::near_max_rows")
+    def _(logits: torch.Tensor, rel: float, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = logits.shape[0]
+        ids = torch.int64
+        return logits.new_empty((n,), dtype=ids), logits.new_empty((n,), dtype=ids), logits.new_empty((n, k), dtype=ids)
 
     @torch.library.register_fake("servelab::silu_mul")
     def _(gate_up: torch.Tensor) -> torch.Tensor:

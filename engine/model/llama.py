@@ -35,6 +35,12 @@ from engine.model.cpu_linear import (
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from engine.model.moe import MoEBlock
 
+# Greedy from bfloat16 logits: the values within NEAR_MAX_REL of a row's maximum (two bfloat16
+# steps, after rounding) are scored again in float32; the fused kernel lists up to
+# NEAR_MAX_CANDIDATES of them per row (more, rarely: the torch path).
+NEAR_MAX_REL = 2.0**-6
+NEAR_MAX_CANDIDATES = 8
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArch, attn_backend: AttentionBackend) -> None:
@@ -359,17 +365,34 @@ class LlamaForCausalLM(nn.Module):
         the same value, and the first index wins the tie whatever the model meant. Every token
         within two bfloat16 steps of a row's maximum is scored again as a float32 dot product of
         the same bfloat16 hidden row and weight row (a few per row); the best of those wins (the
-        first index among equals), as the AMX LM head's float32 argmax decides."""
-        weight = self._lm_head_weight()
+        first index among equals), as the AMX LM head's float32 argmax decides. The candidates
+        come from the fused `near_max_rows` kernel where it is built (two passes over each row
+        of logits, the second from cache), else from torch ops over all N x vocab values."""
         logits = self.compute_logits(hidden, upcast=False)
+        ops = kernels()
+        if ops is not None and logits.is_contiguous():
+            first, count, cand = ops.near_max_rows(logits, NEAR_MAX_REL, NEAR_MAX_CANDIDATES)
+            if bool((count <= 1).all()):  # one candidate per row (or a NaN maximum): the plain argmax
+                return first
+            if bool((count <= NEAR_MAX_CANDIDATES).all()):
+                rows, slot = (cand >= 0).nonzero(as_tuple=True)
+                keep = count[rows] > 1  # rows with one candidate keep `first`
+                return self._settle_near_ties(hidden, first, rows[keep], cand[rows[keep], slot[keep]])
         top, first = logits.max(dim=-1)  # first: the plain argmax, kept where no row competes (NaN)
         top = top.float()
-        floor = (top - top.abs() * 2.0**-6).to(logits.dtype)  # <= two steps below, after rounding
+        floor = (top - top.abs() * NEAR_MAX_REL).to(logits.dtype)  # <= two steps below, after rounding
         rows, cols = (logits >= floor[:, None]).nonzero(as_tuple=True)
         if rows.numel() == logits.shape[0] and torch.equal(rows, torch.arange(rows.numel())):
             return cols  # one candidate per row: the plain argmax
+        return self._settle_near_ties(hidden, first, rows, cols)
+
+    def _settle_near_ties(self, hidden: torch.Tensor, first: torch.Tensor, rows: torch.Tensor,
+                          cols: torch.Tensor) -> torch.Tensor:
+        """`first` [N], with each row that has candidates (rows[i], cols[i]) given the candidate of
+        the highest float32 score (the first index among equals)."""
+        weight = self._lm_head_weight()
         scores = (hidden[rows].float() * weight[cols].float()).sum(dim=-1)
-        best = torch.full_like(top, float("-inf")).scatter_reduce(0, rows, scores, "amax")
+        best = torch.full(first.shape, float("-inf"), device=first.device).scatter_reduce(0, rows, scores, "amax")
         win = scores == best[rows]
         return first.scatter_reduce(0, rows[win], cols[win], "amin", include_self=False)
 
