@@ -1,5 +1,5 @@
-"""The float32 GEMV for a few rows (engine/model/cpu_gemv.py) against a float64 reference, and
-its use by the planned forward (a float32 model whose linears are prepacked)."""
+"""The GEMV for a few rows (engine/model/cpu_gemv.py), float32 and bfloat16, against a float64
+reference, and its use by the planned forward (a model whose linears are prepacked)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,33 @@ def test_gemv_matches_float64_reference(rows: int, shape: tuple[int, int]) -> No
     want = F.linear(x.double(), w.double())
     assert got.shape == (rows, shape[0]) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(960, 576), (67, 1536), (5, 40), (3, 7)])  # K % 32 != 0: plain loop
+def test_bf16_gemv_is_the_float32_sum_of_exact_products_rounded_once(rows: int, shape: tuple[int, int]) -> None:
+    """bfloat16 operands: every product is exact in float32 and the sum is float32 (vdpbf16ps or
+    widened multiply-adds), so the output is the float64 result rounded to bfloat16, give or take
+    one bfloat16 step where float32 summation order moves a value across a rounding boundary."""
+    torch.manual_seed(rows)
+    w = torch.randn(shape).bfloat16()
+    x = torch.randn(rows, shape[1]).bfloat16()
+    got = ops.gemv_bf16(x, w)  # type: ignore[union-attr]
+    want = F.linear(x.double(), w.double())
+    assert got.shape == (rows, shape[0]) and got.dtype == torch.bfloat16
+    step = want.abs().clamp_min(1e-30) * 2.0**-7  # one bfloat16 step (8 significant bits) at each value
+    assert bool(((got.double() - want).abs() <= step + 1e-3 * shape[1] ** 0.5).all())
+    exact = got.double() == want.bfloat16().double()
+    assert exact.float().mean() > 0.95  # nearly all rounded exactly as the float64 result
+
+
+def test_bf16_gemv_applies_to_one_or_two_rows_only() -> None:
+    w = torch.randn(8, 64).bfloat16()
+    assert cpu_gemv.applies(torch.randn(2, 64).bfloat16(), w)
+    assert not cpu_gemv.applies(torch.randn(3, 64).bfloat16(), w)  # oneDNN is faster from 3-4 rows
+    assert not cpu_gemv.applies(torch.randn(1, 64), w)  # dtypes differ
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.gemv_bf16(torch.randn(1, 64), w.float())  # type: ignore[union-attr]
 
 
 def test_gemv_refuses_what_it_does_not_take() -> None:

@@ -130,11 +130,11 @@ def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, plain: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] @ packed.T (+ bias) -> [..., N], in x's dtype (rows padded to `padded_rows`
-    for oneDNN, the padding cut off again). Given the plain weight (row-major float32), a few
-    rows without bias run the float32 GEMV instead (engine/model/cpu_gemv.py)."""
+    for oneDNN, the padding cut off again). Given the plain weight (row-major), a few rows
+    without bias run the GEMV instead (engine/model/cpu_gemv.py: float32, or bfloat16 at 1-2 rows)."""
     flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-    if plain is not None and bias is None and cpu_gemv.applies(flat, plain) and (gemv := cpu_gemv.gemv_ops()):
-        out = gemv.gemv_f32(flat, plain)
+    if plain is not None and bias is None and cpu_gemv.applies(flat, plain) and (ops := cpu_gemv.gemv_ops()):
+        out = cpu_gemv.gemv(ops, flat, plain)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
     rows = flat.shape[0]
     padded = padded_rows(rows)

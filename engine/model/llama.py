@@ -149,7 +149,7 @@ class _ForwardPlan:
     final_norm: torch.Tensor
     amx_ops: Any = None  # torch.ops.servelab with the AMX linear ops, where every layer has AMX packs
     sizes: tuple[int, int, int] = (0, 0, 0)  # qkv width, hidden size, intermediate size
-    gemv_ops: Any = None  # torch.ops.servelab with the float32 GEMV (cpu_gemv), for steps of <= 4 rows
+    gemv_ops: Any = None  # torch.ops.servelab with the GEMV (cpu_gemv), for steps of a few rows
 
 
 class LlamaModel(nn.Module):
@@ -179,7 +179,7 @@ class LlamaModel(nn.Module):
                 return False
             qkv, o, gate_up, down = (p for p in packed if p is not None)
             plain: tuple[torch.Tensor, ...] | None = tuple(m.weight.detach() for m in linears)
-            if not all(w.dtype == torch.float32 and w.is_contiguous() for w in plain or ()):
+            if not all(cpu_gemv.max_rows(w.dtype) and w.is_contiguous() for w in plain or ()):
                 plain = None
             layers.append(_LayerPlan(attn, layer.input_layernorm.weight.detach(),
                                      layer.post_attention_layernorm.weight.detach(), qkv, o, gate_up, down,
@@ -204,7 +204,7 @@ class LlamaModel(nn.Module):
         ops, eps = plan.ops, plan.eps
         t = x.shape[0]
         amx = plan.amx_ops if t <= amx_linear.DECODE_MAX_ROWS else None  # decode-sized steps: AMX kernels
-        gemv = plan.gemv_ops is not None and t <= cpu_gemv.MAX_ROWS  # float32, a few rows: packed_linear's GEMV
+        gemv = plan.gemv_ops is not None and t <= cpu_gemv.max_rows(plan.dtype)  # a few rows: packed_linear's GEMV
         rows = t if amx is not None or gemv else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
         if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them
             x = F.pad(x, (0, 0, 0, rows - t))
