@@ -264,3 +264,26 @@ def test_load_weights_rejects_wrong_and_missing_tensors():
         model.load_weights({"model.layers.0.self_attn.bogus.weight": torch.zeros(8, 8)})
     with pytest.raises(ValueError, match="weights missing"):
         model.load_weights({"model.norm.weight": torch.ones(8)})
+
+
+def test_modules_built_on_meta_skip_their_init_and_torch_init_comes_back():
+    """`build_on_meta`: meta parameters without their random init (the first meta normal_ /
+    arange costs ~1 s of torch's lazy imports per engine start); nn.init restored on leaving,
+    even on an error; the rotary tables are built by `rebuild` once the model is real."""
+    from engine.model.layers import RotaryEmbedding
+    from engine.model.loader import build_on_meta
+
+    real = torch.nn.init.normal_
+    with build_on_meta():
+        emb = torch.nn.Embedding(10, 4)
+        rot = RotaryEmbedding(8, 16, 10000.0)
+        assert emb.weight.is_meta and torch.nn.init.normal_ is not real
+    assert torch.nn.init.normal_ is real
+    assert rot.cos_table.numel() == 0  # nothing computed on meta
+    rot = rot.to_empty(device="cpu")
+    rot.rebuild(torch.device("cpu"), torch.float32)
+    assert rot.cos_table.shape == (16, 8)
+    torch.testing.assert_close(rot.cos_table, RotaryEmbedding(8, 16, 10000.0).cos_table)
+    with pytest.raises(RuntimeError), build_on_meta():
+        raise RuntimeError("boom")
+    assert torch.nn.init.normal_ is real

@@ -88,7 +88,8 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
-        self.rebuild()
+        if self.cos_table.device.type != "meta":  # built on meta: the loader rebuilds after to_empty (a
+            self.rebuild()  # meta arange would cost ~1.3 s of torch's lazy imports per process)
 
     def rebuild(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
         """(Re)compute the tables in float32, then cast (call after `to_empty`)."""

@@ -166,18 +166,18 @@ def load_parallel_model(
     weights: each full tensor is drawn in turn with the one-rank generator sequence and cut,
     so every tensor-parallel size holds the same weights as one rank (peak: one full tensor).
     """
-    from engine.model.loader import _dtype, resolve_model, resolve_source
+    from engine.model.loader import _dtype, build_on_meta, resolve_model, resolve_source
 
     arch, weights_fn, _ = resolve_model(model_config)
     plan = plan_for(arch)
     dtype = _dtype(model_config.dtype, resolve_source(model_config.model), device)
-    with torch.device("meta"):
+    with build_on_meta():
         model = ParallelLlamaForCausalLM(arch, plan, attn_backend)
     model = model.to(dtype).to_empty(device=device)
     model.model.rotary_emb.rebuild(device, dtype)
     params = dict(model.named_parameters())
     if weights_fn is None:
-        with torch.device("meta"):
+        with build_on_meta():
             full_model = LlamaForCausalLM(arch, attn_backend)
         gen = torch.Generator().manual_seed(model_config.seed)
         for name, meta in full_model.named_parameters():  # the order init_dummy_weights draws in
@@ -187,7 +187,7 @@ def load_parallel_model(
                 full = torch.empty(meta.shape, dtype=dtype).normal_(0.0, DUMMY_STD, generator=gen)
             params[name].copy_(shard_param(name, full, arch, plan))
     else:  # the one-rank model on the CPU (as engine.model.loader.load_model builds it), then sliced
-        with torch.device("meta"):
+        with build_on_meta():
             full_model = LlamaForCausalLM(arch, attn_backend)
         full_model = full_model.to(dtype).to_empty(device=torch.device("cpu"))
         full_model.load_weights(weights_fn())
