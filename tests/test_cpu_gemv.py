@@ -48,6 +48,7 @@ def test_bf16_gemv_applies_to_one_or_two_rows_only() -> None:
     assert cpu_gemv.applies(torch.randn(2, 64).bfloat16(), w)
     assert not cpu_gemv.applies(torch.randn(3, 64).bfloat16(), w)  # oneDNN is faster from 3-4 rows
     assert not cpu_gemv.applies(torch.randn(1, 64), w)  # dtypes differ
+    assert not cpu_gemv.applies(torch.randn(1, 48).bfloat16(), torch.randn(8, 48).bfloat16())  # K % 32: scalar loop
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.gemv_bf16(torch.randn(1, 64), w.float())  # type: ignore[union-attr]
 

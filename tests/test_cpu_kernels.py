@@ -269,6 +269,9 @@ def test_near_max_rows_matches_torch_compare_and_nonzero(dtype, vocab) -> None: 
     x[6, vocab // 3] = 60.0
     x[6, (2 * vocab) // 3] = 59.9  # within rel of the maximum: two candidates
     x[7] = -x[7].abs() - 5  # a negative maximum: the floor lies below it
+    x[8, vocab // 4] = float("inf")  # an infinite maximum: its floor is NaN, no candidate
+    x[9] = 64.0
+    x[9, 0] = 65.0  # floor 65 - 65/64 = 63.98 rounds up to 64 in bfloat16: every 64 is a candidate
     first, count, cols = kernels().near_max_rows(x, rel, k)
     top, want_first = x.max(dim=-1)
     assert torch.equal(first, want_first)

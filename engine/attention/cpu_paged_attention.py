@@ -1,7 +1,10 @@
 """Attention straight from the paged KV cache on a CPU: one C++ kernel for any query rows
 (decode, and prefill over a cached context), float32 or bfloat16. The torch backend uses it
-for decode, where it beat gather + SDPA 4.6x in bfloat16 and 1.6x in float32; for prefill
-rows SDPA's GEMM-based kernel is faster (benchmarks/cpu_paged_attention.py).
+for decode, where it beat gather + SDPA 4.6x in bfloat16 and 1.6x in float32. For prefill rows
+SDPA's GEMM-based kernel was faster on the Intel Xeons measured first; in bfloat16 on an AMD
+Zen 5 (AVX512-BF16, no AMX) this op's vdpbf16ps path was faster (1.6 vs 3.0 ms for 4 fresh
+prompts of 128 tokens), and the backend sends such steps' prefill rows here
+(`torch_backend.prefill_on_paged_op`; benchmarks/cpu_paged_attention.py).
 
     torch.ops.servelab.paged_attention(Tensor q, Tensor kv_cache, Tensor block_table,
                                        Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor

@@ -10,14 +10,16 @@ attends, so a layer costs a handful of torch ops whatever the batch holds):
   Elsewhere (or without a C++ toolchain) it is one `scaled_dot_product_attention` call
   over the context gathered block-wise with a single `index_select` (keys and values
   together), passed as strided views; a padding mask only when the lengths differ.
-- Fresh prefills (no cached context: the whole sequence is in this step's query) attend
-  over this step's own keys/values with `is_causal=True`, never touching the cache;
-  consecutive fresh prefills of equal length run as one batched call.
+- Otherwise (the two CPU cases below aside) fresh prefills (no cached context: the whole
+  sequence is in this step's query) attend over this step's own keys/values with
+  `is_causal=True`, never reading the cache; consecutive fresh prefills of equal length run as
+  one batched call.
 - Prefills over a cached context (prefix hit, later chunks) gather their context
   block-wise and attend with an explicit causal-with-offset mask, in either dtype. The C++
-  op handles these rows too (and is tested on them), but SDPA's GEMM-based kernel ran them
-  ~3x faster on a CPU (4 x 64-token chunks after 128 cached tokens, float32 and bfloat16:
-  benchmarks/cpu_paged_attention.py), as it does fresh prefills (~2.4x), so they stay on SDPA.
+  op handles these rows too (and is tested on them), but on the CPUs measured first (Intel
+  Xeons, float32 and bfloat16) SDPA's GEMM-based kernel ran them ~3x faster (4 x 64-token
+  chunks after 128 cached tokens, benchmarks/cpu_paged_attention.py), as it did fresh
+  prefills (~2.4x), so there they stay on SDPA.
 - On a CPU with AMX in bfloat16, every prefill row of the step (fresh or over a cached
   context) goes through one call of the C++ op `paged_prefill_attention_` per layer instead:
   whole 16-row query blocks as tile products over the paged cache (faster than SDPA once per
@@ -98,6 +100,10 @@ def prefill_on_paged_op(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
+# head dims of the paged op's vector paths (others run its scalar loop: SDPA is faster there)
+_OP_VECTOR_HEAD_DIMS = (64, 128)
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -160,12 +166,14 @@ class TorchAttentionBackend(AttentionBackend):
         prefill_reqs = np.nonzero(~is_decode)[0]
         self._prefills = self._plan_prefills(metadata, prefill_reqs, qsl, seq_lens)
         self._prefill_rows = self._step_rows = None
-        if len(prefill_reqs) and metadata.block_table.device.type == "cpu":
+        on_cpu = metadata.block_table.device.type == "cpu"
+        if len(prefill_reqs) and on_cpu and prefill_on_paged_op(torch.bfloat16):  # only where it may be used
             nblk = -(-int(seq_lens.max()) // metadata.block_size)
             self._step_rows = _StepRows(
                 int(qsl[-1]), metadata.block_table[: len(seq_lens), :nblk].long().contiguous(), torch.from_numpy(qsl),
                 torch.from_numpy(seq_lens),
             )
+        if len(prefill_reqs) and on_cpu:
             self._prefill_rows = _PrefillRows(
                 metadata.block_table[torch.from_numpy(prefill_reqs)],
                 torch.from_numpy(qsl[prefill_reqs]), torch.from_numpy(q_lens[prefill_reqs]),
@@ -245,7 +253,10 @@ class TorchAttentionBackend(AttentionBackend):
                     out[dec.rows] = self._attend_decode(q[dec.rows], kv_cache, dec, scale)
                 return out
         sr = self._step_rows
-        if sr is not None and sr.num_tokens == q.shape[0] and prefill_on_paged_op(q.dtype):
+        if (
+            sr is not None and sr.num_tokens == q.shape[0] and q.shape[-1] in _OP_VECTOR_HEAD_DIMS
+            and prefill_on_paged_op(q.dtype)
+        ):  # fmt: skip
             op = _cpu_op(q, kv_cache)
             if op is not None:
                 return op(q, kv_cache, sr.table, sr.query_start_loc, sr.seq_lens, scale)

@@ -392,7 +392,7 @@ class LlamaForCausalLM(nn.Module):
         the highest float32 score (the first index among equals)."""
         weight = self._lm_head_weight()
         scores = (hidden[rows].float() * weight[cols].float()).sum(dim=-1)
-        best = torch.full(first.shape, float("-inf"), device=first.device).scatter_reduce(0, rows, scores, "amax")
+        best = torch.full(first.shape, float("-inf"), dtype=scores.dtype, device=first.device).scatter_reduce(0, rows, scores, "amax")
         win = scores == best[rows]
         return first.scatter_reduce(0, rows[win], cols[win], "amin", include_self=False)
 

@@ -15,6 +15,7 @@ Every bad input is a ValueError whose message starts with the field ("model: ...
 from __future__ import annotations
 
 import importlib.util
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -138,9 +139,12 @@ def resolve_model(model_config: ModelConfig) -> tuple[ModelArch, WeightsFn | Non
     return arch, partial(loader, source.path, arch, dtype), source.path
 
 
-# torch.nn.init functions that modules' reset_parameters call
-_INIT_FNS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
-             "trunc_normal_", "constant_", "zeros_", "ones_")
+# torch.nn.init functions that modules' reset_parameters call, as torch defines them
+_INIT_FNS = {name: getattr(nn.init, name) for name in (
+    "normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+    "trunc_normal_", "constant_", "zeros_", "ones_")}  # fmt: skip
+_init_lock = threading.Lock()
+_init_skipped = 0  # builds in progress (threads may load engines at once)
 
 
 def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
@@ -152,16 +156,24 @@ def build_on_meta() -> Iterator[None]:
     """Modules built here get meta parameters and skip their random initialisation, whose values
     `to_empty` + the loaded (or dummy) weights replace anyway: the first `normal_` on a meta
     tensor costs ~1.1 s of torch's lazy imports per process (measured: a 2-core Zen 5, torch
-    2.13), paid at every engine start. torch.nn.init's functions are restored on leaving."""
-    saved = {name: getattr(nn.init, name) for name in _INIT_FNS}
+    2.13), paid at every engine start. torch.nn.init's functions are process-wide: they are
+    swapped while any build is in progress and restored when the last one ends (meanwhile a
+    module built on the CPU by another thread would skip its init too)."""
+    global _init_skipped
+    with _init_lock:
+        if _init_skipped == 0:
+            for name in _INIT_FNS:
+                setattr(nn.init, name, _keep)
+        _init_skipped += 1
     try:
-        for name in saved:
-            setattr(nn.init, name, _keep)
         with torch.device("meta"):
             yield
     finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
+        with _init_lock:
+            _init_skipped -= 1
+            if _init_skipped == 0:
+                for name, fn in _INIT_FNS.items():
+                    setattr(nn.init, name, fn)
 
 
 def load_model(
