@@ -28,15 +28,16 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none), read once per process."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _gemm_seconds(dtype: torch.dtype, m: int = 64, k: int = 576, n: int = 1536, repeats: int = 20) -> float:

@@ -196,6 +196,18 @@ def _batch_metadata(seq_lens: list[int], q_lens: list[int], tables: list[list[in
     )
 
 
+def _scattered_tables(seq_lens: list[int]) -> tuple[list[list[int]], int]:
+    """Block tables of scattered, non-contiguous blocks for these context lengths (3 spare
+    blocks), and the cache's block count."""
+    perm = torch.randperm(sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 3).tolist()
+    tables, at = [], 0
+    for s in seq_lens:
+        n = -(-s // BLOCK_SIZE)
+        tables.append(perm[at : at + n])
+        at += n
+    return tables, len(perm)
+
+
 @pytest.mark.parametrize(
     "seq_lens,q_lens",
     [
@@ -217,13 +229,7 @@ def test_torch_backend_matches_dense_reference(seq_lens, q_lens, decode_path, mo
 
     torch.manual_seed(0)
     hq, hkv, d, scale = 6, 2, 16, 0.25
-    blocks_needed = [-(-s // BLOCK_SIZE) for s in seq_lens]
-    perm = torch.randperm(sum(blocks_needed) + 3).tolist()  # scattered, non-contiguous blocks
-    tables, at = [], 0
-    for n in blocks_needed:
-        tables.append(perm[at : at + n])
-        at += n
-    num_blocks = len(perm)
+    tables, num_blocks = _scattered_tables(seq_lens)
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, hkv, d)  # context already "cached"
     md = _batch_metadata(seq_lens, q_lens, tables)
     t = md.num_tokens
@@ -271,13 +277,8 @@ def test_bf16_steps_with_prefills_in_one_paged_op_call_match_dense_reference(seq
     monkeypatch.setattr(torch_backend, "_cpu_op", lambda q, kv: counting_op)
     torch.manual_seed(0)
     hq, hkv, d, scale = 6, 2, 64, 0.125
-    blocks_needed = [-(-s // BLOCK_SIZE) for s in seq_lens]
-    perm = torch.randperm(sum(blocks_needed) + 3).tolist()
-    tables, at = [], 0
-    for n in blocks_needed:
-        tables.append(perm[at : at + n])
-        at += n
-    cache = torch.randn(2, len(perm), BLOCK_SIZE, hkv, d).bfloat16()
+    tables, num_blocks = _scattered_tables(seq_lens)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, hkv, d).bfloat16()
     md = _batch_metadata(seq_lens, q_lens, tables)
     t = md.num_tokens
     qkv = torch.randn(t, hq + 2 * hkv, d).bfloat16()

@@ -21,7 +21,6 @@ float32 rounding only (and in bfloat16 by the output's rounding, rarely: tests/t
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -131,59 +130,64 @@ static void gemv_rows_bf16(const bf16* x, const bf16* w, bf16* y, int64_t K, int
 }
 #endif
 
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
+// Checks both operands (contiguous [M, K] and [N, K] of dtype `dt`, 1 <= M <= 4), then runs
+// y = x @ w.T over chunks of >= 64 weight rows (enough to stream, few enough to keep every thread
+// busy): `fast(b, e)` where it takes the chunk (returns true), else the plain loop.
+template <typename T, typename Fast>
+static torch::Tensor gemv_run(const torch::Tensor& x, const torch::Tensor& w, torch::ScalarType dt, const char* what,
+                              Fast fast) {
   check_cpu(x, "x");
   check_cpu(w, "w");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "x, w: bfloat16");
+  TORCH_CHECK(x.scalar_type() == dt && w.scalar_type() == dt, "x, w: ", what);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() && w.is_contiguous(),
               "x [M, K], w [N, K]: contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(M >= 1 && M <= 4, "x: 1 to 4 rows");
   auto y = torch::empty({M, N}, x.options());
-  const bf16 *xp = x.data_ptr<bf16>(), *wp = w.data_ptr<bf16>();
-  bf16* yp = y.data_ptr<bf16>();
+  const T *xp = x.data_ptr<T>(), *wp = w.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
   at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
-#if defined(__AVX512F__)
-    if (K % 32 == 0) {
-      switch (M) {
-        case 1: gemv_rows_bf16<1>(xp, wp, yp, K, N, b, e); return;
-        case 2: gemv_rows_bf16<2>(xp, wp, yp, K, N, b, e); return;
-        case 3: gemv_rows_bf16<3>(xp, wp, yp, K, N, b, e); return;
-        default: gemv_rows_bf16<4>(xp, wp, yp, K, N, b, e); return;
-      }
-    }
-#endif
-    gemv_plain(xp, wp, yp, M, K, N, b, e);
+    if (!fast(xp, wp, yp, M, K, N, b, e)) gemv_plain(xp, wp, yp, M, K, N, b, e);
   });
   return y;
 }
 
-torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w) {
-  check_cpu(x, "x");
-  check_cpu(w, "w");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "x, w: float32");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() && w.is_contiguous(),
-              "x [M, K], w [N, K]: contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= 4, "x: 1 to 4 rows");
-  auto y = torch::empty({M, N}, x.options());
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Chunks of >= 64 weight rows: enough to stream, few enough to keep both threads busy.
-  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
-#if defined(__AVX2__) && defined(__FMA__)
-    if (K % 8 == 0) {
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
+  return gemv_run<bf16>(x, w, torch::kBFloat16, "bfloat16",
+                        [](const bf16* xp, const bf16* wp, bf16* yp, int64_t M, int64_t K, int64_t N, int64_t b,
+                           int64_t e) {
+#if defined(__AVX512F__)
+    if (K % 32 == 0) {
       switch (M) {
-        case 1: gemv_rows<1>(xp, wp, yp, K, N, b, e); return;
-        case 2: gemv_rows<2>(xp, wp, yp, K, N, b, e); return;
-        case 3: gemv_rows<3>(xp, wp, yp, K, N, b, e); return;
-        default: gemv_rows<4>(xp, wp, yp, K, N, b, e); return;
+        case 1: gemv_rows_bf16<1>(xp, wp, yp, K, N, b, e); return true;
+        case 2: gemv_rows_bf16<2>(xp, wp, yp, K, N, b, e); return true;
+        case 3: gemv_rows_bf16<3>(xp, wp, yp, K, N, b, e); return true;
+        default: gemv_rows_bf16<4>(xp, wp, yp, K, N, b, e); return true;
       }
     }
 #endif
-    gemv_plain(xp, wp, yp, M, K, N, b, e);
+    (void)xp, (void)wp, (void)yp, (void)M, (void)K, (void)N, (void)b, (void)e;
+    return false;
   });
-  return y;
+}
+
+torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w) {
+  return gemv_run<float>(x, w, torch::kFloat32, "float32",
+                         [](const float* xp, const float* wp, float* yp, int64_t M, int64_t K, int64_t N, int64_t b,
+                            int64_t e) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (K % 8 == 0) {
+      switch (M) {
+        case 1: gemv_rows<1>(xp, wp, yp, K, N, b, e); return true;
+        case 2: gemv_rows<2>(xp, wp, yp, K, N, b, e); return true;
+        case 3: gemv_rows<3>(xp, wp, yp, K, N, b, e); return true;
+        default: gemv_rows<4>(xp, wp, yp, K, N, b, e); return true;
+      }
+    }
+#endif
+    (void)xp, (void)wp, (void)yp, (void)M, (void)K, (void)N, (void)b, (void)e;
+    return false;
+  });
 }
 
 }  // namespace servelab
@@ -200,7 +204,7 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
 """
 
 # Bump with every change of _CPP_SOURCE (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_gemv_v2"
+_EXTENSION_NAME = "servelab_cpu_gemv_v3"
 
 
 def _register_fakes() -> None:
@@ -225,11 +229,6 @@ def max_rows(dtype: torch.dtype) -> int:
     return MAX_ROWS if dtype == torch.float32 else MAX_ROWS_BF16 if dtype == torch.bfloat16 else 0
 
 
-@functools.cache
-def _avx512() -> bool:
-    return "avx512f" in cpu_flags()
-
-
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The op takes these operands (few rows of float32, or of bfloat16, and a row-major weight
     of the same dtype, on a CPU) and runs them fast: bfloat16 only on its vector path (AVX-512,
@@ -237,7 +236,7 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (
         x.dim() == 2 and 1 <= x.shape[0] <= max_rows(x.dtype) and w.dtype == x.dtype and x.device.type == "cpu"
         and w.is_contiguous() and not torch.compiler.is_compiling()
-        and (x.dtype != torch.bfloat16 or (x.shape[1] % 32 == 0 and _avx512()))
+        and (x.dtype != torch.bfloat16 or (x.shape[1] % 32 == 0 and "avx512f" in cpu_flags()))
     )  # fmt: skip
 
 
