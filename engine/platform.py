@@ -3,11 +3,14 @@
 `dtype="auto"` (vLLM's name and meaning) is resolved once, here, and logged once:
 - on a GPU: the checkpoint's dtype (an HF folder's `config.json` `torch_dtype`; a GGUF or a
   dummy / conf-only model: bfloat16, as vLLM loads a quantised GGUF);
-- on a CPU: the faster of bfloat16 and float32 on this CPU. x86 CPUs with `avx512_bf16` or
-  `amx_bf16` (/proc/cpuinfo) run bfloat16 GEMMs 2-5x faster than float32 at the model's
-  shapes; without them bfloat16 runs at about a third of float32's speed. Where the flags
-  cannot be read (not Linux x86), a short GEMM probe (< 0.5 s) at the default model's
-  shapes decides.
+- on a CPU: the faster of bfloat16 and float32 on this CPU. With `amx_bf16` (/proc/cpuinfo)
+  bfloat16 GEMMs run 3-5x faster than float32 at the model's shapes: bfloat16. Without
+  `avx512_bf16` either, bfloat16 runs at about a third of float32's speed: float32. With
+  `avx512_bf16` but no AMX the flag does not decide: a Zen 5 runs bfloat16 GEMMs about 2x
+  float32, an Intel Xeon whose AMX is hidden (a KVM guest) about 0.6x (its one `vdpbf16ps`
+  port does no more than its two float32 FMA ports), so a short GEMM probe (< 0.2 s) at a
+  prefill-sized shape of the default model decides, as it does where the flags cannot be read
+  (not Linux x86).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+PROBE_SHAPE = (512, 576, 1536)  # rows x SmolLM2's hidden size x its MLP width: a prefill chunk's GEMM
 
 
 @functools.cache
@@ -40,10 +44,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def _gemm_seconds(dtype: torch.dtype, m: int = 64, k: int = 576, n: int = 1536, repeats: int = 20) -> float:
-    """Best time of one [m, k] x [k, n] GEMM (SmolLM2's MLP shape at a decode batch of 64)."""
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    return best_seconds(lambda: torch.mm(a, b), repeats)
+def _gemm_speedup(rounds: int = 8) -> float:
+    """How many times faster a bfloat16 [m, k] x [k, n] GEMM runs than a float32 one here
+    (PROBE_SHAPE, best of `rounds` interleaved calls each)."""
+    m, k, n = PROBE_SHAPE
+    pairs = [(torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)) for dt in (torch.float32, torch.bfloat16)]
+    t32, t16 = best_seconds_interleaved([lambda a=a, b=b: torch.mm(a, b) for a, b in pairs], rounds)
+    return t32 / t16
 
 
 def best_seconds(fn: Callable[[], object], repeats: int = 20) -> float:
@@ -73,14 +80,14 @@ def best_seconds_interleaved(fns: Sequence[Callable[[], object]], rounds: int = 
 def fastest_cpu_dtype() -> tuple[str, str]:
     """("bfloat16" | "float32", why) for this CPU; computed once per process."""
     flags = cpu_flags()
-    found = [f for f in BF16_CPU_FLAGS if f in flags]
-    if found:
-        return "bfloat16", found[0]
-    if flags and platform.machine() in ("x86_64", "AMD64"):
+    if "amx_bf16" in flags:
+        return "bfloat16", "amx_bf16"
+    if flags and platform.machine() in ("x86_64", "AMD64") and "avx512_bf16" not in flags:
         return "float32", "no avx512_bf16 / amx_bf16"
-    t32, t16 = _gemm_seconds(torch.float32), _gemm_seconds(torch.bfloat16)
-    faster = "bfloat16" if t16 < t32 else "float32"
-    return faster, f"GEMM probe: bfloat16 {t32 / t16:.2f}x float32"
+    speedup = _gemm_speedup()
+    faster = "bfloat16" if speedup > 1.0 else "float32"
+    where = "avx512_bf16, no AMX: " if "avx512_bf16" in flags else ""
+    return faster, f"{where}GEMM probe: bfloat16 {speedup:.2f}x float32"
 
 
 def checkpoint_dtype(source_kind: str, path: Path) -> str:

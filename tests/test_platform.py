@@ -30,24 +30,37 @@ def test_concrete_dtypes_pass_through_and_bad_names_fail() -> None:
         platform.resolve_dtype("int8", CPU)
 
 
-def test_cpu_auto_follows_the_bf16_flags(fresh, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_cpu_auto_follows_the_amx_flag(fresh, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(platform.platform, "machine", lambda: "x86_64")
-    fresh({"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(platform, "_gemm_speedup", lambda: pytest.fail("AMX decides without a probe"))
+    fresh({"avx512f", "avx512_bf16", "amx_bf16"})
     with caplog.at_level("INFO", logger="engine.platform"):
         assert platform.resolve_dtype("auto", CPU) == "bfloat16"
         assert platform.resolve_dtype("auto", CPU) == "bfloat16"
-    assert [r.getMessage() for r in caplog.records] == ["dtype auto -> bfloat16 (avx512_bf16)"]  # logged once
+    assert [r.getMessage() for r in caplog.records] == ["dtype auto -> bfloat16 (amx_bf16)"]  # logged once
     platform.fastest_cpu_dtype.cache_clear()
     fresh({"avx512f", "avx2"})
     assert platform.resolve_dtype("auto", CPU) == "float32"
 
 
+@pytest.mark.parametrize(("speedup", "expected"), [(2.1, "bfloat16"), (0.6, "float32")])  # a Zen 5; a Xeon, AMX hidden
+def test_cpu_auto_with_avx512_bf16_alone_runs_a_gemm_probe(fresh, monkeypatch, speedup, expected) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(platform.platform, "machine", lambda: "x86_64")
+    fresh({"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(platform, "_gemm_speedup", lambda: speedup)
+    name, why = platform.fastest_cpu_dtype()
+    assert name == expected and why == f"avx512_bf16, no AMX: GEMM probe: bfloat16 {speedup:.2f}x float32"
+
+
 def test_cpu_auto_without_flags_runs_a_gemm_probe(fresh, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     fresh(set())
-    calls = []
-    monkeypatch.setattr(platform, "_gemm_seconds", lambda dt: calls.append(dt) or (1.0 if dt == torch.float32 else 0.5))
+    monkeypatch.setattr(platform, "_gemm_speedup", lambda: 2.0)
     name, why = platform.fastest_cpu_dtype()
-    assert name == "bfloat16" and "GEMM probe" in why and calls == [torch.float32, torch.bfloat16]
+    assert name == "bfloat16" and why == "GEMM probe: bfloat16 2.00x float32"
+
+
+def test_gemm_probe_measures_a_positive_speedup() -> None:
+    assert 0.05 < platform._gemm_speedup(rounds=1) < 50
 
 
 def test_gpu_auto_is_the_checkpoint_dtype(tmp_path: Path) -> None:
