@@ -8,10 +8,11 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
+from oracle_hf import hf_model
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
-from engine.model.loader import EMBEDDED_FILE, embedded_gguf_path, load_model
+from engine.model.loader import embedded_gguf_path, load_model
 from engine.model.moe import MoEBlock
 
 BLOCK_SIZE = 16
@@ -88,12 +89,7 @@ def smollm2():
 
 @needs_smollm2
 def test_smollm2_logits_match_hf_transformers(smollm2):
-    pytest.importorskip("transformers", reason="HF transformers is the reference")
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(embedded_gguf_path().parent), gguf_file=EMBEDDED_FILE, dtype=torch.float32
-    ).eval()
+    hf = hf_model(embedded_gguf_path(), torch.float32)
     with torch.inference_mode():
         ref = hf(torch.tensor([PROMPT_IDS])).logits[0].float()  # [T, V]
     ours = run_prefill(smollm2, PROMPT_IDS)

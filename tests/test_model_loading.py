@@ -120,6 +120,42 @@ def test_gguf_dequantize_round_trip(tmp_path, qtype):
         assert (got - want).abs().max().item() <= QUANT_TOLERANCE[qtype] + 1e-6, gguf_name
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_torch_dequantizers_equal_gguf_bit_for_bit(tmp_path, qtype):
+    """The default model's block types dequantize in torch (engine/model/gguf_loader.py) to exactly
+    gguf.quants' float32 values; the other types go through gguf.quants itself."""
+    from gguf.quants import dequantize
+
+    from engine.model.gguf_loader import _TORCH_DEQUANTIZERS, dequantize_tensor, open_gguf
+
+    assert set(_TORCH_DEQUANTIZERS) == {"Q4_1", "Q8_0"}
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, {"attn_q": qtype, "ffn_down": qtype, "token_embd": qtype})
+    checked = 0
+    for tensor in open_gguf(path).tensors:
+        if tensor.tensor_type.name != qtype:
+            continue
+        got = dequantize_tensor(tensor)
+        want = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(got.shape)
+        assert got.dtype == torch.float32 and np.array_equal(got.numpy(), want), tensor.name
+        checked += 1
+    assert checked >= 3
+
+
+def test_materialize_replaces_meta_tensors_keeping_shared_ones_shared():
+    from engine.model.loader import build_on_meta, materialize
+
+    with build_on_meta():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model[1].weight = model[0].weight  # a tied pair: [3, 4] both
+    model = materialize(model, torch.device("cpu"), torch.bfloat16)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert model[0].weight is model[1].weight and isinstance(model[0].weight, torch.nn.Parameter)
+    assert model[0].weight.dtype == torch.bfloat16 and model[0].bias.shape == (3,)
+    assert model[2].num_batches_tracked.dtype == torch.int64  # integer buffers keep their dtype
+    assert model[2].running_mean.dtype == torch.bfloat16 and model[0].weight.requires_grad
+
+
 def _same_as_gguf_reader(path) -> None:
     """engine/model/gguf_file.py reads what gguf.GGUFReader reads: every metadata value (type
     included) and every tensor's name, type, shape and data."""

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import yaml
@@ -35,6 +36,8 @@ from engine.model.gguf_loader import load_gguf_state_dict, open_gguf
 from engine.model.hf_loader import is_hf_folder, load_hf_state_dict, read_hf_arch
 from engine.model.llama import LlamaForCausalLM
 from engine.platform import resolve_dtype
+
+M = TypeVar("M", bound=nn.Module)
 
 SHAPES_DIR = Path(__file__).parent / "shapes"
 SHAPE_SUFFIXES = (".yaml", ".yml")
@@ -176,6 +179,28 @@ def build_on_meta() -> Iterator[None]:
                     setattr(nn.init, name, fn)
 
 
+def materialize(model: M, device: torch.device, dtype: torch.dtype) -> M:
+    """`model.to(dtype).to_empty(device=device)` for a model built by `build_on_meta`: every
+    parameter and buffer replaced by an uninitialised tensor on `device` (floating ones in
+    `dtype`), a parameter shared by several modules by one tensor. `to_empty` reaches
+    `torch.empty_like` through torch's Python reference implementations for meta tensors, and
+    the first call imports sympy: ~1 s per engine start on two cores, where this takes ~10 ms."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the meta tensor, kept alive; its replacement)
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            x = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+            made[id(t)] = (t, nn.Parameter(x, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else x)
+        return made[id(t)][1]
+
+    for module in model.modules():
+        for group in (module._parameters, module._buffers):
+            for name, t in group.items():
+                if t is not None:
+                    group[name] = fresh(t)  # type: ignore[assignment]
+    return model
+
+
 def load_model(
     model_config: ModelConfig, attn_backend: AttentionBackend, device: torch.device | str
 ) -> LlamaForCausalLM:
@@ -189,7 +214,7 @@ def load_model(
     dtype = _dtype(model_config.dtype, resolve_source(model_config.model), device)
     with build_on_meta():
         model = LlamaForCausalLM(arch, attn_backend)
-    model = model.to(dtype).to_empty(device=device)
+    model = materialize(model, device, dtype)
     model.model.rotary_emb.rebuild(device, dtype)
     if weights_fn is None:
         init_dummy_weights(model, model_config.seed)

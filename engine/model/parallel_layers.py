@@ -166,14 +166,14 @@ def load_parallel_model(
     weights: each full tensor is drawn in turn with the one-rank generator sequence and cut,
     so every tensor-parallel size holds the same weights as one rank (peak: one full tensor).
     """
-    from engine.model.loader import _dtype, build_on_meta, resolve_model, resolve_source
+    from engine.model.loader import _dtype, build_on_meta, materialize, resolve_model, resolve_source
 
     arch, weights_fn, _ = resolve_model(model_config)
     plan = plan_for(arch)
     dtype = _dtype(model_config.dtype, resolve_source(model_config.model), device)
     with build_on_meta():
         model = ParallelLlamaForCausalLM(arch, plan, attn_backend)
-    model = model.to(dtype).to_empty(device=device)
+    model = materialize(model, device, dtype)
     model.model.rotary_emb.rebuild(device, dtype)
     params = dict(model.named_parameters())
     if weights_fn is None:
@@ -189,7 +189,7 @@ def load_parallel_model(
     else:  # the one-rank model on the CPU (as engine.model.loader.load_model builds it), then sliced
         with build_on_meta():
             full_model = LlamaForCausalLM(arch, attn_backend)
-        full_model = full_model.to(dtype).to_empty(device=torch.device("cpu"))
+        full_model = materialize(full_model, torch.device("cpu"), dtype)
         full_model.load_weights(weights_fn())
         full_params = dict(full_model.named_parameters())
         for name, param in params.items():
