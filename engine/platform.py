@@ -49,7 +49,7 @@ def _gemm_speedup(rounds: int = 8) -> float:
     (PROBE_SHAPE, best of `rounds` interleaved calls each)."""
     m, k, n = PROBE_SHAPE
     pairs = [(torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)) for dt in (torch.float32, torch.bfloat16)]
-    t32, t16 = best_seconds_interleaved([lambda a=a, b=b: torch.mm(a, b) for a, b in pairs], rounds)
+    t32, t16 = best_seconds_interleaved([functools.partial(torch.mm, a, b) for a, b in pairs], rounds)
     return t32 / t16
 
 
