@@ -109,11 +109,11 @@ def test_time_reference_runs_once_per_engine_core_at_the_same_time(monkeypatch):
 
     from workloads import time_reference
 
-    seen: list[int] = []
+    seen: list[threading.Thread] = []  # the objects, not their idents: a finished thread's ident may be reused
     real_tanh = torch.tanh
 
     def tanh(a):  # type: ignore[no-untyped-def]
-        seen.append(threading.get_ident())
+        seen.append(threading.current_thread())
         assert torch.get_num_threads() == 1
         return real_tanh(a)
 
