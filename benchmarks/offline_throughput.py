@@ -377,6 +377,14 @@ def run_all(args: argparse.Namespace) -> dict:
                 workers[-1].ask("warm")
                 print(f"[vllm-{dt}] ready after {workers[-1].ready['load_s']:.0f} s", flush=True)
         llm = make_servelab(args, s_dtype, options)
+        if s_dtype == "auto":  # figures under the dtype it resolved to (its GEMM peak); the run says why
+            s_dtype = llm.config.model.dtype
+            why = ""
+            if not torch.cuda.is_available():
+                from engine.platform import fastest_cpu_dtype
+
+                why = f" ({fastest_cpu_dtype()[1]})"
+            print(f"servelab: dtype auto -> {s_dtype}{why}", flush=True)
         compile_s = float(getattr(llm.engine_core.executor, "compile_time", 0.0) or 0.0)
         if compile_s:
             print(f"servelab: compile + warm-up at start-up {compile_s:.1f} s (never inside a throughput figure)",
@@ -430,8 +438,7 @@ def summarize(args: argparse.Namespace, arch: ModelArch, peaks: dict[str, float]
         if not rs:
             continue
         secs = statistics.median(r.seconds for r in rs)
-        # "auto" resolved by the engine itself: read against the faster of the two peaks.
-        peak = peaks.get(rs[0].dtype, max(peaks.values()))
+        peak = peaks.get(rs[0].dtype, max(peaks.values()))  # an unknown dtype: the faster of the two peaks
         out["engines"][name] = {
             "dtype": rs[0].dtype,
             "tokens_per_s": rs[0].output_tokens / secs,
