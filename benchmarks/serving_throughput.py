@@ -264,9 +264,16 @@ def run_server(server: Server, prompts: list[list[int]], args: argparse.Namespac
 
 # ---- driver ------------------------------------------------------------------------------
 def servelab_dtype(args: argparse.Namespace, peaks: dict[str, float]) -> str:
-    """The dtype servelab-serve runs in: `--dtype`, else the engine's default ("auto": the faster GEMM)."""
-    dtype = args.dtype or ModelConfig().dtype
-    return max(peaks, key=peaks.__getitem__) if dtype == "auto" else dtype
+    """The dtype servelab-serve runs in: as servelab-serve resolves its config (with this run's
+    overrides; `dtype=auto` on a CPU follows `platform.serving_cpu_dtype`); where that fails,
+    `--dtype`, else the dtype of the faster GEMM."""
+    try:
+        from workloads.serve import load_config
+
+        return load_config(list(args.overrides))[0].model.dtype
+    except (Exception, SystemExit):  # the server itself reports a bad config; the figures need a dtype
+        dtype = args.dtype or ModelConfig().dtype
+        return max(peaks, key=peaks.__getitem__) if dtype == "auto" else dtype
 
 
 def _int_list(text: str) -> list[int]:

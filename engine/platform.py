@@ -90,6 +90,22 @@ def fastest_cpu_dtype() -> tuple[str, str]:
     return faster, f"{where}GEMM probe: bfloat16 {speedup:.2f}x float32"
 
 
+def serving_cpu_dtype() -> tuple[str, str]:
+    """("bfloat16" | "float32", why) for a server on this CPU (servelab-serve's `dtype=auto`).
+
+    A server's decode steps hold as many rows as it has streams (1-16 at a time on a small
+    machine), where reading the weights dominates a step and bfloat16 halves them: bfloat16
+    wherever the CPU multiplies it natively (`avx512_bf16` / `amx_bf16`), even where the
+    offline batch's compute-bound GEMMs run faster in float32 (`fastest_cpu_dtype`). On the
+    Intel Xeon whose AMX is hidden (avx512_bf16 only, docs/benchmarks.md): 16 streams 251.5
+    against 168-184 output tok/s, one stream's TPOT 19.5 against 31-36 ms. Elsewhere: the
+    offline choice."""
+    found = [f for f in BF16_CPU_FLAGS if f in cpu_flags()]
+    if found:
+        return "bfloat16", f"serving: {found[0]}, weight reads halved"
+    return fastest_cpu_dtype()
+
+
 def checkpoint_dtype(source_kind: str, path: Path) -> str:
     """The dtype a checkpoint was saved in (an HF folder's `torch_dtype` / `dtype`); bfloat16 otherwise."""
     if source_kind == "hf":

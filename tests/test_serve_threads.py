@@ -58,3 +58,37 @@ def test_both_entry_points_report_what_the_user_set() -> None:
     assert engine.scheduler.max_num_batched_tokens == CPU_SERVING_BATCHED_TOKENS
     engine, _ = load_config(["device.device=cpu", "device.num_threads=1", "scheduler.max_num_batched_tokens=1024"])
     assert engine.scheduler.max_num_batched_tokens == 1024
+
+
+@pytest.mark.parametrize(("flags", "expected"), [({"avx512f", "avx512_bf16"}, "bfloat16"),
+                                                  ({"avx512f", "avx512_bf16", "amx_bf16"}, "bfloat16"),
+                                                  ({"avx2", "fma"}, "float32")])
+def test_dtype_auto_resolves_for_serving_unless_given(monkeypatch: pytest.MonkeyPatch, flags, expected) -> None:  # type: ignore[no-untyped-def]
+    """A server's dtype auto: bfloat16 wherever the CPU multiplies it natively (its decode steps
+    of a few rows read the weights, which bfloat16 halves), else the offline choice; a dtype the
+    user asked for, or that a config file names, is kept."""
+    from engine import platform
+
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(platform.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(platform, "fastest_cpu_dtype", lambda: ("float32", "offline"))
+    cfg = _cpu_config(num_threads=1)
+    cfg.model.dtype = "float32"  # what auto resolved to for offline use
+    serving_defaults(cfg)
+    assert cfg.model.dtype == expected
+    for explicit, requested in [({"model.dtype"}, "auto"), (set(), "float32")]:
+        cfg = _cpu_config(num_threads=1)
+        cfg.model.dtype = "float32"
+        serving_defaults(cfg, explicit, requested)
+        assert cfg.model.dtype == "float32"
+
+
+def test_entry_points_pass_the_requested_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import platform
+    from engine.entrypoints.serve import load_config
+
+    monkeypatch.setattr(platform, "serving_cpu_dtype", lambda: ("bfloat16", "test"))
+    engine, _ = load_config(["device.device=cpu", "device.num_threads=1"])
+    assert engine.model.dtype == "bfloat16"
+    engine, _ = load_config(["device.device=cpu", "device.num_threads=1", "model.dtype=float32"])
+    assert engine.model.dtype == "float32"

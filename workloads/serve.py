@@ -32,7 +32,7 @@ def load_config(overrides: list[str]) -> tuple[EngineConfig, ServerSettings]:
         engine = cfg.engine_config(shape_dir=tempfile.mkdtemp(prefix="servelab-shape-") if cfg.model.arch else None)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    serving_defaults(engine, {item.split("=", 1)[0].lstrip("+~") for item in overrides})
+    serving_defaults(engine, {item.split("=", 1)[0].lstrip("+~") for item in overrides}, cfg.model.dtype)
     return engine, cfg.server
 
 
