@@ -53,12 +53,6 @@ def _gemm_speedup(rounds: int = 8) -> float:
     return t32 / t16
 
 
-def best_seconds(fn: Callable[[], object], repeats: int = 20) -> float:
-    """Best wall time of `repeats` calls of `fn`, after one warm-up call (where oneDNN or the
-    BLAS picks its kernel)."""
-    return best_seconds_interleaved([fn], repeats)[0]
-
-
 def best_seconds_interleaved(fns: Sequence[Callable[[], object]], rounds: int = 10) -> list[float]:
     """Best wall time of each of `fns`, measured in turn within each of `rounds` rounds (after
     one warm-up call each), so a burst of load from elsewhere slows them all alike instead of

@@ -4,10 +4,10 @@ Every tensor (Q4_0, Q4_1, Q5_*, Q8_0, K-quants, F16, BF16, F32, ...) is dequanti
 with `gguf.quants.dequantize`, which already returns arrays in torch's row-major
 [out_features, in_features] order, except the default model's two block types, Q4_1 and
 Q8_0, which torch dequantizes here to the same float32 values (the same products and sums,
-bit for bit) ~3x faster: 0.94 -> 0.35 s of every SmolLM2 load on two cores. llama.cpp's converter permutes the rows of the
-Q and K projections for its interleaved rotary layout; we undo that permutation so
-the rotate-half RoPE of `engine/model/llama.py` applies (the same reverse permutation
-HF transformers performs in its own GGUF loader).
+bit for bit) ~3x faster: 0.94 -> 0.35 s of every SmolLM2 load on two cores. llama.cpp's
+converter permutes the rows of the Q and K projections for its interleaved rotary layout;
+we undo that permutation so the rotate-half RoPE of `engine/model/llama.py` applies (the
+same reverse permutation HF transformers performs in its own GGUF loader).
 """
 
 from __future__ import annotations
@@ -135,30 +135,26 @@ def _dequantize_q4_1(raw: torch.Tensor) -> torch.Tensor:
 _TORCH_DEQUANTIZERS = {"Q8_0": (_dequantize_q8_0, 34), "Q4_1": (_dequantize_q4_1, 20)}
 
 
-def _dequantize_array(tensor) -> np.ndarray | torch.Tensor:
-    """The tensor's values as float32, flat or in GGUF's row order: torch for the block types of
-    _TORCH_DEQUANTIZERS, `gguf.quants.dequantize` for the others."""
-    found = _TORCH_DEQUANTIZERS.get(getattr(tensor.tensor_type, "name", ""))
-    if found is not None:
-        fn, block_bytes = found
-        data = np.asarray(tensor.data).view(np.uint8)
-        raw = torch.from_numpy(data if data.flags.writeable else data.copy()).reshape(-1, block_bytes)  # the map is read-only
-        return fn(raw)
-    from gguf.quants import dequantize
-
-    return dequantize(tensor.data, tensor.tensor_type)
+def _as_torch(array: np.ndarray) -> torch.Tensor:
+    """`array` as a torch tensor; a copy where it views the file's read-only map (or is strided)."""
+    if not array.flags.writeable or not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array).copy()
+    return torch.from_numpy(array)
 
 
 def dequantize_tensor(tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """One GGUF tensor (`GGUFTensor`) -> a torch tensor of `dtype` in row-major (torch) shape."""
-    array = _dequantize_array(tensor)
+    """One GGUF tensor (`GGUFTensor`) -> a torch tensor of `dtype` in row-major (torch) shape:
+    torch dequantizes the block types of _TORCH_DEQUANTIZERS, `gguf.quants.dequantize` the others."""
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
-    if isinstance(array, torch.Tensor):
-        return array.reshape(shape).to(dtype)
-    array = np.asarray(array, dtype=np.float32).reshape(shape)
-    if not array.flags.writeable or not array.flags.c_contiguous:  # F32 tensors view the read-only map
-        array = array.copy()
-    return torch.from_numpy(array).to(dtype)
+    found = _TORCH_DEQUANTIZERS.get(getattr(tensor.tensor_type, "name", ""))
+    if found is not None:
+        fn, block_bytes = found
+        values = fn(_as_torch(np.asarray(tensor.data).view(np.uint8)).reshape(-1, block_bytes))
+    else:
+        from gguf.quants import dequantize
+
+        values = _as_torch(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+    return values.reshape(shape).to(dtype)
 
 
 def load_gguf_state_dict(
