@@ -1,4 +1,5 @@
-"""The AMX linear kernels (engine/model/amx_linear.py) against references, on CPUs with AMX."""
+"""The decode-sized linear kernels (engine/model/amx_linear.py) against references, on CPUs with AMX
+or AVX512-BF16 (whichever this CPU has: the same tests cover both paths)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from engine.model.cpu_kernels import kernels
 from engine.model.cpu_linear import pack_weight, packed_linear, prepack_supported
 
 pytestmark = pytest.mark.skipif(
-    not amx_linear.available(), reason="no AMX (amx_bf16) on this CPU, or SERVELAB_CPU_AMX=0"
+    not amx_linear.available(), reason="neither AMX (amx_bf16) nor AVX512-BF16 on this CPU, or SERVELAB_CPU_AMX=0 / SERVELAB_CPU_DPBF16=0"
 )
 
-ROWS = [1, 5, 16, 17, 31, 64, 100]
+ROWS = [1, 5, 12, 13, 16, 17, 31, 64, 100, 128]  # the AVX512-BF16 path: groups of 12 rows
 
 
 @pytest.mark.parametrize("m", ROWS)

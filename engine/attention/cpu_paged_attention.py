@@ -215,11 +215,13 @@ static inline float softmax_unnormalised(float* s, int64_t L) {
   return 1.f / _mm512_reduce_add_ps(sum);
 }
 
-// Bring the next block's rows of one head (D elements each, `row` apart) towards L1.
-template <typename T>
+// Bring a later block's rows of one head (D elements each, `row` apart) towards L1 (T0: the AMX
+// path, as tuned there) or into L2 (T1: the AVX-512 path, see its PF).
+template <int HINT = _MM_HINT_T0, typename T>
 static inline void prefetch_rows(const T* p, int64_t n, int64_t row, int64_t bytes) {
   for (int64_t o = 0; o < n; ++o)
-    for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o * row) + x, _MM_HINT_T0);
+    for (int64_t x = 0; x < bytes; x += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + o * row) + x, static_cast<enum _mm_hint>(HINT));
 }
 
 // acc[j] += sum over the block's n tokens of p[j * js + o * os] * v[o] for the NG query heads of one
@@ -266,7 +268,11 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
                                    int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
                                    float scale, torch::Tensor& out) {
   constexpr int64_t D = 16 * C;
-  constexpr int64_t PF = 2;  // cache blocks prefetched ahead of the one being read
+  // Cache blocks prefetched ahead of the one being read, into L2: on a 2-core AMD EPYC Zen 4, cold
+  // decode at SmolLM2's shape (benchmarks/cpu_paged_attention.py --layers 30 --threads 2) took 1.26 ms
+  // a layer prefetching 2 blocks into L1, 1.06 without software prefetch, 0.70 with 3-4 blocks into L2
+  // (0.79 with 6, 0.92 with 8): L1's few miss buffers fill and stall the loads behind them.
+  constexpr int64_t PF = 4;
   const PagedView<T> v(q, kv_cache, qslp, B, out);
   const int64_t Tn = v.Tn, Hq = v.Hq, BS = v.BS, Hkv = v.Hkv, G = v.G, row = v.row;
   const int64_t qs0 = v.qs0, qs1 = v.qs1;
@@ -291,7 +297,7 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
       const T* qrow = qp + i * qs0 + h0 * G * qs1;  // query head jj of this item: qrow + jj * qs1
       auto kblock = [&](int64_t bi) { return kp + blocks[bi] * BS * row + h0 * D; };
       auto vblock = [&](int64_t bi) { return vp + blocks[bi] * BS * row + h0 * D; };
-      for (int64_t bi = 0; bi < std::min(PF, nb); ++bi) prefetch_rows(kblock(bi), BS, row, span * sizeof(T));
+      for (int64_t bi = 0; bi < std::min(PF, nb); ++bi) prefetch_rows<_MM_HINT_T1>(kblock(bi), BS, row, span * sizeof(T));
       scores.resize(nh * L);
       for (int64_t jj = 0; jj < nh; ++jj)
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(qf.data() + jj * D + 16 * c, vld(qrow + jj * qs1 + 16 * c));
@@ -301,8 +307,8 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
       for (int64_t t0 = 0, bi = 0; t0 < L; t0 += BS, ++bi) {
         const int64_t n = std::min(BS, L - t0);
         const T* kb = kblock(bi);
-        if (bi + PF < nb) prefetch_rows(kblock(bi + PF), BS, row, span * sizeof(T));
-        else if (bi + PF == nb) prefetch_rows(vblock(0), BS, row, span * sizeof(T));
+        if (bi + PF < nb) prefetch_rows<_MM_HINT_T1>(kblock(bi + PF), BS, row, span * sizeof(T));
+        else if (bi + PF == nb) prefetch_rows<_MM_HINT_T1>(vblock(0), BS, row, span * sizeof(T));
         for (int64_t hh = 0; hh < hpi; ++hh)
           for (int64_t o0 = 0; o0 < n; o0 += 16) {
             const int64_t m = std::min<int64_t>(16, n - o0);
@@ -320,11 +326,11 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
       // Weighted sum of values, block by block; a head's accumulator is in C registers while it
       // takes a block's tokens, in `acc` between blocks.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t bi = 1; bi < std::min(PF, nb); ++bi) prefetch_rows(vblock(bi), BS, row, span * sizeof(T));
+      for (int64_t bi = 1; bi < std::min(PF, nb); ++bi) prefetch_rows<_MM_HINT_T1>(vblock(bi), BS, row, span * sizeof(T));
       for (int64_t t0 = 0, bi = 0; t0 < L; t0 += BS, ++bi) {
         const int64_t n = std::min(BS, L - t0);
         const T* vb = vblock(bi);
-        if (bi + PF < nb) prefetch_rows(vblock(bi + PF), BS, row, span * sizeof(T));
+        if (bi + PF < nb) prefetch_rows<_MM_HINT_T1>(vblock(bi + PF), BS, row, span * sizeof(T));
         values_heads<T, C>(vb, n, row, hpi, G, scores.data() + t0, L, 1, acc.data());
       }
       for (int64_t jj = 0; jj < nh; ++jj) {
@@ -416,7 +422,11 @@ static void paged_attention_amx(const torch::Tensor& q, const torch::Tensor& kv_
                                 int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
                                 float scale, torch::Tensor& out) {
   constexpr int64_t D = 16 * C;
-  constexpr int64_t PF = 2;  // cache blocks prefetched ahead of the one being read
+  // Cache blocks prefetched ahead of the one being read, into L2: on a 2-core AMD EPYC Zen 4, cold
+  // decode at SmolLM2's shape (benchmarks/cpu_paged_attention.py --layers 30 --threads 2) took 1.26 ms
+  // a layer prefetching 2 blocks into L1, 1.06 without software prefetch, 0.70 with 3-4 blocks into L2
+  // (0.79 with 6, 0.92 with 8): L1's few miss buffers fill and stall the loads behind them.
+  constexpr int64_t PF = 4;
   const PagedView<bf16> v(q, kv_cache, qslp, B, out);
   const int64_t Tn = v.Tn, Hq = v.Hq, BS = v.BS, Hkv = v.Hkv, G = v.G, row = v.row;
   const int64_t qs0 = v.qs0, qs1 = v.qs1;
@@ -831,7 +841,7 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
 """
 
 # Bump with every change of _CPP_SOURCE or the shared KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_paged_attention_v12"
+_EXTENSION_NAME = "servelab_cpu_paged_attention_v13"
 
 
 def _register_fakes() -> None:
