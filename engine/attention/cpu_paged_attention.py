@@ -199,6 +199,23 @@ static inline __m512 dot_partial(const float* qf, const T* qraw, const T* k) {
   return acc;
 }
 
+// One query head's scores against 16 cache rows `row` apart (the first m real, the rest 0): sixteen
+// partial-sum vectors, then one transposing sum (hsum16) instead of sixteen reductions. Unrolled
+// in straight lines (the full block separately), so the partials stay in registers and the query
+// is loaded once: as a runtime-bounded loop it kept them on the stack and ran at a third the speed.
+template <typename T, int C>
+static inline __m512 scores16(const float* qf, const T* qraw, const T* k, int64_t row, int64_t m) {
+  __m512 part[16];
+  if (m == 16) {
+#pragma GCC unroll 16
+    for (int o = 0; o < 16; ++o) part[o] = dot_partial<T, C>(qf, qraw, k + o * row);
+  } else {
+#pragma GCC unroll 16
+    for (int o = 0; o < 16; ++o) part[o] = o < m ? dot_partial<T, C>(qf, qraw, k + o * row) : _mm512_setzero_ps();
+  }
+  return hsum16(part);
+}
+
 // In place: s[0 .. L) -> exp(s - max s); returns 1 / sum.
 static inline float softmax_unnormalised(float* s, int64_t L) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -263,6 +280,82 @@ static inline void values_heads(const T* vb, int64_t n, int64_t row, int64_t hpi
   }
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 values by vdpbf16ps, two tokens a step: the rows of tokens o and o + 1 interleaved
+// (unpacklo / unpackhi of 16-bit words) hold, per 32-bit lane, the same dimension of both, and
+// the probabilities of the pair, rounded to bfloat16 (as flash attention feeds P to its second
+// product), are one broadcast word: 2 C / 2 interleaves and NG * C multiply-adds of 32 products
+// per pair, where the float32 path widens every value and multiply-adds 16 at a time. acc[j] holds
+// head j's D sums in the interleaved order (see `unpermute_pairs`); pw[j * pws + o / 2] is the
+// pair word of tokens o, o + 1 (an odd block end pairs its last token with zeros, never with the
+// unwritten cache row after it).
+template <int C, int NG>
+static inline void values_block_pairs(const bf16* vb, int64_t n, int64_t row, const uint32_t* pw, int64_t pws,
+                                      float* acc) {
+  constexpr int V = C / 2;  // 32 values a vector
+  __m512 a[NG][2 * V];
+  for (int j = 0; j < NG; ++j)
+    for (int c = 0; c < 2 * V; ++c) a[j][c] = _mm512_loadu_ps(acc + j * 16 * C + 16 * c);
+  for (int64_t o = 0; o < n; o += 2) {
+    __m512i il[2 * V];
+    for (int c = 0; c < V; ++c) {
+      const __m512i x = _mm512_loadu_si512(vb + o * row + 32 * c);
+      const __m512i y = o + 1 < n ? _mm512_loadu_si512(vb + (o + 1) * row + 32 * c) : _mm512_setzero_si512();
+      il[2 * c] = _mm512_unpacklo_epi16(x, y);
+      il[2 * c + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+    for (int j = 0; j < NG; ++j) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[j * pws + o / 2]));
+      for (int c = 0; c < 2 * V; ++c) a[j][c] = _mm512_dpbf16_ps(a[j][c], pb, (__m512bh)il[c]);
+    }
+  }
+  for (int j = 0; j < NG; ++j)
+    for (int c = 0; c < 2 * V; ++c) _mm512_storeu_ps(acc + j * 16 * C + 16 * c, a[j][c]);
+}
+
+// Sums in the interleaved order -> dimension order: vector 2 c + h, lane 4 l + i holds dimension
+// 32 c + 8 l + 4 h + i (unpacklo / unpackhi work within each 128-bit lane).
+template <int C>
+static inline void unpermute_pairs(const float* in, float* out) {
+  for (int c = 0; c < C / 2; ++c)
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 4; ++l)
+        for (int i = 0; i < 4; ++i) out[32 * c + 8 * l + 4 * h + i] = in[(2 * c + h) * 16 + 4 * l + i];
+}
+
+// The probabilities s[0 .. L) of one head as bfloat16 pair words (round to nearest even), L rounded
+// up to even with a zero.
+static inline void probability_pairs(const float* s, int64_t L, uint32_t* out) {
+  int64_t t = 0;
+  for (; t + 32 <= L; t += 32)
+    _mm512_storeu_si512(out + t / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16), _mm512_loadu_ps(s + t)));
+  for (; t < L; t += 2) {
+    bf16 lo, hi = bf16(0.f);
+    st(&lo, 0, s[t]);
+    if (t + 1 < L) st(&hi, 0, s[t + 1]);
+    out[t / 2] = static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(lo)) |
+                 (static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(hi)) << 16);
+  }
+}
+
+// values_heads for bfloat16 pairs: the G query heads of each of the item's hpi kv heads.
+template <int C>
+static inline void values_heads_pairs(const bf16* vb, int64_t n, int64_t row, int64_t hpi, int64_t G,
+                                      const uint32_t* pw, int64_t pws, float* acc) {
+  constexpr int64_t D = 16 * C;
+  for (int64_t hh = 0; hh < hpi; ++hh) {
+    const bf16* vh = vb + hh * D;
+    const uint32_t* ph = pw + hh * G * pws;
+    float* ah = acc + hh * G * D;
+    if (G == 3 && 3 * C <= 12) values_block_pairs<C, 3>(vh, n, row, ph, pws, ah);
+    else if (G == 2 && 2 * C <= 16) values_block_pairs<C, 2>(vh, n, row, ph, pws, ah);
+    else if (G == 4 && 4 * C <= 16) values_block_pairs<C, 4>(vh, n, row, ph, pws, ah);
+    else
+      for (int64_t j = 0; j < G; ++j) values_block_pairs<C, 1>(vh, n, row, ph + j * pws, pws, ah + j * D);
+  }
+}
+#endif
+
 template <typename T, int C>
 static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp,
                                    int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
@@ -286,7 +379,8 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
   const int64_t parts = Hkv / hpi, nh = hpi * G, span = hpi * D;
   at::parallel_for(0, Tn * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(nh * D), inv(nh);
-    std::vector<float> acc(nh * D);
+    std::vector<float> acc(nh * D), acc_pairs(nh * D);
+    std::vector<uint32_t> pairs;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t i = w / parts, h0 = (w % parts) * hpi;
       const int64_t b = req_of[i];
@@ -301,8 +395,7 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
       scores.resize(nh * L);
       for (int64_t jj = 0; jj < nh; ++jj)
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(qf.data() + jj * D + 16 * c, vld(qrow + jj * qs1 + 16 * c));
-      // Scores, block by block (no division per token), sixteen tokens at a time: sixteen
-      // partial-sum vectors, then one transposing sum (hsum16) instead of sixteen reductions.
+      // Scores, block by block (no division per token), sixteen tokens at a time (scores16).
       const __m512 vscale = _mm512_set1_ps(scale);
       for (int64_t t0 = 0, bi = 0; t0 < L; t0 += BS, ++bi) {
         const int64_t n = std::min(BS, L - t0);
@@ -314,25 +407,48 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
             const int64_t m = std::min<int64_t>(16, n - o0);
             for (int64_t j = 0; j < G; ++j) {
               const int64_t jj = hh * G + j;
-              __m512 part[16];
-              for (int64_t o = 0; o < 16; ++o)
-                part[o] = o < m ? dot_partial<T, C>(qf.data() + jj * D, qrow + jj * qs1, kb + (o0 + o) * row + hh * D)
-                                : _mm512_setzero_ps();
-              _mm512_mask_storeu_ps(scores.data() + jj * L + t0 + o0, tail_mask(m), _mm512_mul_ps(hsum16(part), vscale));
+              const __m512 sv = scores16<T, C>(qf.data() + jj * D, qrow + jj * qs1, kb + o0 * row + hh * D, row, m);
+              _mm512_mask_storeu_ps(scores.data() + jj * L + t0 + o0, tail_mask(m), _mm512_mul_ps(sv, vscale));
             }
           }
       }
       for (int64_t jj = 0; jj < nh; ++jj) inv[jj] = softmax_unnormalised(scores.data() + jj * L, L);
       // Weighted sum of values, block by block; a head's accumulator is in C registers while it
-      // takes a block's tokens, in `acc` between blocks.
+      // takes a block's tokens, in `acc` between blocks. bfloat16 on AVX512-BF16 (blocks of an
+      // even size): two tokens a step by vdpbf16ps (values_block_pairs).
+      bool by_pairs = false;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, bf16>) by_pairs = BS % 2 == 0;
+#endif
       std::fill(acc.begin(), acc.end(), 0.f);
+      const int64_t pws = (L + 1) / 2;
+#if defined(__AVX512BF16__)
+      if (by_pairs) {
+        pairs.resize(nh * pws);
+        for (int64_t jj = 0; jj < nh; ++jj) probability_pairs(scores.data() + jj * L, L, pairs.data() + jj * pws);
+      }
+#endif
       for (int64_t bi = 1; bi < std::min(PF, nb); ++bi) prefetch_rows<_MM_HINT_T1>(vblock(bi), BS, row, span * sizeof(T));
       for (int64_t t0 = 0, bi = 0; t0 < L; t0 += BS, ++bi) {
         const int64_t n = std::min(BS, L - t0);
         const T* vb = vblock(bi);
         if (bi + PF < nb) prefetch_rows<_MM_HINT_T1>(vblock(bi + PF), BS, row, span * sizeof(T));
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, bf16>) {
+          if (by_pairs) {
+            values_heads_pairs<C>(vb, n, row, hpi, G, pairs.data() + t0 / 2, pws, acc.data());
+            continue;
+          }
+        }
+#endif
         values_heads<T, C>(vb, n, row, hpi, G, scores.data() + t0, L, 1, acc.data());
       }
+#if defined(__AVX512BF16__)
+      if (by_pairs) {
+        std::copy(acc.begin(), acc.end(), acc_pairs.begin());
+        for (int64_t jj = 0; jj < nh; ++jj) unpermute_pairs<C>(acc_pairs.data() + jj * D, acc.data() + jj * D);
+      }
+#endif
       for (int64_t jj = 0; jj < nh; ++jj) {
         T* oj = op + (i * Hq + h0 * G + jj) * D;
         const float* aj = acc.data() + jj * D;
@@ -841,7 +957,7 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
 """
 
 # Bump with every change of _CPP_SOURCE or the shared KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_paged_attention_v13"
+_EXTENSION_NAME = "servelab_cpu_paged_attention_v15"
 
 
 def _register_fakes() -> None:
