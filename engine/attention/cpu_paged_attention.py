@@ -22,7 +22,8 @@ float32 once for the G = Hq / Hkv query heads sharing it. Decode is memory-bound
 the context once instead of gather + SDPA's reads. Scores are float32, softmax exact (max-shifted).
 
 Paths, chosen per call: AVX-512 (head_dim 64 or 128; bfloat16 scores by vdpbf16ps where the
-CPU has AVX512-BF16), AMX for bfloat16 where the CPU has it (a query row's scores against 16
+CPU has AVX512-BF16, and values two tokens a step by vdpbf16ps with the probabilities rounded to
+bfloat16; cache blocks prefetched into L2 four ahead), AMX for bfloat16 where the CPU has it (a query row's scores against 16
 cached tokens are one tile product: see the kernel's note; cold-cache decode at SmolLM2's
 shape, 30 layers: 0.57 against 0.67 ms per layer on the AVX-512 path), else scalar C++.
 `set_amx_attention(False)` (or `SERVELAB_CPU_AMX=0`) keeps bfloat16 on the AVX-512 path.
