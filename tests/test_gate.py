@@ -99,6 +99,13 @@ def test_a_different_kernel_choice_is_noted_beside_the_verdict(tmp_path, capsys)
     assert note in capsys.readouterr().out.splitlines()
     assert json.loads((run / "gate.json").read_text())["notes"] == [note]
 
+    (run / "summary.json").write_text(json.dumps(summary | {"dtype": "bfloat16", "bfloat16_linear": "avx512_bf16"}))
+    assert gate_main(["--make-baseline", str(base), str(run)]) == 0
+    (run / "summary.json").write_text(json.dumps(summary | {"dtype": "bfloat16", "bfloat16_linear": "onednn"}))
+    gate_main(["--baseline", str(base), str(run)])
+    note = "NOTE bfloat16_linear: baseline avx512_bf16, now onednn (time metrics compare different configurations)"
+    assert note in capsys.readouterr().out.splitlines()
+
 
 def test_time_reference_runs_once_per_engine_core_at_the_same_time(monkeypatch):
     """The reference workload runs on `cores` threads together (so a core taken by other work

@@ -357,11 +357,17 @@ def _write_results(
         from engine.platform import resolve_device, resolve_engine_dtype
 
         summary["dtype"] = resolve_engine_dtype(cfg.model.dtype, cfg.device.device, cfg.model.model)
-        if summary["dtype"] == "float32" and cfg.target.kind in ENGINE_TARGETS and resolve_device(cfg.device.device, check=False).type == "cpu":
+        on_cpu = cfg.target.kind in ENGINE_TARGETS and resolve_device(cfg.device.device, check=False).type == "cpu"
+        if summary["dtype"] == "float32" and on_cpu:
             from engine.model.cpu_linear import float32_linear_kernel
 
             # decided by a start-up probe: two runs that differ here ran different kernels
             summary["float32_linear"] = float32_linear_kernel()
+        elif summary["dtype"] == "bfloat16" and on_cpu:
+            from engine.model import amx_linear
+
+            # decode-sized steps' linears: by the CPU flags (amx_bf16, avx512_bf16) and the environment
+            summary["bfloat16_linear"] = amx_linear.kind()
     summary.update(kv_connector_summary(run_dir, steps_df))
     if compile_time_s is not None:
         # Start-up compile + warm-up (enforce_eager=False); never inside a throughput figure.
