@@ -61,5 +61,5 @@ from engine.model.cpu_kernels import kernels
 from engine.model import amx_linear
 print('[setup] CPU paged attention op:', 'ready' if paged_attention_op() else 'unavailable (torch ops are used)')
 print('[setup] CPU layer kernels:', 'ready' if kernels() else 'unavailable (torch ops are used)')
-print('[setup] AMX linear kernels:', 'ready' if amx_linear.available() else 'not used (no amx_bf16 on this CPU)')"
+print('[setup] decode-sized bfloat16 linear kernels:', amx_linear.kind() if amx_linear.available() else 'not used (neither amx_bf16 nor avx512_bf16 on this CPU)')"
 fi

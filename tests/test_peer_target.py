@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -70,6 +71,10 @@ def test_missing_vllm_is_one_line_at_start_up(tmp_path: Path) -> None:
 
 
 def _vllm_missing() -> str | None:
+    if os.environ.get("CI") == "true" and os.environ.get("SERVELAB_PEER_TESTS") != "1":
+        # A CI run on a machine where a developer left the side venv would spend 5-6 minutes of
+        # its 2 cores on vLLM's start-up: `make test` outside CI runs it (or SERVELAB_PEER_TESTS=1).
+        return "CI=true: the vLLM side-by-side run is left to make test outside CI (SERVELAB_PEER_TESTS=1 runs it)"
     return _missing(lambda: check_vllm(DEFAULT_VENV.expanduser(), DEFAULT_HF_MODEL.expanduser()))
 
 
