@@ -539,11 +539,7 @@ static void paged_attention_amx(const torch::Tensor& q, const torch::Tensor& kv_
                                 int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
                                 float scale, torch::Tensor& out) {
   constexpr int64_t D = 16 * C;
-  // Cache blocks prefetched ahead of the one being read, into L2: on a 2-core AMD EPYC Zen 4, cold
-  // decode at SmolLM2's shape (benchmarks/cpu_paged_attention.py --layers 30 --threads 2) took 1.26 ms
-  // a layer prefetching 2 blocks into L1, 1.06 without software prefetch, 0.70 with 3-4 blocks into L2
-  // (0.79 with 6, 0.92 with 8): L1's few miss buffers fill and stall the loads behind them.
-  constexpr int64_t PF = 4;
+  constexpr int64_t PF = 2;  // cache blocks prefetched ahead of the one being read (as tuned on AMX)
   const PagedView<bf16> v(q, kv_cache, qslp, B, out);
   const int64_t Tn = v.Tn, Hq = v.Hq, BS = v.BS, Hkv = v.Hkv, G = v.G, row = v.row;
   const int64_t qs0 = v.qs0, qs1 = v.qs1;
@@ -958,7 +954,7 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
 """
 
 # Bump with every change of _CPP_SOURCE or the shared KERNEL_HEADER (torch caches builds by name).
-_EXTENSION_NAME = "servelab_cpu_paged_attention_v15"
+_EXTENSION_NAME = "servelab_cpu_paged_attention_v16"
 
 
 def _register_fakes() -> None:
