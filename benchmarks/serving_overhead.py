@@ -97,7 +97,7 @@ def bench(overrides: list[str], rounds: int, max_tokens: int) -> tuple[tuple[flo
         return srv_runs, inp_runs
 
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(Path(tmp), *overrides, ready_timeout_s=600)
+        server = start_server(Path(tmp), *overrides, ready_timeout_s=600, omp_threads=None)  # the server picks its threads
         try:
             srv, inp = asyncio.run(go(server.base_url))
         finally:

@@ -18,6 +18,7 @@ import ctypes.util
 import functools
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -69,4 +70,23 @@ def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
         logger.debug("madvise(MADV_HUGEPAGE) failed (errno %d): 4 KiB pages", ctypes.get_errno())
     out = raw[offset : offset + nbytes].view(dtype).view(shape)
     out.zero_()
+    return out
+
+
+def copies_on_huge_pages(tensors: Sequence[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
+    """Contiguous copies of CPU `tensors`, laid end to end (each on an `align`-byte boundary) in
+    one `zeros_huge` buffer: a model's decode weights, streamed from memory at every step, then
+    cross a 2 MiB page where they crossed 512 small ones (one page walk where there were 512).
+    Where huge pages are not given the copies still share one buffer, in 4 KiB pages."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // align) * align
+    arena = zeros_huge((max(total, 1),), torch.uint8)
+    out = []
+    for t, off, n in zip(tensors, offsets, sizes, strict=True):
+        view = arena[off : off + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
     return out

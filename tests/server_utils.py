@@ -191,14 +191,20 @@ class ServerProcess:
         return int(self.proc.returncode)
 
 
-def start_server(tmp_dir: Path, *overrides: str, ready_timeout_s: float = 240.0) -> ServerProcess:
-    """Start `python -m engine.entrypoints.serve` on a free port; wait for /v1/models."""
+def start_server(tmp_dir: Path, *overrides: str, ready_timeout_s: float = 240.0,
+                 omp_threads: int | None = 1) -> ServerProcess:
+    """Start `python -m engine.entrypoints.serve` on a free port; wait for /v1/models.
+
+    `omp_threads`: the server's OMP_NUM_THREADS (1 keeps the tests' servers off each other's cores);
+    None leaves the environment's, so the server picks its own engine threads as a user's would."""
     import urllib.request
 
     port = free_port()
     log_path = tmp_dir / f"server-{port}.log"
     cmd = [PYTHON, "-m", "engine.entrypoints.serve", "--port", str(port), *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if omp_threads is not None:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc, port, log_path)

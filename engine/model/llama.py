@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.hugepages import copies_on_huge_pages
 from engine.model import amx_linear, cpu_gemv
 from engine.model.arch import ModelArch
 from engine.model.cpu_kernels import kernels
@@ -420,7 +421,27 @@ class LlamaForCausalLM(nn.Module):
         plan = self.model.plan
         if plan is not None and plan.amx_ops is not None and amx_linear.supports(head):
             self.amx_lm_head = amx_linear.pack(head)
+        if plan is not None and plan.amx_ops is not None:
+            self._decode_weights_on_huge_pages(plan)
         return n
+
+    def _decode_weights_on_huge_pages(self, plan: _ForwardPlan) -> None:
+        """Move the decode kernels' packed matrices (every layer's and the LM head's) into one
+        buffer of huge pages: a small-batch step streams all of them from memory, and with 4 KiB
+        pages it pays a page walk every 4 KiB. Measured on SmolLM2 at batch 1 (2-core Zen 4,
+        AVX512-BF16): see docs/benchmarks.md."""
+        packs = [lp.amx for lp in plan.layers]
+        if any(p is None for p in packs):
+            return
+        flat = [t for p in packs if p is not None for t in (p.qkv, p.o, p.gate_up, p.down)]
+        head = [self.amx_lm_head] if self.amx_lm_head is not None else []
+        moved = copies_on_huge_pages(flat + head)
+        layers = tuple(
+            dataclasses.replace(lp, amx=_AmxPacks(*moved[4 * i : 4 * i + 4])) for i, lp in enumerate(plan.layers)
+        )
+        self.model.plan = dataclasses.replace(plan, layers=layers)
+        if head:
+            self.amx_lm_head = moved[-1]
 
     # ---- weights -----------------------------------------------------------------
     def hf_weight_names(self) -> list[str]:

@@ -1,0 +1,91 @@
+"""Huge-page-backed CPU tensors (engine/hugepages.py): the KV cache and the decode kernels' weights."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from engine.hugepages import HUGE_PAGE, copies_on_huge_pages, thp_mode, zeros_huge
+
+
+def _anon_huge_kib() -> int | None:
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def test_zeros_huge_is_zeros_of_the_shape() -> None:
+    for shape, dtype in (((3, 5), torch.float32), ((HUGE_PAGE // 2 + 7,), torch.bfloat16), ((2, HUGE_PAGE // 4),
+                                                                                               torch.int32)):
+        t = zeros_huge(shape, dtype)
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        assert not t.any()
+
+
+def test_copies_share_one_buffer_keep_values_and_stand_alone() -> None:
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(37, 11, generator=g).bfloat16(), torch.randint(-9, 9, (5, 2, 16), generator=g, dtype=torch.int32),
+           torch.randn(3, generator=g), torch.randn(700, 800, generator=g).bfloat16()]
+    out = copies_on_huge_pages(src)
+    base = out[0].untyped_storage().data_ptr()
+    for a, b in zip(src, out, strict=True):
+        assert b.dtype == a.dtype and b.shape == a.shape and b.is_contiguous()
+        assert torch.equal(a, b)
+        assert b.untyped_storage().data_ptr() == base  # one buffer
+        assert b.data_ptr() % 64 == 0  # each on a cache line
+    ends = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in out)
+    assert all(e0 <= s1 for (_, e0), (s1, _) in zip(ends, ends[1:], strict=False))  # no overlap
+    src[3].zero_()
+    assert out[3].any()  # copies, not views of the sources
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() != "madvise",
+                    reason="needs Linux transparent huge pages in `madvise` mode")
+def test_copies_lie_on_huge_pages_where_the_kernel_gives_them() -> None:
+    before = _anon_huge_kib()
+    if before is None:
+        pytest.skip("no AnonHugePages in /proc/self/smaps_rollup")
+    out = copies_on_huge_pages([torch.ones(4 * HUGE_PAGE // 2, dtype=torch.bfloat16)])
+    after = _anon_huge_kib()
+    assert after is not None and after - before >= HUGE_PAGE // 1024  # at least one 2 MiB page
+    assert bool(out[0].eq(1).all())
+
+
+def test_planned_decode_weights_lie_in_one_buffer() -> None:
+    """Where the decode-sized bf16 kernels run (AMX or AVX512-BF16), prepack moves every layer's
+    packed matrices and the LM head into one huge-page buffer; the greedy tokens are those of
+    the same weights in their own tensors (the kernels read the same words)."""
+    from engine.llm import LLM
+    from engine.model import amx_linear
+    from engine.sampling_params import SamplingParams
+
+    if not amx_linear.available():
+        pytest.skip("the CPU has neither AMX nor AVX512-BF16 (or no C++ toolchain): no decode-sized kernels")
+    llm = LLM(model="smollm2", load_format="dummy", num_layers_override=2, dtype="bfloat16", num_blocks=32,
+              max_num_seqs=2)
+    model = llm.engine_core.executor.worker.model  # type: ignore[attr-defined]
+    plan = model.model.plan
+    assert plan is not None and plan.amx_ops is not None
+    packs = [t for lp in plan.layers for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down)]
+    storages = {t.untyped_storage().data_ptr() for t in [*packs, model.amx_lm_head]}
+    assert len(storages) == 1
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    moved = [o.outputs[0].token_ids for o in llm.generate([[3, 4, 5, 6], [9] * 20], params, use_tqdm=False)]
+    import dataclasses
+
+    from engine.model.llama import _AmxPacks
+
+    own = [_AmxPacks(*(t.clone() for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down))) for lp in plan.layers]
+    model.model.plan = dataclasses.replace(plan, layers=tuple(
+        dataclasses.replace(lp, amx=p) for lp, p in zip(plan.layers, own, strict=True)))
+    model.amx_lm_head = model.amx_lm_head.clone()
+    llm.reset_prefix_cache()
+    alone = [o.outputs[0].token_ids for o in llm.generate([[3, 4, 5, 6], [9] * 20], params, use_tqdm=False)]
+    assert moved == alone and all(len(t) == 5 for t in moved)
