@@ -41,6 +41,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     ops = amx_linear.amx_ops()
+    assert ops is not None  # available() said so
     g = torch.Generator().manual_seed(0)
 
     def pack(n: int, k: int, interleave: int = 0) -> torch.Tensor:
