@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(_mooncake_missing() is not No
 WORKLOAD = ["workload=shared_prefix", "workload.num_requests=6", "workload.warmup_requests=0",
             "workload.prompt_len.low=300", "workload.prompt_len.high=340", "workload.output_len.value=4",
             "workload.shared_prefix.num_groups=2", "workload.shared_prefix.fraction=1.0",
-            "workload.arrival.rate=2.0", "workload.prompt_as_token_ids=true",
+            "workload.arrival.rate=8.0", "workload.prompt_as_token_ids=true",
             "cache.num_blocks=256", "scheduler.max_num_seqs=8", "model.num_layers_override=8", "run.time_reference=false",
             "profiling.telemetry=false"]
 

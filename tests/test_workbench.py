@@ -56,7 +56,7 @@ def test_sweep_2x2_writes_sweep_csv(tmp_path: Path) -> None:
         "workload.warmup_requests=0", "workload.prompt_len.low=40", "workload.prompt_len.high=60",
         "workload.shared_prefix.prefix_len=48", "workload.shared_prefix.num_groups=1",
         "workload.shared_prefix.fraction=1.0", "workload.output_len.value=4",
-        "workload.arrival.rate=4", "run.time_reference=false",
+        "workload.arrival.rate=16", "run.time_reference=false",
         f"hydra.sweep.dir={sweep_dir}", timeout=600,
     )
     df = pd.read_csv(sweep_dir / "sweep.csv")
@@ -142,10 +142,10 @@ def test_gate_passes_a_rerun_and_fails_a_slowed_run(tmp_path: Path) -> None:
     gate_overrides = ["experiment=ci_gate", "run.time_reference=true"]
     base = run_once(tmp_path / "base", *gate_overrides)
     rerun = run_once(tmp_path / "rerun", *gate_overrides)
-    # A delay per step of twice the normal step time (at least 200 ms) makes every step ~3x
+    # A delay per step of twice the normal step time (at least 60 ms) makes every step ~3x
     # slower, whatever the speed of this machine.
     step_ms = pd.read_csv(base / "steps.csv")["step_time"].mean() * 1000
-    delay = max(200, round(2 * step_ms))
+    delay = max(60, round(2 * step_ms))
     slow = run_once(tmp_path / "slow", *gate_overrides, f"scheduler.step_delay_ms={delay}")
 
     # conf/gate/ci.yaml: time metrics may be 60% worse before they fail (CI machines differ).
