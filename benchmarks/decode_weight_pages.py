@@ -1,6 +1,7 @@
-"""Decode-sized bf16 linears streaming their weights from 4 KiB pages vs one huge-page buffer.
+"""Decode-sized bf16 linears streaming their weights: 4 KiB pages vs one huge-page buffer, or
+without vs with each call's hand-off prefetch of the next call's weight.
 
-    python benchmarks/decode_weight_pages.py [--rows 1,4,16,32,64,128] [--iters 40] [--threads 2]
+    python benchmarks/decode_weight_pages.py [--handoff] [--rows 1,4,16,32,64,128] [--iters 40] [--threads 2]
 
 SmolLM2-135M's 30 layers (qkv, o, gate/up with the fused silu*up, down) and its LM head (the
 fused greedy argmax), random bfloat16 weights packed for the decode kernels
@@ -8,7 +9,9 @@ fused greedy argmax), random bfloat16 weights packed for the decode kernels
 pages) and all of them in one `copies_on_huge_pages` buffer, as the engine's prepack lays them
 out. Steps alternate between the two copies, a 128 MiB read between steps evicts the caches,
 and the ratio of medians is printed per row count (> 1: huge pages faster). Needs a CPU with
-AMX or AVX512-BF16 and Linux THP (`madvise` or `always`).
+AMX or AVX512-BF16 and Linux THP (`madvise` or `always`). With `--handoff` both sides read the
+huge-page buffer, one passing each call the next call's weight (`next`, as the engine's planned
+forward does) and one not (> 1: the hand-off faster).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16,32,64,128")
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--threads", type=int, default=0, help="0: every core")
+    ap.add_argument("--handoff", action="store_true", help="A/B the next-weight prefetch instead of the pages")
     args = ap.parse_args()
     if not amx_linear.available():
         sys.exit("this CPU has neither AMX nor AVX512-BF16 (or the C++ build failed): no decode-sized kernels")
@@ -53,30 +57,34 @@ def main() -> None:
     huge = copies_on_huge_pages(own)
     flush = torch.ones(2**25)
 
-    def step(x: torch.Tensor, w: list[torch.Tensor]) -> None:
+    def step(x: torch.Tensor, w: list[torch.Tensor], handoff: bool) -> None:
         for i in range(LAYERS):
             qkv, o, gate_up, down = w[4 * i : 4 * i + 4]
-            ops.amx_linear(x, qkv, QKV)
-            ops.amx_linear(x, o, HIDDEN)
-            ops.amx_linear(ops.amx_linear_silu_mul(x, gate_up, INTER), down, HIDDEN)
+            nxt = (o, gate_up, down, w[4 * i + 4] if i + 1 < LAYERS else None) if handoff else (None,) * 4
+            ops.amx_linear(x, qkv, QKV, nxt[0])
+            ops.amx_linear(x, o, HIDDEN, nxt[1])
+            ops.amx_linear(ops.amx_linear_silu_mul(x, gate_up, INTER, nxt[2]), down, HIDDEN, nxt[3])
         ops.amx_linear_argmax(x, w[-1], VOCAB)
+
+    sides = (("no hand-off", huge, False), ("hand-off", huge, True)) if args.handoff else (
+        ("4 KiB pages", own, False), ("huge pages", huge, False))
 
     nbytes = sum(t.numel() * t.element_size() for t in own)
     print(f"CPU flags: {' '.join(sorted(f for f in cpu_flags() if 'avx512' in f or 'amx' in f))}; threads {torch.get_num_threads()}; THP {thp_mode() or 'none'}; "
           f"kernels {amx_linear.kind()}; weights {nbytes / 1e6:.0f} MB")
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, HIDDEN, generator=g).bfloat16()
-        times: dict[str, list[float]] = {"4k": [], "huge": []}
+        times: dict[str, list[float]] = {name: [] for name, _, _ in sides}
         for i in range(args.iters + 2):
-            order = (("4k", own), ("huge", huge)) if i % 2 else (("huge", huge), ("4k", own))
-            for name, w in order:
+            for name, w, handoff in sides if i % 2 else sides[::-1]:
                 flush.sum()
                 t0 = time.perf_counter()
-                step(x, w)
+                step(x, w, handoff)
                 if i >= 2:  # two warm-up rounds
                     times[name].append(time.perf_counter() - t0)
-        a, b = statistics.median(times["4k"]) * 1e3, statistics.median(times["huge"]) * 1e3
-        print(f"rows {rows:>4}: 4 KiB pages {a:7.2f} ms ({nbytes / a / 1e6:5.1f} GB/s)   huge pages {b:7.2f} ms "
+        (na, _, _), (nb, _, _) = sides
+        a, b = statistics.median(times[na]) * 1e3, statistics.median(times[nb]) * 1e3
+        print(f"rows {rows:>4}: {na} {a:7.2f} ms ({nbytes / a / 1e6:5.1f} GB/s)   {nb} {b:7.2f} ms "
               f"({nbytes / b / 1e6:5.1f} GB/s)   ratio {a / b:.3f}")
 
 

@@ -71,3 +71,21 @@ def test_shapes_outside_the_kernels_are_refused() -> None:
     assert not amx_linear.supports(torch.randn(40, 64).bfloat16(), interleave=20)  # 16 does not divide I
     with pytest.raises(RuntimeError, match="multiple of 32"):
         amx_linear.amx_ops().amx_pack(torch.randn(8, 40).bfloat16(), 0)
+
+
+@pytest.mark.parametrize("m", [1, 13, 64])
+def test_next_weight_prefetch_changes_no_result(m) -> None:  # type: ignore[no-untyped-def]
+    """`next` (the following op's packed weight, prefetched while the last block is read) is a
+    hint: every output is bit for bit the one without it, whatever the next weight's shape (fewer
+    blocks than threads included); something that is not a packed weight is refused."""
+    torch.manual_seed(m)
+    ops = amx_linear.amx_ops()
+    x, xi = torch.randn(m, 576).bfloat16(), torch.randn(m, 1536).bfloat16()
+    qkv, gate_up = amx_linear.pack(torch.randn(960, 576).bfloat16()), amx_linear.pack(torch.randn(3072, 576).bfloat16(), 1536)
+    down, tiny = amx_linear.pack(torch.randn(576, 1536).bfloat16()), amx_linear.pack(torch.randn(32, 64).bfloat16())
+    for nxt in (gate_up, down, tiny):
+        assert torch.equal(ops.amx_linear(x, qkv, 960, nxt), ops.amx_linear(x, qkv, 960))
+        assert torch.equal(ops.amx_linear_silu_mul(x, gate_up, 1536, nxt), ops.amx_linear_silu_mul(x, gate_up, 1536))
+        assert torch.equal(ops.amx_linear(xi, down, 576, nxt), ops.amx_linear(xi, down, 576, None))
+    with pytest.raises(RuntimeError, match="amx_pack result"):
+        ops.amx_linear(x, qkv, 960, torch.zeros(4, 4))

@@ -212,6 +212,7 @@ class LlamaModel(nn.Module):
             cos, sin = F.pad(cos, (0, 0, 0, 0, 0, rows - t)), F.pad(sin, (0, 0, 0, 0, 0, rows - t))
         residual = x
         n_qkv, hidden, inter = plan.sizes
+        last = len(plan.layers) - 1
         for i, (lp, kv_cache) in enumerate(zip(plan.layers, kv_caches, strict=True)):
             if i == 0:
                 x = ops.rms_norm(residual, lp.in_norm, eps)
@@ -222,7 +223,8 @@ class LlamaModel(nn.Module):
             packs = lp.amx
             plain = lp.plain or _NO_PLAIN
             if amx is not None and packs is not None:
-                qkv = amx.amx_linear(x, packs.qkv, n_qkv).view(t, hq + 2 * hkv, a.head_dim)
+                # each call names the next one's weight: its threads prefetch their first blocks of it
+                qkv = amx.amx_linear(x, packs.qkv, n_qkv, packs.o).view(t, hq + 2 * hkv, a.head_dim)
             else:
                 qkv = packed_linear(x, lp.qkv, plain=plain[0]).view(rows, hq + 2 * hkv, a.head_dim)
             ops.rope_(qkv, cos, sin, hq + hkv)
@@ -230,9 +232,11 @@ class LlamaModel(nn.Module):
             o = a.attn_backend.forward(q_rows[:, :hq], q_rows[:, hq : hq + hkv], q_rows[:, hq + hkv :], kv_cache,
                                        metadata, a.scale)  # fmt: skip
             if amx is not None and packs is not None:
-                x = amx.amx_linear(o.reshape(t, a.q_size), packs.o, hidden)
+                x = amx.amx_linear(o.reshape(t, a.q_size), packs.o, hidden, packs.gate_up)
                 ops.add_rms_norm_(x, residual, lp.post_norm, eps)
-                x = amx.amx_linear(amx.amx_linear_silu_mul(x, packs.gate_up, inter), packs.down, hidden)
+                following = plan.layers[i + 1].amx if i < last else None
+                x = amx.amx_linear(amx.amx_linear_silu_mul(x, packs.gate_up, inter, packs.down), packs.down, hidden,
+                                   following.qkv if following is not None else None)
             else:
                 o = o.reshape(t, a.q_size)
                 x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o, plain=plain[1])
