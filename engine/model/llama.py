@@ -432,8 +432,9 @@ class LlamaForCausalLM(nn.Module):
     def _decode_weights_on_huge_pages(self, plan: _ForwardPlan) -> None:
         """Move the decode kernels' packed matrices (every layer's and the LM head's) into one
         buffer of huge pages: a small-batch step streams all of them from memory, and with 4 KiB
-        pages it pays a page walk every 4 KiB. Measured on SmolLM2 at batch 1 (2-core Zen 4,
-        AVX512-BF16): see docs/benchmarks.md."""
+        pages it pays a page walk every 4 KiB. On a 2-core Zen 4 (AVX512-BF16), SmolLM2's decode
+        linears: 1.12x at 16 rows, 1.02-1.06x at 32-128, 0.97x at 1 (benchmarks/decode_weight_pages.py,
+        docs/benchmarks.md)."""
         packs = [lp.amx for lp in plan.layers]
         if any(p is None for p in packs):
             return
