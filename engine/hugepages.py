@@ -77,7 +77,9 @@ def copies_on_huge_pages(tensors: Sequence[torch.Tensor], align: int = 64) -> li
     """Contiguous copies of CPU `tensors`, laid end to end (each on an `align`-byte boundary) in
     one `zeros_huge` buffer: a model's decode weights, streamed from memory at every step, then
     cross a 2 MiB page where they crossed 512 small ones (one page walk where there were 512).
-    Where huge pages are not given the copies still share one buffer, in 4 KiB pages."""
+    Where huge pages are not given the copies still share one buffer, in 4 KiB pages (as for
+    `zeros_huge`: a buffer under glibc's mmap threshold, at most 32 MiB, may reuse heap pages already
+    touched in 4 KiB pages, which the advice does not change)."""
     sizes = [t.numel() * t.element_size() for t in tensors]
     offsets, total = [], 0
     for n in sizes:
