@@ -55,37 +55,40 @@ def _madvise():  # type: ignore[no-untyped-def]
 def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """`torch.zeros(shape, dtype=dtype, device=device)`, its storage in huge pages where the OS
     gives them (module note). The tensor is contiguous and views a slightly larger buffer."""
+    return _advised_empty(shape, dtype, device).zero_()  # the first touch faults the pages in
+
+
+def _advised_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An uninitialised contiguous tensor whose whole 2 MiB pages are marked `MADV_HUGEPAGE` before
+    anything touches them (else `torch.empty`): whatever writes it first faults them in as huge pages."""
     device = torch.device(device)
     numel = 1
     for n in shape:
         numel *= n
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or not sys.platform.startswith("linux") or thp_mode() != "madvise" or nbytes < HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype, device=device)  # `always` needs no advice; `never` takes none
+        return torch.empty(shape, dtype=dtype, device=device)  # `always` needs no advice; `never` takes none
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
     start = raw.data_ptr() + offset
     length = nbytes - nbytes % HUGE_PAGE  # whole huge pages only; the tail keeps small pages
     if _madvise()(start, length, MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) failed (errno %d): 4 KiB pages", ctypes.get_errno())
-    out = raw[offset : offset + nbytes].view(dtype).view(shape)
-    out.zero_()
-    return out
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
 def copies_on_huge_pages(tensors: Sequence[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
     """Contiguous copies of CPU `tensors`, laid end to end (each on an `align`-byte boundary) in
-    one `zeros_huge` buffer: a model's decode weights, streamed from memory at every step, then
+    one huge-page buffer (written once, by the copies): a model's decode weights, streamed from memory at every step, then
     cross a 2 MiB page where they crossed 512 small ones (one page walk where there were 512).
-    Where huge pages are not given the copies still share one buffer, in 4 KiB pages (as for
-    `zeros_huge`: a buffer under glibc's mmap threshold, at most 32 MiB, may reuse heap pages already
+    Where huge pages are not given the copies still share one buffer, in 4 KiB pages (a buffer under glibc's mmap threshold, at most 32 MiB, may reuse heap pages already
     touched in 4 KiB pages, which the advice does not change)."""
     sizes = [t.numel() * t.element_size() for t in tensors]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += -(-n // align) * align
-    arena = zeros_huge((max(total, 1),), torch.uint8)
+    arena = _advised_empty((max(total, 1),), torch.uint8)
     out = []
     for t, off, n in zip(tensors, offsets, sizes, strict=True):
         view = arena[off : off + n].view(t.dtype).view(t.shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -81,8 +82,6 @@ def test_planned_decode_weights_lie_in_one_buffer() -> None:
     assert len(storages) == 1
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     moved = [o.outputs[0].token_ids for o in llm.generate([[3, 4, 5, 6], [9] * 20], params, use_tqdm=False)]
-    import dataclasses
-
     from engine.model.llama import _AmxPacks
 
     own = [_AmxPacks(*(t.clone() for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down))) for lp in plan.layers]

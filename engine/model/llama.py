@@ -234,9 +234,9 @@ class LlamaModel(nn.Module):
             if amx is not None and packs is not None:
                 x = amx.amx_linear(o.reshape(t, a.q_size), packs.o, hidden, packs.gate_up)
                 ops.add_rms_norm_(x, residual, lp.post_norm, eps)
-                following = plan.layers[i + 1].amx if i < last else None
+                following = plan.layers[i + 1].amx if i < last else None  # the next layer's qkv comes next
                 x = amx.amx_linear(amx.amx_linear_silu_mul(x, packs.gate_up, inter, packs.down), packs.down, hidden,
-                                   following.qkv if following is not None else None)
+                                   following and following.qkv)
             else:
                 o = o.reshape(t, a.q_size)
                 x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o, plain=plain[1])
@@ -435,10 +435,8 @@ class LlamaForCausalLM(nn.Module):
         pages it pays a page walk every 4 KiB. On a 2-core Zen 4 (AVX512-BF16), SmolLM2's decode
         linears: 1.12x at 16 rows, 1.02-1.06x at 32-128, 0.97x at 1 (benchmarks/decode_weight_pages.py,
         docs/benchmarks.md)."""
-        packs = [lp.amx for lp in plan.layers]
-        if any(p is None for p in packs):
-            return
-        flat = [t for p in packs if p is not None for t in (p.qkv, p.o, p.gate_up, p.down)]
+        # plan.amx_ops is set only where every layer has its packs (build_plan)
+        flat = [t for lp in plan.layers if lp.amx is not None for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down)]
         head = [self.amx_lm_head] if self.amx_lm_head is not None else []
         moved = copies_on_huge_pages(flat + head)
         layers = tuple(
