@@ -1,133 +1,65 @@
 """Small C++ CPU kernels, compiled on first use with torch's `cpp_extension`, registered as torch ops.
 
-Each source registers its kernels with `TORCH_LIBRARY_FRAGMENT(servelab, m)`, so they are
-`torch.ops.servelab.<name>`: torch.profiler shows them by name and torch.compile traces
-around them (each caller registers a fake implementation, see `register_fakes`). torch caches
-the build in ~/.cache/torch_extensions (scripts/setup.sh builds them once); the cache key is
-the extension name, so a source change bumps the name. Where no C++ toolchain builds one,
-the result is False and the caller runs its torch-ops fallback (correct, only slower).
+The sources live in engine/csrc/ (one file per kernel family, all including `kernel_header.h`,
+the float / bfloat16 load-store helpers: kernels are templates over the storage type and
+compute in float32). Each registers its kernels with `TORCH_LIBRARY_FRAGMENT(servelab, m)`, so
+they are `torch.ops.servelab.<name>`: torch.profiler shows them by name and torch.compile traces
+around them (each caller registers a fake implementation, see `register_fakes`).
 
-`KERNEL_HEADER` gives every source the same float / bfloat16 load-store helpers: kernels are
-templates over the storage type and compute in float32.
+torch caches a build in ~/.cache/torch_extensions under the extension's name (scripts/setup.sh
+builds them once). The name carries a digest of the source with its headers, the compiler
+flags and this CPU's feature flags (the build is -march=native), so an edited kernel, another
+checkout's kernel (the paired gate builds two commits side by side) or a home folder shared
+with another CPU never loads a stale or foreign build. Where no C++ toolchain builds one, the
+result is False and the caller runs its torch-ops fallback (correct, only slower).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+CSRC = Path(__file__).parent / "csrc"
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+
 _built: dict[str, bool] = {}
 
-# Storage-type helpers shared by the kernel sources (vectorisable: plain integer shifts, no calls).
-KERNEL_HEADER = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
-namespace servelab {
-using bf16 = c10::BFloat16;
+def translation_unit(source: str) -> str:
+    """engine/csrc/`source` with its local `#include "..."` lines replaced by those files' text
+    (each file once, as `#pragma once` asks): what is compiled, independent of where this
+    checkout lives, so two checkouts of the same kernels share one cached build."""
+    seen: set[str] = set()
 
-static inline float ld(const float* p, int64_t i) { return p[i]; }
-static inline float ld(const bf16* p, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-static inline void st(float* p, int64_t i, float v) { p[i] = v; }
-// Round to nearest even (as torch's float -> bfloat16 cast does for finite values).
-static inline void st(bf16* p, int64_t i, float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(u >> 16);
-}
+    def expand(name: str) -> list[str]:
+        if name in seen:
+            return []
+        seen.add(name)
+        out = []
+        for line in (CSRC / name).read_text().splitlines():
+            words = line.split()
+            if words[:1] == ["#include"] and len(words) == 2 and words[1].startswith('"'):
+                out += expand(words[1].strip('"'))
+            elif words != ["#pragma", "once"]:
+                out.append(line)
+        return out
 
-// exp(x) as 2^n * 2^f (n = round(x log2 e), |f| <= 1/2, 2^f by its degree-7 Taylor polynomial:
-// relative error < 1e-7): plain arithmetic and bit moves, so the loop below vectorises (std::exp
-// does not: it made SiLU*mul 4x slower than torch's silu).
-static inline float exp_approx(float x) {
-  x = std::fmin(std::fmax(x, -87.f), 88.f);
-  const float t = x * 1.4426950408889634f;
-  const float n = std::floor(t + 0.5f);
-  const float f = t - n;
-  float p = 1.5252733804059840e-5f;
-  p = p * f + 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+    return "\n".join(expand(source)) + "\n"
 
-#if defined(__AVX512F__)
-// Sixteen lanes at a time (AVX-512, where -march=native has it): load as float32, store rounded
-// to the storage type, exp as exp_approx (whose scalar form does not vectorise: fminf).
-static inline __m512 vld(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 vld(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline void vst(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline void vst(bf16* p, __m512 v) {  // round to nearest even, as st() does
-#if defined(__AVX512BF16__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));  // one instruction
-  return;
-#endif
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
-static inline __m512 vexp(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5252733804059840e-5f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-4f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
 
-static inline void check_cpu(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), what, ": a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, what,
-              ": float32 or bfloat16, got ", t.scalar_type());
-}
-}  // namespace servelab
+def extension_name(source: str, extra_cflags: tuple[str, ...] = ()) -> str:
+    """`servelab_<stem>_<digest>`: the digest covers what the build depends on (module note)."""
+    from engine.platform import cpu_flags
 
-// Run body<T> with T = float or c10::BFloat16 after the dtype of `t`.
-#define SERVELAB_DISPATCH(t, ...)                                          \
-  if ((t).scalar_type() == torch::kBFloat16) {                             \
-    using scalar_t = c10::BFloat16;                                        \
-    __VA_ARGS__();                                                         \
-  } else {                                                                 \
-    using scalar_t = float;                                                \
-    __VA_ARGS__();                                                         \
-  }
-"""
+    digest = hashlib.sha256()
+    for part in (translation_unit(source), " ".join((*_CFLAGS, *extra_cflags)), " ".join(sorted(cpu_flags()))):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return f"servelab_{Path(source).stem}_{digest.hexdigest()[:12]}"
 
 
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock older than this was left by a killed one
@@ -153,29 +85,30 @@ def _clear_stale_lock(name: str) -> None:
 
 
 def load_cpu_ops(
-    name: str, source: str, what: str, register_fakes: Callable[[], None], extra_cflags: tuple[str, ...] = ()
+    source: str, what: str, register_fakes: Callable[[], None], extra_cflags: tuple[str, ...] = ()
 ) -> bool:
-    """Build and load C++ `source` (OpenMP, -O3, native), which registers `torch.ops.servelab.*`.
+    """Build and load engine/csrc/`source` (OpenMP, -O3, native), which registers `torch.ops.servelab.*`.
 
     `register_fakes` then registers the ops' fake (meta) implementations. True when loaded;
     False (once logged) where it cannot be built.
     """
-    if name not in _built:
+    if source not in _built:
         try:
             from torch.utils.cpp_extension import load_inline
 
+            name = extension_name(source, extra_cflags)
             _clear_stale_lock(name)
-            load_inline(
+            load_inline(  # the text, not the path: the build command is the same from any checkout
                 name=name,
-                cpp_sources=[KERNEL_HEADER + source],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
+                cpp_sources=[translation_unit(source)],
+                extra_cflags=[*_CFLAGS, *extra_cflags],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,
             )
             register_fakes()
-            _built[name] = True
+            _built[source] = True
         except Exception as exc:  # no compiler, no headers: the torch path is correct, just slower
             logger.warning("%s: C++ CPU kernels unavailable (%s); using torch ops", what, exc)
-            _built[name] = False
-    return _built[name]
+            _built[source] = False
+    return _built[source]

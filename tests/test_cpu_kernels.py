@@ -236,6 +236,36 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path, mo
     assert not (old / "lock").exists() and (fresh / "lock").exists()
 
 
+
+def test_a_build_is_named_after_its_sources_flags_and_cpu(tmp_path, monkeypatch):
+    """torch caches builds by name: the name changes with the source, the headers it includes,
+    the flags and the CPU (a -march=native build), and only with them, so no stale or foreign
+    build loads; and the text compiled names no path, so two checkouts share a build."""
+    import shutil
+
+    from engine import cpu_extension, platform
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_extension.CSRC, csrc)
+    monkeypatch.setattr(cpu_extension, "CSRC", csrc)
+    unit = cpu_extension.translation_unit("paged_attention.cpp")
+    assert '#include "' not in unit and "#pragma once" not in unit and str(tmp_path) not in unit
+    assert unit.count("static inline float ld(const float* p, int64_t i)") == 1  # kernel_header.h, once
+    names = {s: cpu_extension.extension_name(s) for s in ("gemv.cpp", "paged_attention.cpp")}
+    assert names["gemv.cpp"].startswith("servelab_gemv_") and names == {
+        s: cpu_extension.extension_name(s) for s in names}
+    assert cpu_extension.extension_name("gemv.cpp", ("-ffp-contract=off",)) != names["gemv.cpp"]
+    # a header only paged attention includes: its build changes, the GEMV's does not
+    (csrc / "paged_attention_common.h").write_text((csrc / "paged_attention_common.h").read_text() + "// edited\n")
+    assert cpu_extension.extension_name("paged_attention.cpp") != names["paged_attention.cpp"]
+    assert cpu_extension.extension_name("gemv.cpp") == names["gemv.cpp"]
+    (csrc / "kernel_header.h").write_text((csrc / "kernel_header.h").read_text() + "// edited\n")
+    edited = cpu_extension.extension_name("gemv.cpp")
+    assert edited != names["gemv.cpp"]
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cpu_extension.extension_name("gemv.cpp") != edited
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [1, 5, 16, 17, 100, 49152])
 def test_argmax_rows_matches_torch_max_indices(dtype, vocab) -> None:  # type: ignore[no-untyped-def]

@@ -82,9 +82,9 @@ def test_planned_decode_weights_lie_in_one_buffer() -> None:
     assert len(storages) == 1
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     moved = [o.outputs[0].token_ids for o in llm.generate([[3, 4, 5, 6], [9] * 20], params, use_tqdm=False)]
-    from engine.model.llama import _AmxPacks
+    from engine.model.forward_plan import AmxPacks
 
-    own = [_AmxPacks(*(t.clone() for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down))) for lp in plan.layers]
+    own = [AmxPacks(*(t.clone() for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down))) for lp in plan.layers]
     model.model.plan = dataclasses.replace(plan, layers=tuple(
         dataclasses.replace(lp, amx=p) for lp, p in zip(plan.layers, own, strict=True)))
     model.amx_lm_head = model.amx_lm_head.clone()

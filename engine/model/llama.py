@@ -12,9 +12,6 @@ fused (one GEMM each), so the loader copies each HF tensor into its slice.
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,17 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.hugepages import copies_on_huge_pages
-from engine.model import amx_linear, cpu_gemv
+from engine.model import amx_linear
 from engine.model.arch import ModelArch
 from engine.model.cpu_kernels import kernels
-from engine.model.cpu_linear import (
-    pack_weight,
-    packed_linear,
-    padded_rows,
-    prepack_linears,
-    prepack_supported,
-)
+from engine.model.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
+from engine.model.forward_plan import ForwardPlan, build_plan, on_huge_pages, planned_forward, warm_up_linears
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from engine.model.moe import MoEBlock
 
@@ -105,54 +96,6 @@ class LlamaDecoderLayer(nn.Module):
         return (self.block_sparse_moe(x) if self.is_moe else self.mlp(x)), residual
 
 
-@dataclass(frozen=True, slots=True)
-class _AmxPacks:
-    """A dense layer's matrices in the AMX kernels' layout (engine/model/amx_linear.py), for
-    steps of at most `amx_linear.DECODE_MAX_ROWS` rows; gate_up packed for the fused silu * up."""
-
-    qkv: torch.Tensor
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-
-
-@dataclass(frozen=True, slots=True)
-class _LayerPlan:
-    """One dense layer's tensors for the planned forward: norm weights and packed matrices."""
-
-    attn: LlamaAttention
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
-    qkv: torch.Tensor
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    amx: _AmxPacks | None = None
-    plain: tuple[torch.Tensor, ...] | None = None  # float32: row-major qkv, o, gate_up, down for the GEMV
-
-
-_NO_PLAIN: tuple[None, None, None, None] = (None, None, None, None)  # a plan without the GEMV's weights
-
-
-@dataclass(frozen=True, slots=True)
-class _ForwardPlan:
-    """The eager CPU forward with every weight prepacked, as a flat list of op calls.
-
-    Same ops in the same order as the modules' forward (so the same numbers, bit for bit),
-    without ~10 module calls and per-op eligibility checks per layer: at a decode step of
-    SmolLM2 (30 layers, ~45 ms) that Python costs a few milliseconds.
-    """
-
-    dtype: torch.dtype
-    ops: Any  # torch.ops.servelab with the fused layer kernels
-    eps: float
-    layers: tuple[_LayerPlan, ...]
-    final_norm: torch.Tensor
-    amx_ops: Any = None  # torch.ops.servelab with the AMX linear ops, where every layer has AMX packs
-    sizes: tuple[int, int, int] = (0, 0, 0)  # qkv width, hidden size, intermediate size
-    gemv_ops: Any = None  # torch.ops.servelab with the GEMV (cpu_gemv), for steps of a few rows
-
-
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
@@ -160,110 +103,17 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, attn_backend) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta)
-        self.plan: _ForwardPlan | None = None  # set by build_plan() once the weights are packed
+        self.plan: ForwardPlan | None = None  # set by build_plan() once the weights are packed
 
     def build_plan(self) -> bool:
-        """Plan the eager forward where every layer is dense, its linears prepacked, and the
-        fused kernels are built; returns whether a plan was made."""
-        ops = kernels()
-        layers = []
-        inter = 0
-        for layer in self.layers:
-            assert isinstance(layer, LlamaDecoderLayer)
-            if layer.is_moe or ops is None:
-                return False
-            attn, mlp = layer.self_attn, layer.mlp
-            inter = mlp.intermediate_size
-            linears: list[nn.Linear] = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            packed = [m.__dict__.get("packed_weight") for m in linears]
-            if any(p is None for p in packed) or any(m.bias is not None for m in linears):
-                return False
-            qkv, o, gate_up, down = (p for p in packed if p is not None)
-            plain: tuple[torch.Tensor, ...] | None = tuple(m.weight.detach() for m in linears)
-            if not all(cpu_gemv.max_rows(w.dtype) and w.is_contiguous() for w in plain or ()):
-                plain = None
-            layers.append(_LayerPlan(attn, layer.input_layernorm.weight.detach(),
-                                     layer.post_attention_layernorm.weight.detach(), qkv, o, gate_up, down,
-                                     _amx_packs(attn, mlp), plain))  # fmt: skip
-        if not layers:
-            return False
-        with_amx = all(lp.amx is not None for lp in layers)
-        if not with_amx:
-            layers = [dataclasses.replace(lp, amx=None) for lp in layers]
-        first = layers[0].attn
-        sizes = (first.q_size + 2 * first.kv_size, int(self.embed_tokens.weight.shape[1]), inter)
-        with_gemv = all(lp.plain is not None for lp in layers)
-        self.plan = _ForwardPlan(self.embed_tokens.weight.dtype, ops, self.norm.eps, tuple(layers),
-                                 self.norm.weight.detach(), amx_linear.amx_ops() if with_amx else None, sizes,
-                                 cpu_gemv.gemv_ops() if with_gemv else None)  # fmt: skip
-        return True
+        """Plan the eager CPU forward (engine/model/forward_plan.py); returns whether a plan was made."""
+        self.plan = build_plan(self)
+        return self.plan is not None
 
-    def _planned_forward(
-        self, plan: _ForwardPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # fmt: skip
-        ops, eps = plan.ops, plan.eps
-        t = x.shape[0]
-        amx = plan.amx_ops if t <= amx_linear.DECODE_MAX_ROWS else None  # decode-sized steps: AMX kernels
-        gemv = plan.gemv_ops is not None and t <= cpu_gemv.max_rows(plan.dtype)  # a few rows: packed_linear's GEMV
-        rows = t if amx is not None or gemv else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
-        if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them
-            x = F.pad(x, (0, 0, 0, rows - t))
-            cos, sin = F.pad(cos, (0, 0, 0, 0, 0, rows - t)), F.pad(sin, (0, 0, 0, 0, 0, rows - t))
-        residual = x
-        n_qkv, hidden, inter = plan.sizes
-        last = len(plan.layers) - 1
-        for i, (lp, kv_cache) in enumerate(zip(plan.layers, kv_caches, strict=True)):
-            if i == 0:
-                x = ops.rms_norm(residual, lp.in_norm, eps)
-            else:
-                ops.add_rms_norm_(x, residual, lp.in_norm, eps)
-            a = lp.attn
-            hq, hkv = a.num_heads, a.num_kv_heads
-            packs = lp.amx
-            plain = lp.plain or _NO_PLAIN
-            if amx is not None and packs is not None:
-                # each call names the next one's weight: its threads prefetch their first blocks of it
-                qkv = amx.amx_linear(x, packs.qkv, n_qkv, packs.o).view(t, hq + 2 * hkv, a.head_dim)
-            else:
-                qkv = packed_linear(x, lp.qkv, plain=plain[0]).view(rows, hq + 2 * hkv, a.head_dim)
-            ops.rope_(qkv, cos, sin, hq + hkv)
-            q_rows = qkv[:t] if rows != t else qkv
-            o = a.attn_backend.forward(q_rows[:, :hq], q_rows[:, hq : hq + hkv], q_rows[:, hq + hkv :], kv_cache,
-                                       metadata, a.scale)  # fmt: skip
-            if amx is not None and packs is not None:
-                x = amx.amx_linear(o.reshape(t, a.q_size), packs.o, hidden, packs.gate_up)
-                ops.add_rms_norm_(x, residual, lp.post_norm, eps)
-                following = plan.layers[i + 1].amx if i < last else None  # the next layer's qkv comes next
-                x = amx.amx_linear(amx.amx_linear_silu_mul(x, packs.gate_up, inter, packs.down), packs.down, hidden,
-                                   following and following.qkv)
-            else:
-                o = o.reshape(t, a.q_size)
-                x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o, plain=plain[1])
-                ops.add_rms_norm_(x, residual, lp.post_norm, eps)
-                x = packed_linear(ops.silu_mul(packed_linear(x, lp.gate_up, plain=plain[2])), lp.down, plain=plain[3])
-        ops.add_rms_norm_(x, residual, plan.final_norm, eps)
-        return x[:t] if rows != t else x
-
-    @torch.inference_mode()
     def warm_up_linears(self, max_rows: int) -> float:
-        """Run each oneDNN linear of the planned forward once at every padded row count a step of
-        up to `max_rows` tokens can have (`cpu_linear.padded_rows`), so that oneDNN has built all
-        its primitives before the first request; returns the seconds taken (0 without a plan)."""
-        plan = self.plan
-        if plan is None:
-            return 0.0
-        t0 = time.perf_counter()
-        lp = plan.layers[0]  # every layer has the same shapes
-        n_qkv, hidden, inter = plan.sizes
-        q_size = lp.attn.q_size
-        low = amx_linear.DECODE_MAX_ROWS + 1 if plan.amx_ops is not None else 1
-        for rows in sorted({padded_rows(r) for r in range(low, max(max_rows, low) + 1)}):
-            x = torch.zeros(rows, hidden, dtype=plan.dtype)
-            packed_linear(x, lp.qkv)
-            packed_linear(torch.zeros(rows, q_size, dtype=plan.dtype), lp.o)
-            packed_linear(plan.ops.silu_mul(packed_linear(x, lp.gate_up)), lp.down)
-        return time.perf_counter() - t0
+        """Build oneDNN's kernels for every step size up to `max_rows` tokens before the first
+        request (forward_plan.warm_up_linears); returns the seconds taken (0 without a plan)."""
+        return 0.0 if self.plan is None else warm_up_linears(self.plan, max_rows)
 
     def forward(
         self,
@@ -279,7 +129,7 @@ class LlamaModel(nn.Module):
             plan is not None and self.layers and x.dtype == plan.dtype and x.device.type == "cpu"
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
         ):
-            return self._planned_forward(plan, x, cos, sin, kv_caches, metadata)
+            return planned_forward(plan, x, cos, sin, kv_caches, metadata)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, metadata)
@@ -287,19 +137,6 @@ class LlamaModel(nn.Module):
             return self.norm(x)
         x, _ = self.norm.add_norm_(x, residual)
         return x
-
-
-def _amx_packs(attn: LlamaAttention, mlp: GatedMLP) -> _AmxPacks | None:
-    """The layer's matrices for the AMX kernels, or None where they do not apply (no AMX, not
-    bfloat16, a shape they do not take)."""
-    weights = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.down_proj.weight)
-    inter = mlp.intermediate_size
-    if not amx_linear.available() or not all(amx_linear.supports(w) for w in weights):
-        return None
-    if not amx_linear.supports(mlp.gate_up_proj.weight, inter):
-        return None
-    qkv, o, down = (amx_linear.pack(w) for w in weights)
-    return _AmxPacks(qkv, o, amx_linear.pack(mlp.gate_up_proj.weight, inter), down)
 
 
 # HF projection name -> (fused parameter name, shard index).
@@ -425,26 +262,10 @@ class LlamaForCausalLM(nn.Module):
         plan = self.model.plan
         if plan is not None and plan.amx_ops is not None and amx_linear.supports(head):
             self.amx_lm_head = amx_linear.pack(head)
-        if plan is not None and plan.amx_ops is not None:
-            self._decode_weights_on_huge_pages(plan)
+        if plan is not None and plan.amx_ops is not None:  # forward_plan.on_huge_pages: why
+            self.model.plan, self.amx_lm_head = on_huge_pages(plan, self.amx_lm_head)
         return n
 
-    def _decode_weights_on_huge_pages(self, plan: _ForwardPlan) -> None:
-        """Move the decode kernels' packed matrices (every layer's and the LM head's) into one
-        buffer of huge pages: a small-batch step streams all of them from memory, and with 4 KiB
-        pages it pays a page walk every 4 KiB. On a 2-core Zen 4 (AVX512-BF16), SmolLM2's decode
-        linears: 1.12x at 16 rows, 1.02-1.06x at 32-128, 0.97x at 1 (benchmarks/decode_weight_pages.py,
-        docs/benchmarks.md)."""
-        # plan.amx_ops is set only where every layer has its packs (build_plan)
-        flat = [t for lp in plan.layers if lp.amx is not None for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down)]
-        head = [self.amx_lm_head] if self.amx_lm_head is not None else []
-        moved = copies_on_huge_pages(flat + head)
-        layers = tuple(
-            dataclasses.replace(lp, amx=_AmxPacks(*moved[4 * i : 4 * i + 4])) for i, lp in enumerate(plan.layers)
-        )
-        self.model.plan = dataclasses.replace(plan, layers=layers)
-        if head:
-            self.amx_lm_head = moved[-1]
 
     # ---- weights -----------------------------------------------------------------
     def hf_weight_names(self) -> list[str]:

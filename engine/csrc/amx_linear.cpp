@@ -1,0 +1,408 @@
+#include "kernel_header.h"
+#include <algorithm>
+#include <optional>
+#include <limits>
+#include <vector>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SERVELAB_LINEAR_AMX 1
+#elif defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SERVELAB_LINEAR_DPBF16 1
+#endif
+#if defined(SERVELAB_LINEAR_AMX) || defined(SERVELAB_LINEAR_DPBF16)
+#define SERVELAB_LINEAR_ANY 1
+#endif
+
+namespace servelab {
+
+#if defined(SERVELAB_LINEAR_AMX)
+static bool amx_tiles_granted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl: ask for AMX tile state
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) LinearTileConfig {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+static inline void configure_linear_tiles() {  // 8 tiles of 16 rows x 64 bytes
+  LinearTileConfig c{};
+  c.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+static inline void begin_linear_thread() { configure_linear_tiles(); }
+static inline void end_linear_thread() { _tile_release(); }
+#elif defined(SERVELAB_LINEAR_DPBF16)
+static inline bool amx_tiles_granted() { return true; }  // no tile state to ask for
+static inline void begin_linear_thread() {}
+static inline void end_linear_thread() {}
+#endif
+
+#if defined(SERVELAB_LINEAR_ANY)
+// x's 16-row tiles: in place, the last one (M % 16 rows) as a zero-padded copy.
+struct RowTiles {
+  const bf16* x;
+  int64_t M, K, MT, tail;
+  std::vector<bf16> padded;
+  RowTiles(const bf16* x_, int64_t M_, int64_t K_) : x(x_), M(M_), K(K_), MT((M_ + 15) / 16), tail(M_ % 16) {
+    if (tail) {
+      padded.assign(16 * K, bf16(0.f));
+      std::memcpy(padded.data(), x + (M - tail) * K, tail * K * sizeof(bf16));
+    }
+  }
+  const bf16* tile(int64_t mt) const { return tail && mt == MT - 1 ? padded.data() : x + mt * 16 * K; }
+  int64_t rows(int64_t mt) const { return std::min<int64_t>(16, M - mt * 16); }
+};
+
+// One 32-column block for two 16-row tiles of x: c[t][h] (t: row tile, h: column half) holds
+// the 16 x 16 float32 results, stored row-major. B's two tiles per step are 2 KiB, read in order.
+#if defined(SERVELAB_LINEAR_AMX)
+static inline void block_product(const RowTiles& rt, int64_t mt, const uint32_t* wb, int64_t KC, float (*c)[2][256],
+                                 const uint32_t* /*next: the tile loads' own prefetching serves*/ = nullptr) {
+  const bool two = mt + 1 < rt.MT;
+  const bf16* a0 = rt.tile(mt);
+  const int64_t sx = rt.K * static_cast<int64_t>(sizeof(bf16));
+  _tile_zero(0);
+  _tile_zero(1);
+  if (!two) {  // one row tile (small batches): half the tile products
+    for (int64_t kc = 0; kc < KC; ++kc) {
+      _tile_loadd(6, wb + kc * 512, 64);
+      _tile_loadd(7, wb + kc * 512 + 256, 64);
+      _tile_loadd(4, a0 + kc * 32, sx);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, c[0][0], 64);
+    _tile_stored(1, c[0][1], 64);
+    return;
+  }
+  const bf16* a1 = rt.tile(mt + 1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kc = 0; kc < KC; ++kc) {
+    _tile_loadd(6, wb + kc * 512, 64);
+    _tile_loadd(7, wb + kc * 512 + 256, 64);
+    _tile_loadd(4, a0 + kc * 32, sx);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a1 + kc * 32, sx);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c[0][0], 64);
+  _tile_stored(1, c[0][1], 64);
+  _tile_stored(2, c[1][0], 64);
+  _tile_stored(3, c[1][1], 64);
+}
+#else
+// Without AMX (AVX512-BF16: vdpbf16ps): R rows of x (xw: their bfloat16 pairs as 32-bit words, KW
+// a row) against one 32-column block, 2 R accumulators of 16 columns in registers over the whole
+// reduction; each step loads the block's two 64-byte column vectors for one pair of inputs and
+// broadcasts each row's pair. Row j of the 32-row pair lands where the AMX tiles would store it.
+template <int R>
+static inline void dp_rows(const uint32_t* xw, int64_t KW, const uint32_t* wb, int64_t KC, float* cf, int j0,
+                           const uint32_t* pf) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t kc = 0; kc < KC; ++kc) {
+    const uint32_t* wk = wb + kc * 512;
+    const uint32_t* xk = xw + kc * 16;
+    for (int k2 = 0; k2 < 16; ++k2) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk + k2 * 16);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 256 + k2 * 16);
+      if (pf) {  // the next block's matching lines towards L2 (the hardware's prefetcher stops at pages)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + kc * 512 + k2 * 16), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(pf + kc * 512 + 256 + k2 * 16), _MM_HINT_T1);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[r * KW + k2]));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int j = j0 + r;
+    _mm512_store_ps(cf + ((j / 16) * 2) * 256 + (j % 16) * 16, acc[r][0]);
+    _mm512_store_ps(cf + ((j / 16) * 2 + 1) * 256 + (j % 16) * 16, acc[r][1]);
+  }
+}
+
+// The rows of x from row 16 mt on (up to 32) in groups of at most DP_ROWS (24 accumulators).
+constexpr int DP_ROWS = 12;
+static inline void block_product(const RowTiles& rt, int64_t mt, const uint32_t* wb, int64_t KC, float (*c)[2][256],
+                                 const uint32_t* next = nullptr) {
+  const int rows = static_cast<int>(std::min<int64_t>(32, rt.M - mt * 16));
+  const int64_t KW = rt.K / 2;
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(rt.x + mt * 16 * rt.K);
+  float* cf = &c[0][0][0];
+  // The first group of rows to read this block also prefetches the next one (the caller's `next`).
+  int j = 0;
+  for (; j + DP_ROWS <= rows; j += DP_ROWS) dp_rows<DP_ROWS>(xw + j * KW, KW, wb, KC, cf, j, j == 0 ? next : nullptr);
+  if (j > 0) next = nullptr;
+  switch (rows - j) {
+    case 1: dp_rows<1>(xw + j * KW, KW, wb, KC, cf, j, next); break;
+    case 2: dp_rows<2>(xw + j * KW, KW, wb, KC, cf, j, next); break;
+    case 3: dp_rows<3>(xw + j * KW, KW, wb, KC, cf, j, next); break;
+    case 4: dp_rows<4>(xw + j * KW, KW, wb, KC, cf, j, next); break;
+    case 5: dp_rows<5>(xw + j * KW, KW, wb, KC, cf, j, next); break;
+    case 6: dp_rows<6>(xw + j * KW, KW, wb, KC, cf, j, next); break;
+    case 7: dp_rows<7>(xw + j * KW, KW, wb, KC, cf, j, next); break;
+    case 8: dp_rows<8>(xw + j * KW, KW, wb, KC, cf, j, next); break;
+    case 9: dp_rows<9>(xw + j * KW, KW, wb, KC, cf, j, next); break;
+    case 10: dp_rows<10>(xw + j * KW, KW, wb, KC, cf, j, next); break;
+    case 11: dp_rows<11>(xw + j * KW, KW, wb, KC, cf, j, next); break;
+    default: break;
+  }
+}
+#endif
+
+// Round to bfloat16 and back (round to nearest even), as storing a result and reading it would.
+static inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+
+// The next op's packed weight (`next`), whose first blocks each thread prefetches while it reads
+// its last block of this one: a step's linears run back to back, and without the hand-off every
+// call's first block came from memory at latency, not bandwidth (at batch 1 on a Zen 4 the
+// 30 layers' small matrices streamed at 15-18 GB/s where one 57 MB matrix read 22).
+struct NextWeight {
+  const uint32_t* w = nullptr;
+  int64_t NB = 0, block_words = 0;
+  explicit NextWeight(const std::optional<torch::Tensor>& next) {
+    if (next.has_value() && next->defined()) {
+      TORCH_CHECK(next->scalar_type() == torch::kInt32 && next->dim() == 5 && next->is_contiguous(),
+                  "next: an amx_pack result");
+      w = reinterpret_cast<const uint32_t*>(next->data_ptr<int32_t>());
+      NB = next->size(0);
+      block_words = next->size(1) * 512;
+    }
+  }
+  // Where the calling thread starts in the next op: at::parallel_for(0, NB, 1) gives thread t
+  // blocks from t * ceil(NB / threads) on (OpenMP), as for_each_block splits this op.
+  const uint32_t* start_of_this_thread() const {
+    if (!w) return nullptr;
+    const int64_t T = std::max(1, at::get_num_threads()), chunk = (NB + T - 1) / T;
+    const int64_t first = static_cast<int64_t>(at::get_thread_num()) * chunk;
+    return first < NB ? w + first * block_words : nullptr;
+  }
+};
+
+// Run body(nb, mt, c) for every 32-column block and pair of row tiles, the blocks split over the
+// threads in contiguous ranges (each thread streams its part of the weights once, in order).
+template <typename Body>
+static void for_each_block(const RowTiles& rt, const uint32_t* wp, int64_t NB, int64_t KC, const Body& body,
+                           const NextWeight& next) {
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    begin_linear_thread();
+    alignas(64) float c[2][2][256];
+    const uint32_t* handoff = next.start_of_this_thread();
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const uint32_t* wb = wp + nb * KC * 512;
+      for (int64_t mt = 0; mt < rt.MT; mt += 2) {
+        block_product(rt, mt, wb, KC, c, mt == 0 ? (nb + 1 < b1 ? wb + KC * 512 : handoff) : nullptr);
+        body(nb, mt, c);
+      }
+    }
+    end_linear_thread();
+  });
+}
+#endif
+
+static void check_linear(const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "x: contiguous [M, K] bfloat16 on the CPU");
+  TORCH_CHECK(packed.scalar_type() == torch::kInt32 && packed.dim() == 5 && packed.is_contiguous() &&
+                  packed.size(1) * 32 == x.size(1) && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 16,
+              "packed: amx_pack of a [N, K] weight with x's K");
+}
+
+// w [N, K] -> [NB][KC][2][16][16] 32-bit words (NB = ceil(N / 32) blocks of 32 columns, KC = K / 32):
+// word [nb][kc][h][k2][n] = the bfloat16 pair (w[col][32 kc + 2 k2], w[col][32 kc + 2 k2 + 1]) of
+// column col = 32 nb + 16 h + n (zero past N). With interleave = I (w = [gate; up], N = 2 I), block
+// nb holds gate columns 16 nb .. + 16 in its first half and the same up columns in its second.
+torch::Tensor amx_pack(torch::Tensor w, int64_t interleave) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kBFloat16 && w.dim() == 2, "w: [N, K] bfloat16 on the CPU");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(K % 32 == 0, "amx_pack: K must be a multiple of 32, got ", K);
+  const int64_t I = interleave;
+  TORCH_CHECK(I == 0 || (N == 2 * I && I % 16 == 0), "amx_pack: interleave I needs N = 2 I and 16 | I");
+  const int64_t NB = I ? I / 16 : (N + 31) / 32, KC = K / 32;
+  auto out = torch::empty({NB, KC, 2, 16, 16}, w.options().dtype(torch::kInt32));
+  const uint32_t* w32 = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());
+  uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t kc = 0; kc < KC; ++kc)
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t k2 = 0; k2 < 16; ++k2)
+            for (int64_t n = 0; n < 16; ++n) {
+              const int64_t col = I ? h * I + nb * 16 + n : nb * 32 + h * 16 + n;
+              o[(((nb * KC + kc) * 2 + h) * 16 + k2) * 16 + n] = col < N ? w32[col * (K / 2) + kc * 16 + k2] : 0u;
+            }
+  });
+  return out;
+}
+
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, const std::optional<torch::Tensor>& next) {
+  check_linear(x, packed);
+  TORCH_CHECK((N + 31) / 32 == packed.size(0), "amx_linear: N does not match the packed weight");
+  auto y = torch::empty({x.size(0), N}, x.options());
+#if defined(SERVELAB_LINEAR_ANY)
+  TORCH_CHECK(amx_tiles_granted(), "amx_linear: no AMX tile state on this CPU");
+  const RowTiles rt(x.data_ptr<bf16>(), x.size(0), x.size(1));
+  bf16* yp = y.data_ptr<bf16>();
+  for_each_block(rt, reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), packed.size(0), packed.size(1),
+                 [&](int64_t nb, int64_t mt, float (*c)[2][256]) {
+                   for (int64_t h = 0; h < 2; ++h) {
+                     const int64_t n0 = nb * 32 + h * 16;
+                     if (n0 >= N) continue;
+                     const __mmask16 nm = N - n0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+                     for (int64_t t = 0; t < 2 && mt + t < rt.MT; ++t)
+                       for (int64_t r = 0; r < rt.rows(mt + t); ++r)
+                         _mm256_mask_storeu_epi16(yp + ((mt + t) * 16 + r) * N + n0, nm,
+                                                  (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[t][h] + r * 16)));
+                   }
+                 }, NextWeight(next));
+#else
+  TORCH_CHECK(false, "amx_linear: built without AMX or AVX512-BF16");
+#endif
+  return y;
+}
+
+torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t I,
+                                  const std::optional<torch::Tensor>& next) {
+  check_linear(x, packed);
+  TORCH_CHECK(I % 16 == 0 && I / 16 == packed.size(0), "amx_linear_silu_mul: I does not match the packed weight");
+  auto y = torch::empty({x.size(0), I}, x.options());
+#if defined(SERVELAB_LINEAR_ANY)
+  TORCH_CHECK(amx_tiles_granted(), "amx_linear_silu_mul: no AMX tile state on this CPU");
+  const RowTiles rt(x.data_ptr<bf16>(), x.size(0), x.size(1));
+  bf16* yp = y.data_ptr<bf16>();
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+  for_each_block(rt, reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), packed.size(0), packed.size(1),
+                 [&](int64_t nb, int64_t mt, float (*c)[2][256]) {
+                   for (int64_t t = 0; t < 2 && mt + t < rt.MT; ++t)
+                     for (int64_t r = 0; r < rt.rows(mt + t); ++r) {
+                       // As servelab::silu_mul on the bfloat16 projection: gate / (1 + exp(-gate)) * up.
+                       const __m512 g = round_bf16(_mm512_load_ps(c[t][0] + r * 16));
+                       const __m512 u = round_bf16(_mm512_load_ps(c[t][1] + r * 16));
+                       const __m512 den = _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+                       __m512 sig = _mm512_rcp14_ps(den);
+                       sig = _mm512_mul_ps(sig, _mm512_fnmadd_ps(den, sig, two));
+                       vst(yp + ((mt + t) * 16 + r) * I + nb * 16, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+                     }
+                 }, NextWeight(next));
+#else
+  TORCH_CHECK(false, "amx_linear_silu_mul: built without AMX or AVX512-BF16");
+#endif
+  return y;
+}
+
+torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  check_linear(x, packed);
+  TORCH_CHECK((N + 31) / 32 == packed.size(0) && N > 0, "amx_linear_argmax: N does not match the packed weight");
+  const int64_t M = x.size(0);
+  auto out = torch::empty({M}, x.options().dtype(torch::kInt64));
+#if defined(SERVELAB_LINEAR_ANY)
+  TORCH_CHECK(amx_tiles_granted(), "amx_linear_argmax: no AMX tile state on this CPU");
+  const RowTiles rt(x.data_ptr<bf16>(), M, x.size(1));
+  const int64_t NB = packed.size(0);
+  // Per thread chunk (contiguous column ranges, in order) and row: each lane's best value and index.
+  const int64_t chunks = std::min<int64_t>(NB, at::get_num_threads());
+  std::vector<float> best(chunks * M * 16, -std::numeric_limits<float>::infinity());
+  std::vector<int32_t> where(chunks * M * 16, std::numeric_limits<int32_t>::max());
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    begin_linear_thread();
+    alignas(64) float c[2][2][256];
+    for (int64_t ch = c0; ch < c1; ++ch) {
+      float* bv = best.data() + ch * M * 16;
+      int32_t* bi = where.data() + ch * M * 16;
+      const int64_t nb_end = NB * (ch + 1) / chunks, KC = packed.size(1);
+      for (int64_t nb = NB * ch / chunks; nb < nb_end; ++nb)
+        for (int64_t mt = 0; mt < rt.MT; mt += 2) {
+          const uint32_t* wb = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()) + nb * KC * 512;
+          block_product(rt, mt, wb, KC, c, mt == 0 && nb + 1 < nb_end ? wb + KC * 512 : nullptr);
+          for (int64_t h = 0; h < 2; ++h) {
+            const int64_t n0 = nb * 32 + h * 16;
+            if (n0 >= N) continue;
+            const __mmask16 valid = N - n0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+            const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(n0)));
+            for (int64_t t = 0; t < 2 && mt + t < rt.MT; ++t)
+              for (int64_t r = 0; r < rt.rows(mt + t); ++r) {
+                const int64_t row = (mt + t) * 16 + r;
+                const __m512 v = round_bf16(_mm512_load_ps(c[t][h] + r * 16));
+                __m512 b = _mm512_loadu_ps(bv + row * 16);
+                const __mmask16 nan_v = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan_b = _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+                const __mmask16 take = valid & (_mm512_cmp_ps_mask(v, b, _CMP_GT_OQ) | (nan_v & static_cast<__mmask16>(~nan_b)) |
+                                                 _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(bi + row * 16), _mm512_set1_epi32(std::numeric_limits<int32_t>::max())));
+                _mm512_storeu_ps(bv + row * 16, _mm512_mask_mov_ps(b, take, v));
+                _mm512_storeu_si512(bi + row * 16, _mm512_mask_mov_epi32(_mm512_loadu_si512(bi + row * 16), take, idx));
+              }
+          }
+        }
+    }
+    end_linear_thread();
+  });
+  // Merge lanes and chunks: the maximum, a NaN above everything, the smallest index among equals.
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t row = 0; row < M; ++row) {
+    float bvv = 0.f;
+    int64_t at = -1;
+    for (int64_t ch = 0; ch < chunks; ++ch)
+      for (int64_t l = 0; l < 16; ++l) {
+        const int32_t i = where[(ch * M + row) * 16 + l];
+        if (i == std::numeric_limits<int32_t>::max()) continue;  // a lane that saw no column
+        const float v = best[(ch * M + row) * 16 + l];
+        const bool better = at < 0 || (std::isnan(v) ? (!std::isnan(bvv) || i < at)
+                                                     : (!std::isnan(bvv) && (v > bvv || (v == bvv && i < at))));
+        if (better) {
+          bvv = v;
+          at = i;
+        }
+      }
+    op[row] = at;
+  }
+#else
+  TORCH_CHECK(false, "amx_linear_argmax: built without AMX or AVX512-BF16");
+#endif
+  return out;
+}
+
+bool amx_linear_available() {
+#if defined(SERVELAB_LINEAR_ANY)
+  return amx_tiles_granted();
+#else
+  return false;
+#endif
+}
+
+}  // namespace servelab
+
+TORCH_LIBRARY_FRAGMENT(servelab, m) {
+  m.def("amx_pack(Tensor w, int interleave) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, int N, Tensor? next=None) -> Tensor");
+  m.def("amx_linear_silu_mul(Tensor x, Tensor packed, int I, Tensor? next=None) -> Tensor");
+  m.def("amx_linear_argmax(Tensor x, Tensor packed, int N) -> Tensor");
+  m.def("amx_linear_available() -> bool", &servelab::amx_linear_available);
+}
+
+TORCH_LIBRARY_IMPL(servelab, CPU, m) {
+  m.impl("amx_pack", &servelab::amx_pack);
+  m.impl("amx_linear", &servelab::amx_linear);
+  m.impl("amx_linear_silu_mul", &servelab::amx_linear_silu_mul);
+  m.impl("amx_linear_argmax", &servelab::amx_linear_argmax);
+}

@@ -1,0 +1,43 @@
+// What the paged attention paths share: the AMX switch and the view of the arguments.
+#pragma once
+#include "kernel_header.h"
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <utility>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace servelab {
+
+// Whether the AMX path may run (where it is built and the CPU has it): on unless SERVELAB_CPU_AMX=0;
+// `set_amx_attention` changes it (tests and A/B benchmarks run both paths in one process).
+static std::atomic<bool> g_amx_enabled{[] {
+  const char* e = std::getenv("SERVELAB_CPU_AMX");
+  return !(e && e[0] == '0');
+}()};
+
+// Sizes, pointers and the request of each query row: what both paths read from the arguments.
+template <typename T>
+struct PagedView {
+  int64_t Tn, Hq, D, BS, Hkv, G, row, qs0, qs1;
+  const T *qp, *kp, *vp;
+  T* op;
+  std::vector<int64_t> req_of;  // query row -> its request
+  PagedView(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* qslp, int64_t B, torch::Tensor& out)
+      : Tn(q.size(0)), Hq(q.size(1)), D(q.size(2)), BS(kv_cache.size(2)), Hkv(kv_cache.size(3)), G(Hq / Hkv),
+        row(Hkv * D), qs0(q.stride(0)), qs1(q.stride(1)), qp(q.data_ptr<T>()), kp(kv_cache.data_ptr<T>()),
+        vp(kp + kv_cache.size(1) * BS * row), op(out.data_ptr<T>()), req_of(Tn) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = qslp[b]; i < qslp[b + 1]; ++i) req_of[i] = b;
+  }
+};
+
+}  // namespace servelab
