@@ -48,6 +48,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BUDGET_S = 470.0  # the whole check stays under 8 minutes
+MIN_STEP_S = 10.0  # a step is not started with less time left than this
 GPU_TEST_FILES = ["test_gpu.py", "test_triton_kernels.py", "test_triton_backend.py", "test_sampler_device.py"]
 BENCH_SCRIPTS = ["benchmarks/attention_kernels.py", "benchmarks/gpu_offline.py"]
 # Modules the engine, the workbench and the GPU tests import (a missing one is named, not fatal).
@@ -576,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in wanted:
             r.status, r.summary = "skipped", "not selected (--steps)"
             continue
-        if ctx.remaining() < 10:
+        if ctx.remaining() < MIN_STEP_S:
             r.status, r.summary = "skipped", "out of time (--budget-s)"
             continue
         print(f"[{name}] {title} ...", flush=True)

@@ -9,6 +9,11 @@ it `MADV_HUGEPAGE` before the first touch, then zeroes it: the pages fault in as
 Measured on SmolLM2's cold-cache decode (benchmarks/cpu_paged_attention.py --layers 30,
 bfloat16, 2 threads): 3-5% faster per layer. Elsewhere (no Linux, THP `never`, a GPU, a
 failed `madvise`) it is `torch.zeros`: the same values, only 4 KiB pages.
+
+Faulting huge pages in is slow in some VMs: a 1 GiB KV cache took 1.2-3.1 s on a 2-core KVM
+guest (Zen 4) where `torch.zeros` took 0.45 s. `zeros_huge_in_background` therefore touches
+them on a thread of its own (a plain memset, no OpenMP team) while the engine loads and
+packs its weights: the caller collects the tensors when it needs them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import ctypes.util
 import functools
 import logging
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,9 +50,16 @@ def thp_mode() -> str:
 
 
 @functools.cache
-def _madvise():  # type: ignore[no-untyped-def]
+def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    fn = libc.madvise
+    libc.memset.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)
+    libc.memset.restype = ctypes.c_void_p
+    return libc
+
+
+@functools.cache
+def _madvise():  # type: ignore[no-untyped-def]
+    fn = _libc().madvise
     fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     fn.restype = ctypes.c_int
     return fn
@@ -56,6 +69,46 @@ def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     """`torch.zeros(shape, dtype=dtype, device=device)`, its storage in huge pages where the OS
     gives them (module note). The tensor is contiguous and views a slightly larger buffer."""
     return _advised_empty(shape, dtype, device).zero_()  # the first touch faults the pages in
+
+
+class PendingZeros:
+    """Tensors of zeros whose pages a background thread is faulting in (`zeros_huge_in_background`)."""
+
+    def __init__(self, tensors: list[torch.Tensor], zeroed: bool = False) -> None:
+        """`tensors`: uninitialised CPU tensors to zero on the thread, or (`zeroed`) zeros already."""
+        self._tensors = tensors
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if not zeroed:
+            self._thread = threading.Thread(target=self._fill, name="servelab-prefault", daemon=True)
+            self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            memset = _libc().memset
+            for t in self._tensors:  # ctypes drops the GIL for the call: the loader keeps running
+                memset(t.data_ptr(), 0, t.numel() * t.element_size())
+        except BaseException as exc:  # handed to result()
+            self._error = exc
+
+    def result(self) -> list[torch.Tensor]:
+        """The tensors, all zero, once the thread is done (its error, if it failed)."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._tensors
+
+
+def zeros_huge_in_background(
+    shape: tuple[int, ...], dtype: torch.dtype, count: int, device: torch.device | str = "cpu"
+) -> PendingZeros:
+    """`count` tensors as `zeros_huge(shape, dtype, device)` gives them, collected by `result()`:
+    on a CPU zeroed (and so faulted in) on a background thread meanwhile (module note), on a GPU
+    made at once."""
+    if torch.device(device).type != "cpu":
+        return PendingZeros([torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)], zeroed=True)
+    return PendingZeros([_advised_empty(shape, dtype, device) for _ in range(count)])
 
 
 def _advised_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:

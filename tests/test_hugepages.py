@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from engine.hugepages import HUGE_PAGE, copies_on_huge_pages, thp_mode, zeros_huge
+from engine import hugepages
+from engine.hugepages import HUGE_PAGE, copies_on_huge_pages, thp_mode, zeros_huge, zeros_huge_in_background
 
 
 def _anon_huge_kib() -> int | None:
@@ -28,6 +29,33 @@ def test_zeros_huge_is_zeros_of_the_shape() -> None:
         t = zeros_huge(shape, dtype)
         assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
         assert not t.any()
+
+
+def test_zeros_in_background_are_zeros_of_the_shape_each_its_own() -> None:
+    """The KV cache's allocation: `count` tensors as zeros_huge gives them, zeroed on a thread
+    (over memory that held garbage: 0xff written first through a buffer freed just before)."""
+    shape, dtype = (2, 300, 16, 3, 64), torch.bfloat16  # 3.5 MiB each: advised huge pages where THP allows
+    garbage = torch.full((64 << 20,), -1, dtype=torch.uint8)
+    del garbage
+    pending = zeros_huge_in_background(shape, dtype, 3)
+    tensors = pending.result()
+    assert len(tensors) == 3 and pending.result() == tensors  # collected twice: the same tensors
+    for t in tensors:
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not t.any()
+    tensors[0].fill_(1)
+    assert not tensors[1].any() and not tensors[2].any()
+
+
+def test_a_failed_background_fill_is_raised_by_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    class NoLibc:
+        @property
+        def memset(self):  # type: ignore[no-untyped-def]
+            raise OSError("no memset here")
+
+    monkeypatch.setattr(hugepages, "_libc", lambda: NoLibc())
+    pending = zeros_huge_in_background((4, 1024), torch.float32, 2)
+    with pytest.raises(OSError, match="no memset here"):
+        pending.result()
 
 
 def test_copies_share_one_buffer_keep_values_and_stand_alone() -> None:

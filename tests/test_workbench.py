@@ -49,6 +49,19 @@ def run_once(run_dir: Path, *overrides: str) -> Path:
     return run_dir
 
 
+def runs_side_by_side(*runs: tuple[Path, list[str]], timeout: float = 300) -> None:
+    """`run_once` for each (run folder, overrides), the processes started together: for runs
+    whose figures are compared by count, not by time (each mostly waits on its own start-up)."""
+    procs = [(run_dir, subprocess.Popen([sys.executable, "-m", "workloads.cli", *overrides, f"hydra.run.dir={run_dir}"],
+                                        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+             for run_dir, overrides in runs]  # fmt: skip
+    for run_dir, proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+        assert f"run folder: {run_dir}" in out
+        assert (run_dir / "report.html").exists() and not (run_dir / "error.txt").exists()
+
+
 def test_sweep_2x2_writes_sweep_csv(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     servelab_run(
@@ -94,8 +107,8 @@ def test_enforce_eager_sweep_records_compile_status(tmp_path: Path) -> None:
 
 def test_inprocess_and_server_targets_give_the_same_token_counts(tmp_path: Path) -> None:
     workload = [*TINY, "workload.output_len.value=12", "workload.num_requests=5"]
-    a = run_once(tmp_path / "inprocess", *workload, "target=inprocess")
-    b = run_once(tmp_path / "server", *workload, "target=server")
+    a, b = tmp_path / "inprocess", tmp_path / "server"
+    runs_side_by_side((a, [*workload, "target=inprocess"]), (b, [*workload, "target=server"]))
     ra = pd.read_csv(a / "requests.csv").set_index("request_id").sort_index()
     rb = pd.read_csv(b / "requests.csv").set_index("request_id").sort_index()
     assert list(ra.index) == list(rb.index) and len(ra) == 5

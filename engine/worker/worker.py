@@ -9,7 +9,7 @@ import torch
 from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
 from engine.dtypes import torch_dtype
-from engine.hugepages import zeros_huge
+from engine.hugepages import zeros_huge_in_background
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
 from engine.kv_transfer.worker_step import execute_with_connector
@@ -40,17 +40,16 @@ class Worker:
         self.kv_connector: KVConnectorBase | None = None  # the worker half (engine/kv_transfer/)
 
     def load_and_allocate(self) -> int:
-        """Load the model, allocate the KV cache; returns the number of KV blocks."""
-        from engine.model.loader import load_model
+        """Load the model, allocate the KV cache; returns the number of KV blocks.
+
+        The cache's shape needs only the architecture (the checkpoint's metadata), so its pages
+        are faulted in on a background thread while the weights load and pack
+        (`hugepages.zeros_huge_in_background`: ~1-3 s per GiB in some VMs)."""
+        from engine.model.loader import load_model, resolve_model
 
         torch.manual_seed(self.config.model.seed)
         backend = get_attention_backend(self.config.attention.backend, self.device)
-        self.model = load_model(self.config.model, backend, self.device)
-        if self.config.model.prepack_weights and hasattr(self.model, "prepack"):
-            packed = self.model.prepack()
-            if packed:
-                logger.info("prepacked %d weight matrices for oneDNN", packed)
-        arch = self.model.arch
+        arch = resolve_model(self.config.model)[0]
         self.arch = arch
         self.max_model_len = arch.max_model_len(self.config.model.max_model_len)
         cache = self.config.cache
@@ -58,7 +57,14 @@ class Worker:
         self.kv_bytes_per_block = per_block
         num_blocks = cache.num_blocks or max(2, int(cache.kv_cache_memory_gb * (1 << 30) // per_block))
         shape = (2, num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim)
-        kv_caches = [zeros_huge(shape, self.kv_dtype, self.device) for _ in range(arch.num_layers)]
+        pending_kv = zeros_huge_in_background(shape, self.kv_dtype, arch.num_layers, self.device)
+        self.model = load_model(self.config.model, backend, self.device)
+        assert self.model.arch == arch, "the loaded model's architecture is the one the KV cache was sized for"
+        if self.config.model.prepack_weights and hasattr(self.model, "prepack"):
+            packed = self.model.prepack()
+            if packed:
+                logger.info("prepacked %d weight matrices for oneDNN", packed)
+        kv_caches = pending_kv.result()
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size,
                     num_blocks * per_block / (1 << 20))
         self.model_runner = ModelRunner(
