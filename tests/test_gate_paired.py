@@ -182,6 +182,11 @@ def test_baseline_tree_is_checked_out_once_per_commit(tmp_path):
     ext = extension_dir_for(tree, repo, cache)
     assert ext is not None and ext.parent == cache  # kernel sources differ: a build of its own
     assert extension_dir_for(repo, repo, cache) is None
+    # since engine/csrc/: a changed or new file there is a change of the kernels too
+    third = _commit(repo, "engine/csrc/gemv.cpp", "gemv v1")
+    _commit(repo, "engine/csrc/kernel_header.h", "header v1")
+    csrc_tree = materialise(repo, third)
+    assert extension_dir_for(csrc_tree, repo, cache) not in (None, ext)
 
 
 def test_dependencies_compare_the_declared_sets(tmp_path):

@@ -10,8 +10,9 @@
   declare the same dependencies; otherwise a virtual environment built once per dependency set.
 - `extension_dir_for(tree, repo)`: None when the C++ kernel sources are the same in both trees
   (the torch extension cache is shared); otherwise a separate TORCH_EXTENSIONS_DIR keyed by the
-  baseline's sources, so the two builds never overwrite each other (torch names a build after
-  the extension, not its source, and would rebuild at every switch).
+  baseline's sources, so the two builds never overwrite each other (before engine/csrc/, torch
+  named a build after the extension, not its source, and would rebuild at every switch; builds
+  are named by a digest of their sources since, and a separate folder only costs one build).
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Files whose text makes up the C++ kernels (engine/cpu_extension.py builds them with load_inline).
+# Files whose text makes up the C++ kernels (engine/cpu_extension.py builds them with load_inline):
+# in trees before engine/csrc/, Python files holding the sources; since, every file of KERNEL_DIR.
 KERNEL_SOURCES = (
     "engine/cpu_extension.py",
     "engine/model/cpu_kernels.py",
     "engine/model/amx_linear.py",
     "engine/attention/cpu_paged_attention.py",
 )
+KERNEL_DIR = "engine/csrc"
 MAIN_BRANCHES = ("main", "origin/main", "master", "origin/master")
 
 
@@ -131,9 +134,11 @@ def python_for(tree: Path, repo: Path, cache: Path) -> tuple[str, str]:
 
 def kernel_digest(tree: Path) -> str:
     h = hashlib.sha256()
-    for rel in KERNEL_SOURCES:
+    kernel_dir = tree / KERNEL_DIR
+    in_dir = sorted(p.relative_to(tree).as_posix() for p in kernel_dir.iterdir()) if kernel_dir.is_dir() else []
+    for rel in (*KERNEL_SOURCES, *in_dir):
         path = tree / rel
-        h.update(rel.encode() + b"\0" + (path.read_bytes() if path.exists() else b"") + b"\0")
+        h.update(rel.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"") + b"\0")
     return h.hexdigest()[:12]
 
 
