@@ -30,6 +30,7 @@ TINY = [
     "workload.prompt_len.value=24",
     "workload.output_len.value=6",
     "run.time_reference=false",
+    "cache.num_blocks=64",  # these runs use a few blocks; the default 1 GiB takes ~1 s to fault in
 ]
 
 
@@ -69,7 +70,7 @@ def test_sweep_2x2_writes_sweep_csv(tmp_path: Path) -> None:
         "workload.warmup_requests=0", "workload.prompt_len.low=40", "workload.prompt_len.high=60",
         "workload.shared_prefix.prefix_len=48", "workload.shared_prefix.num_groups=1",
         "workload.shared_prefix.fraction=1.0", "workload.output_len.value=4",
-        "workload.arrival.rate=16", "run.time_reference=false",
+        "workload.arrival.rate=16", "run.time_reference=false", "cache.num_blocks=64",
         f"hydra.sweep.dir={sweep_dir}", timeout=600,
     )
     df = pd.read_csv(sweep_dir / "sweep.csv")
