@@ -3,10 +3,7 @@
 #include <optional>
 #include <limits>
 #include <vector>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define SERVELAB_LINEAR_AMX 1
@@ -20,30 +17,8 @@
 namespace servelab {
 
 #if defined(SERVELAB_LINEAR_AMX)
-static bool amx_tiles_granted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl: ask for AMX tile state
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) LinearTileConfig {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-static inline void configure_linear_tiles() {  // 8 tiles of 16 rows x 64 bytes
-  LinearTileConfig c{};
-  c.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  _tile_loadconfig(&c);
-}
-static inline void begin_linear_thread() { configure_linear_tiles(); }
+// a thread's tiles: 0 = C, the rest as each kernel loads them (amx_tiles.h)
+static inline void begin_linear_thread() { configure_tiles(); }
 static inline void end_linear_thread() { _tile_release(); }
 #elif defined(SERVELAB_LINEAR_DPBF16)
 static inline bool amx_tiles_granted() { return true; }  // no tile state to ask for

@@ -90,7 +90,7 @@ static void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& kv
 bool paged_prefill_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                               torch::Tensor query_start, torch::Tensor query_len, torch::Tensor seq_lens, double scale) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (!(g_amx_enabled && amx_ready() && q.scalar_type() == torch::kBFloat16 && kv_cache.scalar_type() == torch::kBFloat16 &&
+  if (!(g_amx_enabled && amx_tiles_granted() && q.scalar_type() == torch::kBFloat16 && kv_cache.scalar_type() == torch::kBFloat16 &&
         (q.size(2) == 64 || q.size(2) == 128)))
     return false;
   check_cpu(q, "q");
@@ -139,7 +139,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
   const int64_t G = q.size(1) / kv_cache.size(3);
   const bool one_item_fits = G <= 16 && (q.size(1) <= 16 || q.size(0) < 4 * at::get_num_threads());
   if (q.scalar_type() == torch::kBFloat16 && kv_cache.size(2) % 16 == 0 && one_item_fits && g_amx_enabled &&
-      amx_ready()) {
+      amx_tiles_granted()) {
     if (q.size(2) == 64) {
       paged_attention_amx<4>(q, kv_cache, bt.data_ptr<int64_t>(), bt.size(1), qsl.data_ptr<int64_t>(),
                              sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out);
@@ -175,7 +175,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
 bool set_amx_attention(bool enabled) {
   g_amx_enabled = enabled;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return enabled && amx_ready();
+  return enabled && amx_tiles_granted();
 #else
   return false;
 #endif

@@ -1,5 +1,6 @@
 // Paged attention's AMX paths (bfloat16): decode rows, and prefill rows as whole query blocks.
 #pragma once
+#include "amx_tiles.h"
 #include "paged_attention_avx512.h"
 
 namespace servelab {
@@ -16,29 +17,7 @@ namespace servelab {
 // softmax runs across heads in vector lanes; the values pass is the AVX-512 path's, in float32.
 // Tile loads of cache lines not yet fetched stall the tile unit, so the blocks PF ahead are
 // prefetched as in the AVX-512 path (cold-cache decode: benchmarks/cpu_paged_attention.py).
-static bool amx_ready() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl: ask for AMX tile state
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-static inline void configure_tiles() {  // 8 tiles of 16 rows x 64 bytes: 0 = C, 1 = A, 2..7 = B
-  TileConfig c{};
-  c.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  _tile_loadconfig(&c);
-}
+// Tiles as configure_tiles (amx_tiles.h) sets them: 0 = C, 1 = A, 2..7 = B.
 
 // The tile intrinsics take tile numbers as literals (spelled into the instruction), so the
 // resident-B products are written out per chunk count: B chunk c lives in tile 2 + c.

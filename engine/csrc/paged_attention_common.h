@@ -5,8 +5,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <utility>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <cstring>
 #include <limits>
 #include <type_traits>
