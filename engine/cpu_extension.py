@@ -51,12 +51,13 @@ def translation_unit(source: str) -> str:
     return "\n".join(expand(source)) + "\n"
 
 
-def extension_name(source: str, extra_cflags: tuple[str, ...] = ()) -> str:
-    """`servelab_<stem>_<digest>`: the digest covers what the build depends on (module note)."""
+def extension_name(source: str, extra_cflags: tuple[str, ...] = (), unit: str | None = None) -> str:
+    """`servelab_<stem>_<digest>`: the digest covers what the build depends on (module note);
+    `unit`: `translation_unit(source)` where the caller has it already."""
     from engine.platform import cpu_flags
 
     digest = hashlib.sha256()
-    for part in (translation_unit(source), " ".join((*_CFLAGS, *extra_cflags)), " ".join(sorted(cpu_flags()))):
+    for part in (unit if unit is not None else translation_unit(source), " ".join((*_CFLAGS, *extra_cflags)), " ".join(sorted(cpu_flags()))):
         digest.update(part.encode())
         digest.update(b"\0")
     return f"servelab_{Path(source).stem}_{digest.hexdigest()[:12]}"
@@ -96,11 +97,12 @@ def load_cpu_ops(
         try:
             from torch.utils.cpp_extension import load_inline
 
-            name = extension_name(source, extra_cflags)
+            unit = translation_unit(source)
+            name = extension_name(source, extra_cflags, unit)
             _clear_stale_lock(name)
             load_inline(  # the text, not the path: the build command is the same from any checkout
                 name=name,
-                cpp_sources=[translation_unit(source)],
+                cpp_sources=[unit],
                 extra_cflags=[*_CFLAGS, *extra_cflags],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,

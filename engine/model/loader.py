@@ -203,14 +203,16 @@ def materialize(model: M, device: torch.device, dtype: torch.dtype) -> M:
 
 
 def load_model(
-    model_config: ModelConfig, attn_backend: AttentionBackend, device: torch.device | str
+    model_config: ModelConfig, attn_backend: AttentionBackend, device: torch.device | str,
+    resolved: tuple[ModelArch, WeightsFn | None, Path] | None = None,
 ) -> LlamaForCausalLM:
     """Build the model on `device` in `model_config.dtype` and fill its weights.
 
     The module is built on the meta device first, so no memory is spent on an
-    initialisation that the weights overwrite anyway.
+    initialisation that the weights overwrite anyway. `resolved`: `resolve_model(model_config)`
+    where the caller already has it (the worker sizes the KV cache from it first).
     """
-    arch, weights_fn, _ = resolve_model(model_config)
+    arch, weights_fn, _ = resolved or resolve_model(model_config)
     device = torch.device(device)
     dtype = _dtype(model_config.dtype, resolve_source(model_config.model), device)
     with build_on_meta():

@@ -49,7 +49,8 @@ class Worker:
 
         torch.manual_seed(self.config.model.seed)
         backend = get_attention_backend(self.config.attention.backend, self.device)
-        arch = resolve_model(self.config.model)[0]
+        resolved = resolve_model(self.config.model)  # metadata only; the weights load below
+        arch = resolved[0]
         self.arch = arch
         self.max_model_len = arch.max_model_len(self.config.model.max_model_len)
         cache = self.config.cache
@@ -58,8 +59,7 @@ class Worker:
         num_blocks = cache.num_blocks or max(2, int(cache.kv_cache_memory_gb * (1 << 30) // per_block))
         shape = (2, num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim)
         pending_kv = zeros_huge_in_background(shape, self.kv_dtype, arch.num_layers, self.device)
-        self.model = load_model(self.config.model, backend, self.device)
-        assert self.model.arch == arch, "the loaded model's architecture is the one the KV cache was sized for"
+        self.model = load_model(self.config.model, backend, self.device, resolved)
         if self.config.model.prepack_weights and hasattr(self.model, "prepack"):
             packed = self.model.prepack()
             if packed:
