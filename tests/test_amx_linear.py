@@ -87,5 +87,5 @@ def test_next_weight_prefetch_changes_no_result(m) -> None:  # type: ignore[no-u
         assert torch.equal(ops.amx_linear(x, qkv, 960, nxt), ops.amx_linear(x, qkv, 960))
         assert torch.equal(ops.amx_linear_silu_mul(x, gate_up, 1536, nxt), ops.amx_linear_silu_mul(x, gate_up, 1536))
         assert torch.equal(ops.amx_linear(xi, down, 576, nxt), ops.amx_linear(xi, down, 576, None))
-    with pytest.raises(RuntimeError, match="amx_pack result"):
+    with pytest.raises(RuntimeError, match="an amx_pack or quant_pack result"):
         ops.amx_linear(x, qkv, 960, torch.zeros(4, 4))

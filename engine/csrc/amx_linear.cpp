@@ -4,6 +4,7 @@
 #include <limits>
 #include <vector>
 #include "amx_tiles.h"
+#include "gguf_blocks.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define SERVELAB_LINEAR_AMX 1
@@ -27,13 +28,20 @@ static inline void end_linear_thread() {}
 #endif
 
 #if defined(SERVELAB_LINEAR_ANY)
+#if defined(SERVELAB_LINEAR_AMX)
+constexpr bool kPadTiles = true;
+#else
+constexpr bool kPadTiles = false;
+#endif
 // x's 16-row tiles: in place, the last one (M % 16 rows) as a zero-padded copy.
 struct RowTiles {
   const bf16* x;
   int64_t M, K, MT, tail;
   std::vector<bf16> padded;
-  RowTiles(const bf16* x_, int64_t M_, int64_t K_) : x(x_), M(M_), K(K_), MT((M_ + 15) / 16), tail(M_ % 16) {
-    if (tail) {
+  // pad: copy the last tile (only AMX's tile loads read whole tiles; the other paths read rows)
+  RowTiles(const bf16* x_, int64_t M_, int64_t K_, bool pad = kPadTiles)
+      : x(x_), M(M_), K(K_), MT((M_ + 15) / 16), tail(M_ % 16) {
+    if (tail && pad) {
       padded.assign(16 * K, bf16(0.f));
       std::memcpy(padded.data(), x + (M - tail) * K, tail * K * sizeof(bf16));
     }
@@ -151,46 +159,72 @@ static inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtne
 // The next op's packed weight (`next`), whose first blocks each thread prefetches while it reads
 // its last block of this one: a step's linears run back to back, and without the hand-off every
 // call's first block came from memory at latency, not bandwidth (at batch 1 on a Zen 4 the
-// 30 layers' small matrices streamed at 15-18 GB/s where one 57 MB matrix read 22).
+// 30 layers' small matrices streamed at 15-18 GB/s where one 57 MB matrix read 22). Either
+// layout: an amx_pack result (int32 [NB, KC, 2, 16, 16]) or a quant_pack one (uint8 [NB, KB, T]).
 struct NextWeight {
-  const uint32_t* w = nullptr;
-  int64_t NB = 0, block_words = 0;
+  const uint8_t* w = nullptr;
+  int64_t NB = 0, block_bytes = 0;
   explicit NextWeight(const std::optional<torch::Tensor>& next) {
     if (next.has_value() && next->defined()) {
-      TORCH_CHECK(next->scalar_type() == torch::kInt32 && next->dim() == 5 && next->is_contiguous(),
-                  "next: an amx_pack result");
-      w = reinterpret_cast<const uint32_t*>(next->data_ptr<int32_t>());
+      const bool amx = next->scalar_type() == torch::kInt32 && next->dim() == 5;
+      const bool gguf = next->scalar_type() == torch::kUInt8 && next->dim() == 3;
+      TORCH_CHECK((amx || gguf) && next->is_contiguous() && next->size(0) > 0, "next: an amx_pack or quant_pack result");
+      w = static_cast<const uint8_t*>(next->data_ptr());
       NB = next->size(0);
-      block_words = next->size(1) * 512;
+      block_bytes = next->numel() * static_cast<int64_t>(next->element_size()) / NB;
     }
   }
   // Where the calling thread starts in the next op: at::parallel_for(0, NB, 1) gives thread t
   // blocks from t * ceil(NB / threads) on (OpenMP), as for_each_block splits this op.
-  const uint32_t* start_of_this_thread() const {
+  const uint8_t* start_of_this_thread() const {
     if (!w) return nullptr;
     const int64_t T = std::max(1, at::get_num_threads()), chunk = (NB + T - 1) / T;
     const int64_t first = static_cast<int64_t>(at::get_thread_num()) * chunk;
-    return first < NB ? w + first * block_words : nullptr;
+    return first < NB ? w + first * block_bytes : nullptr;
   }
 };
 
+// A packed weight as the loops below walk it: NB blocks of 32 columns; block(nb) is where block
+// nb starts; product(rt, mt, nb, c, next) fills c with rows 16 mt .. + 32 of block nb (next: the
+// block to prefetch meanwhile, or null). kTiles: it runs on AMX's tile unit.
+struct Bf16Blocks {
+  static constexpr bool kTiles = true;
+  const uint32_t* w;
+  int64_t NB, KC;
+  const uint8_t* block(int64_t nb) const { return reinterpret_cast<const uint8_t*>(w + nb * KC * 512); }
+  void product(const RowTiles& rt, int64_t mt, int64_t nb, float (*c)[2][256], const uint8_t* next) const {
+    block_product(rt, mt, w + nb * KC * 512, KC, c, reinterpret_cast<const uint32_t*>(next));
+  }
+};
+
+#if defined(SERVELAB_GGUF_BLOCKS)
+template <BlockKind K>
+struct GgufBlocks {  // gguf_blocks.h: the checkpoint's own blocks, widened to bfloat16 in registers
+  static constexpr bool kTiles = false;
+  const uint8_t* w;
+  int64_t NB, KB;
+  const uint8_t* block(int64_t nb) const { return w + nb * KB * TileLayout<K>::kBytes; }
+  void product(const RowTiles& rt, int64_t mt, int64_t nb, float (*c)[2][256], const uint8_t* next) const {
+    widened_block<K>(rt.x, rt.M, rt.K, mt, block(nb), KB, &c[0][0][0], next);
+  }
+};
+#endif
+
 // Run body(nb, mt, c) for every 32-column block and pair of row tiles, the blocks split over the
 // threads in contiguous ranges (each thread streams its part of the weights once, in order).
-template <typename Body>
-static void for_each_block(const RowTiles& rt, const uint32_t* wp, int64_t NB, int64_t KC, const Body& body,
-                           const NextWeight& next) {
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    begin_linear_thread();
+template <typename W, typename Body>
+static void for_each_block(const RowTiles& rt, const W& wt, const Body& body, const NextWeight& next) {
+  at::parallel_for(0, wt.NB, 1, [&](int64_t b0, int64_t b1) {
+    if constexpr (W::kTiles) begin_linear_thread();
     alignas(64) float c[2][2][256];
-    const uint32_t* handoff = next.start_of_this_thread();
+    const uint8_t* handoff = next.start_of_this_thread();
     for (int64_t nb = b0; nb < b1; ++nb) {
-      const uint32_t* wb = wp + nb * KC * 512;
       for (int64_t mt = 0; mt < rt.MT; mt += 2) {
-        block_product(rt, mt, wb, KC, c, mt == 0 ? (nb + 1 < b1 ? wb + KC * 512 : handoff) : nullptr);
+        wt.product(rt, mt, nb, c, mt == 0 ? (nb + 1 < b1 ? wt.block(nb + 1) : handoff) : nullptr);
         body(nb, mt, c);
       }
     }
-    end_linear_thread();
+    if constexpr (W::kTiles) end_linear_thread();
   });
 }
 #endif
@@ -231,86 +265,60 @@ torch::Tensor amx_pack(torch::Tensor w, int64_t interleave) {
   return out;
 }
 
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, const std::optional<torch::Tensor>& next) {
-  check_linear(x, packed);
-  TORCH_CHECK((N + 31) / 32 == packed.size(0), "amx_linear: N does not match the packed weight");
-  auto y = torch::empty({x.size(0), N}, x.options());
 #if defined(SERVELAB_LINEAR_ANY)
-  TORCH_CHECK(amx_tiles_granted(), "amx_linear: no AMX tile state on this CPU");
-  const RowTiles rt(x.data_ptr<bf16>(), x.size(0), x.size(1));
-  bf16* yp = y.data_ptr<bf16>();
-  for_each_block(rt, reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), packed.size(0), packed.size(1),
-                 [&](int64_t nb, int64_t mt, float (*c)[2][256]) {
-                   for (int64_t h = 0; h < 2; ++h) {
-                     const int64_t n0 = nb * 32 + h * 16;
-                     if (n0 >= N) continue;
-                     const __mmask16 nm = N - n0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n0)) - 1u);
-                     for (int64_t t = 0; t < 2 && mt + t < rt.MT; ++t)
-                       for (int64_t r = 0; r < rt.rows(mt + t); ++r)
-                         _mm256_mask_storeu_epi16(yp + ((mt + t) * 16 + r) * N + n0, nm,
-                                                  (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[t][h] + r * 16)));
-                   }
-                 }, NextWeight(next));
-#else
-  TORCH_CHECK(false, "amx_linear: built without AMX or AVX512-BF16");
-#endif
-  return y;
+// y [M, N] = x W^T rounded to bfloat16.
+template <typename W>
+static void linear_into(const RowTiles& rt, const W& wt, int64_t N, bf16* yp, const NextWeight& next) {
+  for_each_block(rt, wt, [&](int64_t nb, int64_t mt, float (*c)[2][256]) {
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t n0 = nb * 32 + h * 16;
+      if (n0 >= N) continue;
+      const __mmask16 nm = N - n0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+      for (int64_t t = 0; t < 2 && mt + t < rt.MT; ++t)
+        for (int64_t r = 0; r < rt.rows(mt + t); ++r)
+          _mm256_mask_storeu_epi16(yp + ((mt + t) * 16 + r) * N + n0, nm,
+                                   (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[t][h] + r * 16)));
+    }
+  }, next);
 }
 
-torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t I,
-                                  const std::optional<torch::Tensor>& next) {
-  check_linear(x, packed);
-  TORCH_CHECK(I % 16 == 0 && I / 16 == packed.size(0), "amx_linear_silu_mul: I does not match the packed weight");
-  auto y = torch::empty({x.size(0), I}, x.options());
-#if defined(SERVELAB_LINEAR_ANY)
-  TORCH_CHECK(amx_tiles_granted(), "amx_linear_silu_mul: no AMX tile state on this CPU");
-  const RowTiles rt(x.data_ptr<bf16>(), x.size(0), x.size(1));
-  bf16* yp = y.data_ptr<bf16>();
+// y [M, I] = silu(gate) * up of the interleaved [gate; up] projection.
+template <typename W>
+static void silu_mul_into(const RowTiles& rt, const W& wt, int64_t I, bf16* yp, const NextWeight& next) {
   const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
-  for_each_block(rt, reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), packed.size(0), packed.size(1),
-                 [&](int64_t nb, int64_t mt, float (*c)[2][256]) {
-                   for (int64_t t = 0; t < 2 && mt + t < rt.MT; ++t)
-                     for (int64_t r = 0; r < rt.rows(mt + t); ++r) {
-                       // As servelab::silu_mul on the bfloat16 projection: gate / (1 + exp(-gate)) * up.
-                       const __m512 g = round_bf16(_mm512_load_ps(c[t][0] + r * 16));
-                       const __m512 u = round_bf16(_mm512_load_ps(c[t][1] + r * 16));
-                       const __m512 den = _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-                       __m512 sig = _mm512_rcp14_ps(den);
-                       sig = _mm512_mul_ps(sig, _mm512_fnmadd_ps(den, sig, two));
-                       vst(yp + ((mt + t) * 16 + r) * I + nb * 16, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
-                     }
-                 }, NextWeight(next));
-#else
-  TORCH_CHECK(false, "amx_linear_silu_mul: built without AMX or AVX512-BF16");
-#endif
-  return y;
+  for_each_block(rt, wt, [&](int64_t nb, int64_t mt, float (*c)[2][256]) {
+    for (int64_t t = 0; t < 2 && mt + t < rt.MT; ++t)
+      for (int64_t r = 0; r < rt.rows(mt + t); ++r) {
+        // As servelab::silu_mul on the bfloat16 projection: gate / (1 + exp(-gate)) * up.
+        const __m512 g = round_bf16(_mm512_load_ps(c[t][0] + r * 16));
+        const __m512 u = round_bf16(_mm512_load_ps(c[t][1] + r * 16));
+        const __m512 den = _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+        __m512 sig = _mm512_rcp14_ps(den);
+        sig = _mm512_mul_ps(sig, _mm512_fnmadd_ps(den, sig, two));
+        vst(yp + ((mt + t) * 16 + r) * I + nb * 16, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+      }
+  }, next);
 }
 
-torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  check_linear(x, packed);
-  TORCH_CHECK((N + 31) / 32 == packed.size(0) && N > 0, "amx_linear_argmax: N does not match the packed weight");
-  const int64_t M = x.size(0);
-  auto out = torch::empty({M}, x.options().dtype(torch::kInt64));
-#if defined(SERVELAB_LINEAR_ANY)
-  TORCH_CHECK(amx_tiles_granted(), "amx_linear_argmax: no AMX tile state on this CPU");
-  const RowTiles rt(x.data_ptr<bf16>(), M, x.size(1));
-  const int64_t NB = packed.size(0);
+// out [M] = each row's index of its first maximum logit (rounded to bfloat16).
+template <typename W>
+static void argmax_into(const RowTiles& rt, const W& wt, int64_t N, int64_t* op) {
+  const int64_t M = rt.M, NB = wt.NB;
   // Per thread chunk (contiguous column ranges, in order) and row: each lane's best value and index.
   const int64_t chunks = std::min<int64_t>(NB, at::get_num_threads());
   std::vector<float> best(chunks * M * 16, -std::numeric_limits<float>::infinity());
   std::vector<int32_t> where(chunks * M * 16, std::numeric_limits<int32_t>::max());
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    begin_linear_thread();
+    if constexpr (W::kTiles) begin_linear_thread();
     alignas(64) float c[2][2][256];
     for (int64_t ch = c0; ch < c1; ++ch) {
       float* bv = best.data() + ch * M * 16;
       int32_t* bi = where.data() + ch * M * 16;
-      const int64_t nb_end = NB * (ch + 1) / chunks, KC = packed.size(1);
+      const int64_t nb_end = NB * (ch + 1) / chunks;
       for (int64_t nb = NB * ch / chunks; nb < nb_end; ++nb)
         for (int64_t mt = 0; mt < rt.MT; mt += 2) {
-          const uint32_t* wb = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()) + nb * KC * 512;
-          block_product(rt, mt, wb, KC, c, mt == 0 && nb + 1 < nb_end ? wb + KC * 512 : nullptr);
+          wt.product(rt, mt, nb, c, mt == 0 && nb + 1 < nb_end ? wt.block(nb + 1) : nullptr);
           for (int64_t h = 0; h < 2; ++h) {
             const int64_t n0 = nb * 32 + h * 16;
             if (n0 >= N) continue;
@@ -330,10 +338,9 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t N
           }
         }
     }
-    end_linear_thread();
+    if constexpr (W::kTiles) end_linear_thread();
   });
   // Merge lanes and chunks: the maximum, a NaN above everything, the smallest index among equals.
-  int64_t* op = out.data_ptr<int64_t>();
   for (int64_t row = 0; row < M; ++row) {
     float bvv = 0.f;
     int64_t at = -1;
@@ -351,10 +358,142 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t N
       }
     op[row] = at;
   }
+}
+
+static Bf16Blocks bf16_blocks(const torch::Tensor& packed) {
+  return Bf16Blocks{reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), packed.size(0), packed.size(1)};
+}
+#endif
+
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, const std::optional<torch::Tensor>& next) {
+  check_linear(x, packed);
+  TORCH_CHECK((N + 31) / 32 == packed.size(0), "amx_linear: N does not match the packed weight");
+  auto y = torch::empty({x.size(0), N}, x.options());
+#if defined(SERVELAB_LINEAR_ANY)
+  TORCH_CHECK(amx_tiles_granted(), "amx_linear: no AMX tile state on this CPU");
+  linear_into(RowTiles(x.data_ptr<bf16>(), x.size(0), x.size(1)), bf16_blocks(packed), N, y.data_ptr<bf16>(),
+              NextWeight(next));
+#else
+  TORCH_CHECK(false, "amx_linear: built without AMX or AVX512-BF16");
+#endif
+  return y;
+}
+
+torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t I,
+                                  const std::optional<torch::Tensor>& next) {
+  check_linear(x, packed);
+  TORCH_CHECK(I % 16 == 0 && I / 16 == packed.size(0), "amx_linear_silu_mul: I does not match the packed weight");
+  auto y = torch::empty({x.size(0), I}, x.options());
+#if defined(SERVELAB_LINEAR_ANY)
+  TORCH_CHECK(amx_tiles_granted(), "amx_linear_silu_mul: no AMX tile state on this CPU");
+  silu_mul_into(RowTiles(x.data_ptr<bf16>(), x.size(0), x.size(1)), bf16_blocks(packed), I, y.data_ptr<bf16>(),
+                NextWeight(next));
+#else
+  TORCH_CHECK(false, "amx_linear_silu_mul: built without AMX or AVX512-BF16");
+#endif
+  return y;
+}
+
+torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  check_linear(x, packed);
+  TORCH_CHECK((N + 31) / 32 == packed.size(0) && N > 0, "amx_linear_argmax: N does not match the packed weight");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+#if defined(SERVELAB_LINEAR_ANY)
+  TORCH_CHECK(amx_tiles_granted(), "amx_linear_argmax: no AMX tile state on this CPU");
+  argmax_into(RowTiles(x.data_ptr<bf16>(), x.size(0), x.size(1)), bf16_blocks(packed), N, out.data_ptr<int64_t>());
 #else
   TORCH_CHECK(false, "amx_linear_argmax: built without AMX or AVX512-BF16");
 #endif
   return out;
+}
+
+// ---- the same ops on a GGUF checkpoint's own blocks (gguf_blocks.h) --------------------------
+
+static BlockKind block_kind(const std::string& kind) {
+  TORCH_CHECK(kind == "Q4_1" || kind == "Q8_0", "quant_pack: block kind Q4_1 or Q8_0, got ", kind);
+  return kind == "Q4_1" ? BlockKind::Q4_1 : BlockKind::Q8_0;
+}
+
+// x [M, K] against a quant_pack result: the kind (by its tile size) and the shape checked.
+static BlockKind check_quant(const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "x: contiguous [M, K] bfloat16 on the CPU");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(1) * 32 == x.size(1) && packed_kind(packed.size(2)) >= 0,
+              "packed: quant_pack of a [N, K] weight with x's K");
+  return static_cast<BlockKind>(packed_kind(packed.size(2)));
+}
+
+torch::Tensor quant_pack(torch::Tensor blocks, std::string kind, torch::Tensor w, int64_t interleave) {
+#if defined(SERVELAB_GGUF_BLOCKS)
+  return pack_gguf_blocks(blocks, w, block_kind(kind), interleave);
+#else
+  (void)blocks, (void)w, (void)interleave, (void)block_kind(kind);
+  TORCH_CHECK(false, "quant_pack: built without AVX512-BF16");
+#endif
+}
+
+#if defined(SERVELAB_GGUF_BLOCKS)
+// f(GgufBlocks<K>) for the packed weight's kind.
+template <typename F>
+static void with_blocks(const torch::Tensor& packed, BlockKind kind, const F& f) {
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (kind == BlockKind::Q4_1)
+    f(GgufBlocks<BlockKind::Q4_1>{w, packed.size(0), packed.size(1)});
+  else
+    f(GgufBlocks<BlockKind::Q8_0>{w, packed.size(0), packed.size(1)});
+}
+#endif
+
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t N, const std::optional<torch::Tensor>& next) {
+  const BlockKind kind = check_quant(x, packed);
+  TORCH_CHECK((N + 31) / 32 == packed.size(0), "quant_linear: N does not match the packed weight");
+  auto y = torch::empty({x.size(0), N}, x.options());
+#if defined(SERVELAB_GGUF_BLOCKS)
+  const RowTiles rt(x.data_ptr<bf16>(), x.size(0), x.size(1), false);
+  with_blocks(packed, kind, [&](const auto& wt) { linear_into(rt, wt, N, y.data_ptr<bf16>(), NextWeight(next)); });
+#else
+  (void)kind, (void)next;
+  TORCH_CHECK(false, "quant_linear: built without AVX512-BF16");
+#endif
+  return y;
+}
+
+torch::Tensor quant_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t I,
+                                    const std::optional<torch::Tensor>& next) {
+  const BlockKind kind = check_quant(x, packed);
+  TORCH_CHECK(I % 16 == 0 && I / 16 == packed.size(0), "quant_linear_silu_mul: I does not match the packed weight");
+  auto y = torch::empty({x.size(0), I}, x.options());
+#if defined(SERVELAB_GGUF_BLOCKS)
+  const RowTiles rt(x.data_ptr<bf16>(), x.size(0), x.size(1), false);
+  with_blocks(packed, kind, [&](const auto& wt) { silu_mul_into(rt, wt, I, y.data_ptr<bf16>(), NextWeight(next)); });
+#else
+  (void)kind, (void)next;
+  TORCH_CHECK(false, "quant_linear_silu_mul: built without AVX512-BF16");
+#endif
+  return y;
+}
+
+torch::Tensor quant_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  const BlockKind kind = check_quant(x, packed);
+  TORCH_CHECK((N + 31) / 32 == packed.size(0) && N > 0, "quant_linear_argmax: N does not match the packed weight");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+#if defined(SERVELAB_GGUF_BLOCKS)
+  const RowTiles rt(x.data_ptr<bf16>(), x.size(0), x.size(1), false);
+  with_blocks(packed, kind, [&](const auto& wt) { argmax_into(rt, wt, N, out.data_ptr<int64_t>()); });
+#else
+  (void)kind;
+  TORCH_CHECK(false, "quant_linear_argmax: built without AVX512-BF16");
+#endif
+  return out;
+}
+
+bool quant_linear_available() {
+#if defined(SERVELAB_GGUF_BLOCKS)
+  return true;
+#else
+  return false;
+#endif
 }
 
 bool amx_linear_available() {
@@ -373,6 +512,11 @@ TORCH_LIBRARY_FRAGMENT(servelab, m) {
   m.def("amx_linear_silu_mul(Tensor x, Tensor packed, int I, Tensor? next=None) -> Tensor");
   m.def("amx_linear_argmax(Tensor x, Tensor packed, int N) -> Tensor");
   m.def("amx_linear_available() -> bool", &servelab::amx_linear_available);
+  m.def("quant_pack(Tensor blocks, str kind, Tensor w, int interleave) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, int N, Tensor? next=None) -> Tensor");
+  m.def("quant_linear_silu_mul(Tensor x, Tensor packed, int I, Tensor? next=None) -> Tensor");
+  m.def("quant_linear_argmax(Tensor x, Tensor packed, int N) -> Tensor");
+  m.def("quant_linear_available() -> bool", &servelab::quant_linear_available);
 }
 
 TORCH_LIBRARY_IMPL(servelab, CPU, m) {
@@ -380,4 +524,8 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
   m.impl("amx_linear", &servelab::amx_linear);
   m.impl("amx_linear_silu_mul", &servelab::amx_linear_silu_mul);
   m.impl("amx_linear_argmax", &servelab::amx_linear_argmax);
+  m.impl("quant_pack", &servelab::quant_pack);
+  m.impl("quant_linear", &servelab::quant_linear);
+  m.impl("quant_linear_silu_mul", &servelab::quant_linear_silu_mul);
+  m.impl("quant_linear_argmax", &servelab::quant_linear_argmax);
 }

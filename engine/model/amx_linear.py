@@ -45,6 +45,7 @@ without AMX); `SERVELAB_CPU_DPBF16=0` turns the AVX512-BF16 ones off likewise.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -54,8 +55,13 @@ from engine.cpu_extension import load_cpu_ops
 
 # Up to this many rows a step's linears run here; above, oneDNN's prepacked kernels are faster.
 DECODE_MAX_ROWS = 128
+# Up to this many rows they read a GGUF checkpoint's own Q4_1 / Q8_0 blocks where the model has
+# them (quant_pack): widening in registers costs about as much as reading bfloat16 from memory
+# at 6-8 rows on a 2-core Zen 4 (1.7x faster at 1-2 rows, 1.5x at 3-4: docs/benchmarks.md).
+QUANT_MAX_ROWS = 4
 
 _SOURCE = "amx_linear.cpp"  # engine/csrc
+logger = logging.getLogger(__name__)
 
 
 def _register_fakes() -> None:
@@ -74,6 +80,24 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], i))
 
     @torch.library.register_fake("servelab::amx_linear_argmax")
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[:1], dtype=torch.int64)
+
+    @torch.library.register_fake("servelab::quant_pack")
+    def _(blocks: torch.Tensor, kind: str, w: torch.Tensor, interleave: int) -> torch.Tensor:
+        n, kb, _ = blocks.shape
+        nb = interleave // 16 if interleave else -(-n // 32)
+        return blocks.new_empty((nb, kb, 640 if kind == "Q4_1" else 1088))
+
+    @torch.library.register_fake("servelab::quant_linear")
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int, next: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("servelab::quant_linear_silu_mul")
+    def _(x: torch.Tensor, packed: torch.Tensor, i: int, next: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty((x.shape[0], i))
+
+    @torch.library.register_fake("servelab::quant_linear_argmax")
     def _(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         return x.new_empty(x.shape[:1], dtype=torch.int64)
 
@@ -124,3 +148,29 @@ def supports(weight: torch.Tensor, interleave: int = 0) -> bool:
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 32:
         return False
     return interleave == 0 or (weight.shape[0] == 2 * interleave and interleave % 16 == 0)
+
+
+# GGUF block types the quant ops read as stored (engine/csrc/gguf_blocks.h).
+GGUF_BLOCK_KINDS = ("Q4_1", "Q8_0")
+
+
+def quant_available() -> bool:
+    """Whether the decode linears can read a GGUF checkpoint's Q4_1 / Q8_0 blocks as stored (the
+    AVX512-BF16 build; `SERVELAB_CPU_QUANT=0` turns them off)."""
+    if os.environ.get("SERVELAB_CPU_QUANT") == "0":
+        return False
+    ops = amx_ops()
+    return ops is not None and bool(ops.quant_linear_available())
+
+
+def quant_pack(blocks: torch.Tensor, kind: str, weight: torch.Tensor, interleave: int = 0) -> torch.Tensor | None:
+    """A GGUF tensor's blocks (uint8 [N, K / 32, block bytes], `weight`'s rows in its order) in the
+    quant ops' layout, or None where they do not reproduce `weight` (bfloat16 [N, K]) bit for bit
+    or the ops are unavailable: the caller then keeps the bfloat16 kernels."""
+    if kind not in GGUF_BLOCK_KINDS or not quant_available() or not supports(weight, interleave):
+        return None
+    try:
+        return torch.ops.servelab.quant_pack(blocks, kind, weight.detach(), interleave)
+    except RuntimeError as exc:
+        logger.warning("decode linears: %s; reading the bfloat16 weight instead", exc)
+        return None

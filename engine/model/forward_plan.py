@@ -37,12 +37,19 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class AmxPacks:
     """A dense layer's matrices in the AMX kernels' layout (engine/model/amx_linear.py), for
-    steps of at most `amx_linear.DECODE_MAX_ROWS` rows; gate_up packed for the fused silu * up."""
+    steps of at most `amx_linear.DECODE_MAX_ROWS` rows; gate_up packed for the fused silu * up.
+    `quant`: the same four from the checkpoint's own blocks (amx_linear.quant_pack), for steps
+    of at most `amx_linear.QUANT_MAX_ROWS` rows, where every one of them reproduces its weight."""
 
     qkv: torch.Tensor
     o: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    quant: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def matrices(self, quant: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv, o, gate_up, down: the quant packs where asked for and present."""
+        return self.quant if quant and self.quant is not None else (self.qkv, self.o, self.gate_up, self.down)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,15 +82,17 @@ class ForwardPlan:
     amx_ops: Any = None  # torch.ops.servelab with the AMX linear ops, where every layer has AMX packs
     sizes: tuple[int, int, int] = (0, 0, 0)  # qkv width, hidden size, intermediate size
     gemv_ops: Any = None  # torch.ops.servelab with the GEMV (cpu_gemv), for steps of a few rows
+    quant: bool = False  # every layer's AmxPacks has its quant packs
 
 
-def build_plan(model: LlamaModel) -> ForwardPlan | None:
+def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None) -> ForwardPlan | None:
     """The plan of `model`'s forward where every layer is dense, its linears prepacked, and the
-    fused kernels are built; None otherwise."""
+    fused kernels are built; None otherwise. `blocks`: the checkpoint's quantized matrices
+    (gguf_loader.load_gguf_blocks) for the decode kernels that read them as stored."""
     ops = kernels()
     layers = []
     inter = 0
-    for module in model.layers:
+    for index, module in enumerate(model.layers):
         layer = cast("LlamaDecoderLayer", module)
         if layer.is_moe or ops is None:
             return None
@@ -99,23 +108,27 @@ def build_plan(model: LlamaModel) -> ForwardPlan | None:
             plain = None
         layers.append(LayerPlan(attn, layer.input_layernorm.weight.detach(),
                                 layer.post_attention_layernorm.weight.detach(), qkv, o, gate_up, down,
-                                _amx_packs(attn, mlp), plain))  # fmt: skip
+                                _amx_packs(attn, mlp, _layer_blocks(blocks, index)), plain))  # fmt: skip
     if not layers:
         return None
     with_amx = all(lp.amx is not None for lp in layers)
     if not with_amx:
         layers = [dataclasses.replace(lp, amx=None) for lp in layers]
+    elif not all(lp.amx is not None and lp.amx.quant is not None for lp in layers):  # all layers or none
+        layers = [dataclasses.replace(lp, amx=dataclasses.replace(lp.amx, quant=None)) if lp.amx else lp for lp in layers]
     first = layers[0].attn
     sizes = (first.q_size + 2 * first.kv_size, int(model.embed_tokens.weight.shape[1]), inter)
     with_gemv = all(lp.plain is not None for lp in layers)
     return ForwardPlan(model.embed_tokens.weight.dtype, ops, model.norm.eps, tuple(layers),
                        model.norm.weight.detach(), amx_linear.amx_ops() if with_amx else None, sizes,
-                       cpu_gemv.gemv_ops() if with_gemv else None)  # fmt: skip
+                       cpu_gemv.gemv_ops() if with_gemv else None,
+                       with_amx and all(lp.amx is not None and lp.amx.quant is not None for lp in layers))  # fmt: skip
 
 
-def _amx_packs(attn: LlamaAttention, mlp: GatedMLP) -> AmxPacks | None:
+def _amx_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | None, ...] | None) -> AmxPacks | None:
     """The layer's matrices for the AMX kernels, or None where they do not apply (no AMX, not
-    bfloat16, a shape they do not take)."""
+    bfloat16, a shape they do not take); with the quant packs where `blocks` (qkv, o, gate_up,
+    down, each fused as its weight is) reproduce every weight."""
     weights = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.down_proj.weight)
     inter = mlp.intermediate_size
     if not amx_linear.available() or not all(amx_linear.supports(w) for w in weights):
@@ -123,7 +136,37 @@ def _amx_packs(attn: LlamaAttention, mlp: GatedMLP) -> AmxPacks | None:
     if not amx_linear.supports(mlp.gate_up_proj.weight, inter):
         return None
     qkv, o, down = (amx_linear.pack(w) for w in weights)
-    return AmxPacks(qkv, o, amx_linear.pack(mlp.gate_up_proj.weight, inter), down)
+    quant = None
+    if blocks is not None and all(b is not None for b in blocks):
+        full = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        packs = [amx_linear.quant_pack(b[1], b[0], w, inter if i == 2 else 0)
+                 for i, (b, w) in enumerate(zip(blocks, full, strict=True)) if b is not None]  # fmt: skip
+        if all(p is not None for p in packs):
+            quant = cast("tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]", tuple(packs))
+    return AmxPacks(qkv, o, amx_linear.pack(mlp.gate_up_proj.weight, inter), down, quant)
+
+
+GgufBlock = tuple[str, torch.Tensor]  # (block type, uint8 [rows, in / 32, bytes]): gguf_loader.load_gguf_blocks
+GgufBlocks = dict[str, GgufBlock]
+_FUSED_PARTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))  # fmt: skip
+
+
+def _layer_blocks(blocks: GgufBlocks | None, index: int) -> tuple[GgufBlock | None, ...] | None:
+    """Layer `index`'s qkv, o, gate_up and down blocks, the fused ones concatenated as their
+    weights are (None for a matrix whose parts are missing or of different block types)."""
+    if not blocks:
+        return None
+    fused: list[GgufBlock | None] = []
+    for parts in _FUSED_PARTS:
+        found = [blocks.get(f"model.layers.{index}.{part}.weight") for part in parts]
+        kinds = {b[0] for b in found if b is not None}
+        if any(b is None for b in found) or len(kinds) != 1:
+            fused.append(None)
+            continue
+        tensors = [b[1] for b in found if b is not None]
+        fused.append((kinds.pop(), tensors[0] if len(tensors) == 1 else torch.cat(tensors)))
+    return tuple(fused)
 
 
 def planned_forward(
@@ -134,6 +177,10 @@ def planned_forward(
     ops, eps = plan.ops, plan.eps
     t = x.shape[0]
     amx = plan.amx_ops if t <= amx_linear.DECODE_MAX_ROWS else None  # decode-sized steps: AMX kernels
+    quant = amx is not None and plan.quant and t <= amx_linear.QUANT_MAX_ROWS  # a few rows: the checkpoint's blocks
+    if amx is not None:
+        linear = amx.quant_linear if quant else amx.amx_linear
+        silu_mul = amx.quant_linear_silu_mul if quant else amx.amx_linear_silu_mul
     gemv = plan.gemv_ops is not None and t <= cpu_gemv.max_rows(plan.dtype)  # a few rows: packed_linear's GEMV
     rows = t if amx is not None or gemv else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
     if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them
@@ -153,7 +200,8 @@ def planned_forward(
         plain = lp.plain or _NO_PLAIN
         if amx is not None and packs is not None:
             # each call names the next one's weight: its threads prefetch their first blocks of it
-            qkv = amx.amx_linear(x, packs.qkv, n_qkv, packs.o).view(t, hq + 2 * hkv, a.head_dim)
+            w_qkv, w_o, w_gate_up, w_down = packs.matrices(quant)
+            qkv = linear(x, w_qkv, n_qkv, w_o).view(t, hq + 2 * hkv, a.head_dim)
         else:
             qkv = packed_linear(x, lp.qkv, plain=plain[0]).view(rows, hq + 2 * hkv, a.head_dim)
         ops.rope_(qkv, cos, sin, hq + hkv)
@@ -161,11 +209,11 @@ def planned_forward(
         o = a.attn_backend.forward(q_rows[:, :hq], q_rows[:, hq : hq + hkv], q_rows[:, hq + hkv :], kv_cache,
                                    metadata, a.scale)  # fmt: skip
         if amx is not None and packs is not None:
-            x = amx.amx_linear(o.reshape(t, a.q_size), packs.o, hidden, packs.gate_up)
+            x = linear(o.reshape(t, a.q_size), w_o, hidden, w_gate_up)
             ops.add_rms_norm_(x, residual, lp.post_norm, eps)
             following = plan.layers[i + 1].amx if i < last else None  # the next layer's qkv comes next
-            x = amx.amx_linear(amx.amx_linear_silu_mul(x, packs.gate_up, inter, packs.down), packs.down, hidden,
-                               following and following.qkv)
+            x = linear(silu_mul(x, w_gate_up, inter, w_down), w_down, hidden,
+                       following.matrices(quant)[0] if following is not None else None)
         else:
             o = o.reshape(t, a.q_size)
             x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o, plain=plain[1])
@@ -199,8 +247,11 @@ def on_huge_pages(plan: ForwardPlan, head: torch.Tensor | None) -> tuple[Forward
     of them from memory, and with 4 KiB pages it pays a page walk every 4 KiB. On a 2-core Zen 4
     (AVX512-BF16), SmolLM2's decode linears: 1.12x at 16 rows, 1.02-1.06x at 32-128, 0.97x at 1
     (benchmarks/decode_weight_pages.py, docs/benchmarks.md). A plan with `amx_ops` set (every
-    layer has its packs: build_plan)."""
-    flat = [t for lp in plan.layers if lp.amx is not None for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down)]
+    layer has its packs: build_plan). The quant packs stay where they are: they serve steps of
+    a few rows only, where huge pages gained nothing."""
+    flat = [t for lp in plan.layers if lp.amx is not None for t in lp.amx.matrices(False)]
     moved = copies_on_huge_pages(flat + ([head] if head is not None else []))
-    layers = tuple(dataclasses.replace(lp, amx=AmxPacks(*moved[4 * i : 4 * i + 4])) for i, lp in enumerate(plan.layers))
+    layers = tuple(dataclasses.replace(lp, amx=AmxPacks(moved[4 * i], moved[4 * i + 1], moved[4 * i + 2], moved[4 * i + 3],
+                                                         lp.amx.quant if lp.amx is not None else None))
+                   for i, lp in enumerate(plan.layers))  # fmt: skip
     return dataclasses.replace(plan, layers=layers), (moved[-1] if head is not None else None)

@@ -186,6 +186,32 @@ def load_gguf_state_dict(
     return state
 
 
+def load_gguf_blocks(path: str | Path, arch: ModelArch) -> dict[str, tuple[str, torch.Tensor]]:
+    """The file's Q4_1 and Q8_0 matrices as stored, for kernels that read them so
+    (engine/csrc/gguf_blocks.h): HF name -> (block type, uint8 [rows, in_features / 32, block
+    bytes]), the rows in the order `load_gguf_state_dict` gives the weight (Q/K un-permuted).
+    Expert tensors and layers beyond `arch.num_layers` are left out."""
+    reader = open_gguf(path)
+    blocks: dict[str, tuple[str, torch.Tensor]] = {}
+    for tensor in reader.tensors:
+        kind = getattr(tensor.tensor_type, "name", "")
+        targets = hf_names(tensor.name, arch.num_experts)
+        if kind not in _TORCH_DEQUANTIZERS or len(targets) != 1 or targets[0][1] is not None:
+            continue
+        name = targets[0][0]
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        if _layer_index(name) >= arch.num_layers or len(shape) != 2 or shape[1] % 32:
+            continue
+        block_bytes = _TORCH_DEQUANTIZERS[kind][1]
+        raw = _as_torch(np.asarray(tensor.data).view(np.uint8)).reshape(shape[0], shape[1] // 32, block_bytes)
+        if ".attn_q." in tensor.name:
+            raw = unpermute_rotary_rows(raw, arch.num_heads).contiguous()
+        elif ".attn_k." in tensor.name:
+            raw = unpermute_rotary_rows(raw, arch.num_kv_heads).contiguous()
+        blocks[name] = (kind, raw)
+    return blocks
+
+
 def _layer_index(hf_name: str) -> int:
     """Layer number of an HF name, -1 for non-layer weights."""
     if hf_name.startswith("model.layers."):

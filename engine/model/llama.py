@@ -12,6 +12,8 @@ fused (one GEMM each), so the loader copies each HF tensor into its slice.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,9 +25,19 @@ from engine.model import amx_linear
 from engine.model.arch import ModelArch
 from engine.model.cpu_kernels import kernels
 from engine.model.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
-from engine.model.forward_plan import ForwardPlan, build_plan, on_huge_pages, planned_forward, warm_up_linears
+from engine.model.forward_plan import (
+    ForwardPlan,
+    GgufBlocks,
+    build_plan,
+    on_huge_pages,
+    planned_forward,
+    warm_up_linears,
+)
+from engine.model.gguf_loader import load_gguf_blocks
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from engine.model.moe import MoEBlock
+
+logger = logging.getLogger(__name__)
 
 # Greedy from bfloat16 logits: the values within NEAR_MAX_REL of a row's maximum (two bfloat16
 # steps, after rounding) are scored again in float32; the fused kernel lists up to
@@ -105,9 +117,9 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta)
         self.plan: ForwardPlan | None = None  # set by build_plan() once the weights are packed
 
-    def build_plan(self) -> bool:
+    def build_plan(self, blocks: GgufBlocks | None = None) -> bool:
         """Plan the eager CPU forward (engine/model/forward_plan.py); returns whether a plan was made."""
-        self.plan = build_plan(self)
+        self.plan = build_plan(self, blocks)
         return self.plan is not None
 
     def warm_up_linears(self, max_rows: int) -> float:
@@ -160,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # set by prepack()
         self.amx_lm_head: torch.Tensor | None = None  # the LM head for the AMX kernels, set by prepack()
+        self.quant_lm_head: torch.Tensor | None = None  # the same from the checkpoint's blocks (quant_pack)
+        self.gguf_path: Path | None = None  # the GGUF file the weights came from (loader.load_model)
 
     def forward(
         self,
@@ -181,7 +195,9 @@ class LlamaForCausalLM(nn.Module):
         packed = self.packed_lm_head
         amx = self._amx_head(hidden)
         if amx is not None:
-            logits = amx.amx_linear(hidden.contiguous(), self.amx_lm_head, weight.shape[0])
+            quant = self._quant_head(hidden)
+            logits = (amx.quant_linear(hidden.contiguous(), quant, weight.shape[0]) if quant is not None
+                      else amx.amx_linear(hidden.contiguous(), self.amx_lm_head, weight.shape[0]))  # fmt: skip
         elif packed is not None and hidden.dtype == weight.dtype and not torch.compiler.is_compiling():
             logits = packed_linear(hidden, packed, plain=weight)
         else:
@@ -195,6 +211,9 @@ class LlamaForCausalLM(nn.Module):
         their near-ties settled in float32 (`_bf16_argmax`); None otherwise (the sampler's argmax)."""
         amx = self._amx_head(hidden)
         if amx is not None:
+            quant = self._quant_head(hidden)
+            if quant is not None:
+                return amx.quant_linear_argmax(hidden.contiguous(), quant, self.arch.vocab_size)
             return amx.amx_linear_argmax(hidden.contiguous(), self.amx_lm_head, self.arch.vocab_size)
         if hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" or torch.compiler.is_compiling():
             return None
@@ -238,6 +257,10 @@ class LlamaForCausalLM(nn.Module):
         win = scores == best[rows]
         return first.scatter_reduce(0, rows[win], cols[win], "amin", include_self=False)
 
+    def _quant_head(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head from the checkpoint's blocks for a step of a few rows (after `_amx_head`)."""
+        return self.quant_lm_head if hidden.shape[0] <= amx_linear.QUANT_MAX_ROWS else None
+
     def _amx_head(self, hidden: torch.Tensor) -> Any | None:
         plan = self.model.plan
         if (
@@ -247,25 +270,49 @@ class LlamaForCausalLM(nn.Module):
             return None
         return plan.amx_ops
 
-    def prepack(self) -> int:
+    def prepack(self, quantized_decode: bool = True) -> int:
         """Prepack the linear weights and the LM head for oneDNN where that applies
-        (engine/model/cpu_linear.py); returns how many matrices were packed."""
+        (engine/model/cpu_linear.py), and for the decode kernels (amx_linear; with
+        `quantized_decode`, also from the GGUF checkpoint's own blocks); returns how many
+        matrices were packed for oneDNN."""
         n = prepack_linears(self)
+        blocks = self._gguf_blocks() if quantized_decode and n else None
         if n:
-            self.model.build_plan()
+            self.model.build_plan(blocks)
         if self.lm_head is not None:  # an untied LM head is one of the linears just packed
             self.packed_lm_head = self.lm_head.__dict__.get("packed_weight")
         elif n and prepack_supported(self.model.embed_tokens.weight):
             self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)  # the tied head: a matrix of its own
             n += 1
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self._lm_head_weight()
         plan = self.model.plan
         if plan is not None and plan.amx_ops is not None and amx_linear.supports(head):
             self.amx_lm_head = amx_linear.pack(head)
+            found = (blocks or {}).get("lm_head.weight" if self.lm_head is not None else "model.embed_tokens.weight")
+            if found is not None and plan.layers[0].amx is not None and plan.layers[0].amx.quant is not None:
+                self.quant_lm_head = amx_linear.quant_pack(found[1], found[0], head)
         if plan is not None and plan.amx_ops is not None:  # forward_plan.on_huge_pages: why
             self.model.plan, self.amx_lm_head = on_huge_pages(plan, self.amx_lm_head)
+        if self.model.plan is not None and self.model.plan.quant:
+            quant = [t for lp in self.model.plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant]
+            bf16 = [t for lp in self.model.plan.layers if lp.amx for t in lp.amx.matrices(False)]
+            heads = [(self.quant_lm_head, self.amx_lm_head)] if self.quant_lm_head is not None else []
+            logger.info("decode steps of up to %d rows read the checkpoint's own blocks: %.1f MB a step, not %.1f MB "
+                        "of bfloat16 (the LM head %s)", amx_linear.QUANT_MAX_ROWS,
+                        sum(t.nbytes for t in quant + [q for q, _ in heads]) / 1e6,
+                        sum(t.nbytes for t in bf16 + [b for _, b in heads if b is not None]) / 1e6,
+                        "too" if heads else "in bfloat16")  # fmt: skip
         return n
 
+    def _gguf_blocks(self) -> GgufBlocks | None:
+        """The checkpoint's Q4_1 / Q8_0 matrices for the quant decode kernels, where they can
+        apply: a GGUF file, bfloat16 weights on the CPU, kernels built for this CPU."""
+        weight = self._lm_head_weight()
+        if self.gguf_path is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            return None
+        if not amx_linear.quant_available():
+            return None
+        return load_gguf_blocks(self.gguf_path, self.arch)
 
     # ---- weights -----------------------------------------------------------------
     def hf_weight_names(self) -> list[str]:

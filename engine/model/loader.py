@@ -214,7 +214,8 @@ def load_model(
     """
     arch, weights_fn, _ = resolved or resolve_model(model_config)
     device = torch.device(device)
-    dtype = _dtype(model_config.dtype, resolve_source(model_config.model), device)
+    source = resolve_source(model_config.model)
+    dtype = _dtype(model_config.dtype, source, device)
     with build_on_meta():
         model = LlamaForCausalLM(arch, attn_backend)
     model = materialize(model, device, dtype)
@@ -223,6 +224,8 @@ def load_model(
         init_dummy_weights(model, model_config.seed)
     else:
         model.load_weights(weights_fn())
+        if source.kind == "gguf":  # the quant decode kernels may read its blocks (LlamaForCausalLM.prepack)
+            model.gguf_path = source.path
     return model.eval()
 
 

@@ -135,9 +135,10 @@ class ParallelLlamaForCausalLM(LlamaForCausalLM):
             else:
                 layer.block_sparse_moe = TPMoEBlock(h, a.intermediate_size, a.num_experts, a.num_experts_per_tok)
 
-    def prepack(self) -> int:
-        """No oneDNN prepacking here: it swaps every `nn.Linear`'s forward for a packed GEMM, which
-        would drop the all-reduce of `RowParallelLinear` (and the LM head's gather). Returns 0."""
+    def prepack(self, quantized_decode: bool = True) -> int:
+        """No oneDNN prepacking here (nor the decode kernels'): it swaps every `nn.Linear`'s forward
+        for a packed GEMM, which would drop the all-reduce of `RowParallelLinear` (and the LM
+        head's gather). Returns 0."""
         return 0
 
     def set_dispatcher(self, dispatcher: MoEDispatcher) -> None:

@@ -61,7 +61,7 @@ class Worker:
         pending_kv = zeros_huge_in_background(shape, self.kv_dtype, arch.num_layers, self.device)
         self.model = load_model(self.config.model, backend, self.device, resolved)
         if self.config.model.prepack_weights and hasattr(self.model, "prepack"):
-            packed = self.model.prepack()
+            packed = self.model.prepack(self.config.model.quantized_decode)
             if packed:
                 logger.info("prepacked %d weight matrices for oneDNN", packed)
         kv_caches = pending_kv.result()
