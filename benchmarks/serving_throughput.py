@@ -21,7 +21,9 @@ Also: `vllm bench serve` (from the side venv, unchanged) against servelab-serve 
 concurrency; per server the CPU time of its API process and of its engine process per output
 token (psutil, over each measured run): where the time goes; and at concurrency 1, TPOT p50
 against the batch-1 weight-read time (matmul weights in the serving dtype / memory bandwidth
-measured in this run).
+measured in this run) and, where servelab's small steps read the GGUF checkpoint's own Q4_1 /
+Q8_0 blocks (`model.quantized_decode`, its start-up log says so and how many bytes), against
+the read time of those bytes too.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -69,6 +72,8 @@ from workloads.spec import RequestSpec  # noqa: E402
 from workloads.targets.openai import OpenAITarget  # noqa: E402
 
 MODEL_NAME = "smollm2"
+# servelab's start-up log line when its decode steps read the GGUF checkpoint's own blocks
+DECODE_READ = re.compile(r"read the checkpoint's own blocks: ([0-9.]+) MB a step")
 READY_TIMEOUT_S = 600.0
 SEED = 11
 
@@ -234,6 +239,7 @@ def run_server(server: Server, prompts: list[list[int]], args: argparse.Namespac
     print(f"[{server.name}] starting (repeat {rep + 1})", flush=True)
     server.start()
     print(f"[{server.name}] ready after {server.start_s:.0f} s", flush=True)
+    read = DECODE_READ.search(server.log_path.read_text(errors="replace")) if server.name == "servelab" else None
     out = []
     try:
         warm_up(server, prompts)
@@ -241,6 +247,8 @@ def run_server(server: Server, prompts: list[list[int]], args: argparse.Namespac
             n = args.num_requests_c1 if c == 1 else args.num_requests
             m = drive(server, prompts[:n], args.output_len, c, f"r{rep}c{c}")
             m.extra["repeat"] = rep
+            if read is not None:  # the engine's small steps read the checkpoint's own blocks (its log says)
+                m.extra["decode_read_bytes"] = float(read.group(1)) * 1e6
             out.append(m)
             r = m.row()
             print(f"  c={c:<3} {r['output_throughput']:7.1f} out tok/s  TTFT p50 {r['median_ttft_ms']:8.1f} ms  "
@@ -414,6 +422,11 @@ def report(res: dict) -> None:
         print(f"servelab c=1: TPOT p50 {tpot:.2f} ms against the batch-1 weight-read time {wr:.2f} ms "
               f"({res['weight_bytes'] / 1e6:.0f} MB of {res['servelab_dtype']} weights at "
               f"{m['memory_bandwidth'] / 1e9:.1f} GB/s): {tpot / wr:.2f}x")
+        read = [r["decode_read_bytes"] for r in c1 if r.get("decode_read_bytes")]
+        if read:  # model.quantized_decode: fewer bytes than the dtype's; their own read time too
+            rd = 1000 * read[0] / m["memory_bandwidth"]
+            print(f"  its batch-1 steps read the checkpoint's own Q4_1 / Q8_0 blocks, {read[0] / 1e6:.0f} MB (the "
+                  f"server's log): {rd:.2f} ms at the same bandwidth, TPOT p50 {tpot / rd:.2f}x that")
     for b in res["vllm_bench_serve"]:
         if "error" in b:
             print(f"vllm bench serve against servelab-serve: FAILED\n{b['error']}")

@@ -204,8 +204,8 @@ struct GgufBlocks {  // gguf_blocks.h: the checkpoint's own blocks, widened to b
   const uint8_t* w;
   int64_t NB, KB;
   const uint8_t* block(int64_t nb) const { return w + nb * KB * TileLayout<K>::kBytes; }
-  void product(const RowTiles& rt, int64_t mt, int64_t nb, float (*c)[2][256], const uint8_t* next) const {
-    widened_block<K>(rt.x, rt.M, rt.K, mt, block(nb), KB, &c[0][0][0], next);
+  void product(const RowTiles& rt, int64_t mt, int64_t nb, float (*c)[2][256], const uint8_t* /*next*/) const {
+    widened_block<K>(rt.x, rt.M, rt.K, mt, block(nb), KB, &c[0][0][0]);  // no software prefetch: gguf_blocks.h
   }
 };
 #endif

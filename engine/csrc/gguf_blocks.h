@@ -65,8 +65,9 @@ static inline __m512bh widen_pair(const uint8_t* p, const HalfScales& s) {
   __m512 lo, hi;
   if constexpr (K == BlockKind::Q4_1) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), s.d_lo, s.m_lo);
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s.d_hi, s.m_hi);
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // float(nibble)
+    lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, q), s.d_lo, s.m_lo);  // vpermd reads the low 4 bits
+    hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), q), s.d_hi, s.m_hi);
   } else {
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
@@ -88,20 +89,16 @@ struct TileLayout {
 
 // R rows of x (their bfloat16 pairs as 32-bit words, KW a row) against one 32-column block of
 // KB tiles: 2 R accumulators of 16 columns over the whole reduction, in the bfloat16 kernel's
-// order (dp_rows in amx_linear.cpp), stored where it stores them; pf: the next block, whose lines
-// go towards L2 meanwhile.
+// order (dp_rows in amx_linear.cpp), stored where it stores them. No software prefetch: the
+// widening, not the stream, sets the pace here, and the hardware's prefetcher keeps up (prefetching
+// the next block into L2, as the bfloat16 kernel does, measured no faster on a Zen 4).
 template <BlockKind K, int R>
-static inline void widened_rows(const uint32_t* xw, int64_t KW, const uint8_t* wb, int64_t KB, float* cf, int j0,
-                                const uint8_t* pf) {
+static inline void widened_rows(const uint32_t* xw, int64_t KW, const uint8_t* wb, int64_t KB, float* cf, int j0) {
   using L = TileLayout<K>;
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* t = wb + kb * L::kBytes;
-    if (pf) {
-      for (int64_t l = 0; l < L::kBytes; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + kb * L::kBytes + l), _MM_HINT_T1);
-    }
     const HalfScales s0 = half_scales(L::d(t, 0), L::m(t, 0)), s1 = half_scales(L::d(t, 1), L::m(t, 1));
     const uint32_t* xk = xw + kb * 16;
     for (int k2 = 0; k2 < 16; ++k2) {
@@ -122,24 +119,24 @@ static inline void widened_rows(const uint32_t* xw, int64_t KW, const uint8_t* w
 }
 
 // Rows from 16 mt on (up to 32; x's rows are never copied: only whole rows are read) in groups
-// of at most 8 (16 accumulators); the first group prefetches the next block.
+// of at most 8 (16 accumulators).
 template <BlockKind K>
 static inline void widened_block(const bf16* x, int64_t M, int64_t Kdim, int64_t mt, const uint8_t* wb, int64_t KB,
-                                 float* cf, const uint8_t* next) {
+                                 float* cf) {
   constexpr int G = 8;
   const int rows = static_cast<int>(std::min<int64_t>(32, M - mt * 16));
   const int64_t KW = Kdim / 2;
   const uint32_t* xw = reinterpret_cast<const uint32_t*>(x + mt * 16 * Kdim);
   int j = 0;
-  for (; j + G <= rows; j += G, next = nullptr) widened_rows<K, G>(xw + j * KW, KW, wb, KB, cf, j, next);
+  for (; j + G <= rows; j += G) widened_rows<K, G>(xw + j * KW, KW, wb, KB, cf, j);
   switch (rows - j) {
-    case 1: widened_rows<K, 1>(xw + j * KW, KW, wb, KB, cf, j, next); break;
-    case 2: widened_rows<K, 2>(xw + j * KW, KW, wb, KB, cf, j, next); break;
-    case 3: widened_rows<K, 3>(xw + j * KW, KW, wb, KB, cf, j, next); break;
-    case 4: widened_rows<K, 4>(xw + j * KW, KW, wb, KB, cf, j, next); break;
-    case 5: widened_rows<K, 5>(xw + j * KW, KW, wb, KB, cf, j, next); break;
-    case 6: widened_rows<K, 6>(xw + j * KW, KW, wb, KB, cf, j, next); break;
-    case 7: widened_rows<K, 7>(xw + j * KW, KW, wb, KB, cf, j, next); break;
+    case 1: widened_rows<K, 1>(xw + j * KW, KW, wb, KB, cf, j); break;
+    case 2: widened_rows<K, 2>(xw + j * KW, KW, wb, KB, cf, j); break;
+    case 3: widened_rows<K, 3>(xw + j * KW, KW, wb, KB, cf, j); break;
+    case 4: widened_rows<K, 4>(xw + j * KW, KW, wb, KB, cf, j); break;
+    case 5: widened_rows<K, 5>(xw + j * KW, KW, wb, KB, cf, j); break;
+    case 6: widened_rows<K, 6>(xw + j * KW, KW, wb, KB, cf, j); break;
+    case 7: widened_rows<K, 7>(xw + j * KW, KW, wb, KB, cf, j); break;
     default: break;
   }
 }

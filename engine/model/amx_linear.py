@@ -56,9 +56,10 @@ from engine.cpu_extension import load_cpu_ops
 # Up to this many rows a step's linears run here; above, oneDNN's prepacked kernels are faster.
 DECODE_MAX_ROWS = 128
 # Up to this many rows they read a GGUF checkpoint's own Q4_1 / Q8_0 blocks where the model has
-# them (quant_pack): widening in registers costs about as much as reading bfloat16 from memory
-# at 6-8 rows on a 2-core Zen 4 (1.7x faster at 1-2 rows, 1.5x at 3-4: docs/benchmarks.md).
-QUANT_MAX_ROWS = 4
+# them (quant_pack): the blocks are widened once per step for up to 8 rows, which on a 2-core Zen 4
+# costs less than reading bfloat16 from memory (SmolLM2's linears and LM head a step: 2.0x faster
+# at 1 row, 1.5x at 4, 1.2x at 8; 0.8x at 12, widened twice: docs/benchmarks.md).
+QUANT_MAX_ROWS = 8
 
 _SOURCE = "amx_linear.cpp"  # engine/csrc
 logger = logging.getLogger(__name__)
