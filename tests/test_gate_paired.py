@@ -20,6 +20,7 @@ from workloads.gate_trees import (
     NoHistory,
     dependencies,
     extension_dir_for,
+    kernel_digest,
     materialise,
     resolve_baseline,
 )
@@ -184,9 +185,13 @@ def test_baseline_tree_is_checked_out_once_per_commit(tmp_path):
     assert extension_dir_for(repo, repo, cache) is None
     # since engine/csrc/: a changed or new file there is a change of the kernels too
     third = _commit(repo, "engine/csrc/gemv.cpp", "gemv v1")
-    _commit(repo, "engine/csrc/kernel_header.h", "header v1")
     csrc_tree = materialise(repo, third)
-    assert extension_dir_for(csrc_tree, repo, cache) not in (None, ext)
+    _commit(repo, "engine/csrc/kernel_header.h", "header v1")
+    assert kernel_digest(csrc_tree) != kernel_digest(repo)
+    # both trees name their builds by digest: one shared cache (a changed kernel builds anew there)
+    assert extension_dir_for(csrc_tree, repo, cache) is None
+    # a baseline from before engine/csrc/ against a checkout with it: a folder of its own
+    assert extension_dir_for(tree, repo, cache) == ext == cache / f"torch_extensions-{kernel_digest(tree)}"
 
 
 def test_dependencies_compare_the_declared_sets(tmp_path):

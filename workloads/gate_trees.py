@@ -8,11 +8,12 @@
   reused while it is still at that commit (a cache keyed by commit).
 - `python_for(tree, repo)`: the checkout's own interpreter when the two pyproject.toml files
   declare the same dependencies; otherwise a virtual environment built once per dependency set.
-- `extension_dir_for(tree, repo)`: None when the C++ kernel sources are the same in both trees
-  (the torch extension cache is shared); otherwise a separate TORCH_EXTENSIONS_DIR keyed by the
-  baseline's sources, so the two builds never overwrite each other (before engine/csrc/, torch
-  named a build after the extension, not its source, and would rebuild at every switch; builds
-  are named by a digest of their sources since, and a separate folder only costs one build).
+- `extension_dir_for(tree, repo)`: None (the torch extension cache is shared) when both trees
+  name their builds by a digest of what they compile (every tree with engine/csrc/: a changed
+  kernel gets a build of its own name, the unchanged ones are reused) or build the same sources;
+  otherwise a separate TORCH_EXTENSIONS_DIR keyed by the baseline's sources: before engine/csrc/,
+  a build was named after its extension, not its source, and the two trees would overwrite each
+  other's builds at every switch.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def kernel_digest(tree: Path) -> str:
 
 
 def extension_dir_for(tree: Path, repo: Path, cache: Path) -> Path | None:
-    """None when both trees build the same C++ kernels; else the baseline's own build folder."""
-    if kernel_digest(tree) == kernel_digest(repo):
+    """None when both trees name their builds by digest or build the same C++ kernels; else the
+    baseline's own build folder (module note)."""
+    if ((tree / KERNEL_DIR).is_dir() and (repo / KERNEL_DIR).is_dir()) or kernel_digest(tree) == kernel_digest(repo):
         return None
     return cache / f"torch_extensions-{kernel_digest(tree)}"
