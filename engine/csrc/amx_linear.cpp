@@ -91,65 +91,33 @@ static inline void block_product(const RowTiles& rt, int64_t mt, const uint32_t*
   _tile_stored(3, c[1][1], 64);
 }
 #else
-// Without AMX (AVX512-BF16: vdpbf16ps): R rows of x (xw: their bfloat16 pairs as 32-bit words, KW
-// a row) against one 32-column block, 2 R accumulators of 16 columns in registers over the whole
-// reduction; each step loads the block's two 64-byte column vectors for one pair of inputs and
-// broadcasts each row's pair. Row j of the 32-row pair lands where the AMX tiles would store it.
-template <int R>
-static inline void dp_rows(const uint32_t* xw, int64_t KW, const uint32_t* wb, int64_t KC, float* cf, int j0,
-                           const uint32_t* pf) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t kc = 0; kc < KC; ++kc) {
-    const uint32_t* wk = wb + kc * 512;
-    const uint32_t* xk = xw + kc * 16;
-    for (int k2 = 0; k2 < 16; ++k2) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk + k2 * 16);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 256 + k2 * 16);
-      if (pf) {  // the next block's matching lines towards L2 (the hardware's prefetcher stops at pages)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + kc * 512 + k2 * 16), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(pf + kc * 512 + 256 + k2 * 16), _MM_HINT_T1);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[r * KW + k2]));
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+// Without AMX (AVX512-BF16: vdpbf16ps): dp_rows (gguf_blocks.h) over the packed block, whose
+// 64-byte lines each hold one pair of inputs for 16 columns: each step loads the block's two
+// column vectors for one pair; pf (the next block, or null) has its matching lines prefetched
+// towards L2 meanwhile (the hardware's prefetcher stops at 4 KiB pages).
+struct PackedBlock {
+  const uint32_t *wb, *pf;
+  struct Step {
+    const uint32_t *wk, *pk;
+    void pairs(int k2, __m512bh& w0, __m512bh& w1) const {
+      w0 = (__m512bh)_mm512_loadu_si512(wk + k2 * 16);
+      w1 = (__m512bh)_mm512_loadu_si512(wk + 256 + k2 * 16);
+      if (pk) {
+        _mm_prefetch(reinterpret_cast<const char*>(pk + k2 * 16), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(pk + 256 + k2 * 16), _MM_HINT_T1);
       }
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    const int j = j0 + r;
-    _mm512_store_ps(cf + ((j / 16) * 2) * 256 + (j % 16) * 16, acc[r][0]);
-    _mm512_store_ps(cf + ((j / 16) * 2 + 1) * 256 + (j % 16) * 16, acc[r][1]);
-  }
-}
+  };
+  Step step(int64_t kc) const { return Step{wb + kc * 512, pf ? pf + kc * 512 : nullptr}; }
+};
 
-// The rows of x from row 16 mt on (up to 32) in groups of at most DP_ROWS (24 accumulators).
-constexpr int DP_ROWS = 12;
+// The rows of x from row 16 mt on (up to 32) in groups of at most 12 (24 accumulators); the first
+// group also prefetches the next block (the caller's `next`).
 static inline void block_product(const RowTiles& rt, int64_t mt, const uint32_t* wb, int64_t KC, float (*c)[2][256],
                                  const uint32_t* next = nullptr) {
   const int rows = static_cast<int>(std::min<int64_t>(32, rt.M - mt * 16));
-  const int64_t KW = rt.K / 2;
-  const uint32_t* xw = reinterpret_cast<const uint32_t*>(rt.x + mt * 16 * rt.K);
-  float* cf = &c[0][0][0];
-  // The first group of rows to read this block also prefetches the next one (the caller's `next`).
-  int j = 0;
-  for (; j + DP_ROWS <= rows; j += DP_ROWS) dp_rows<DP_ROWS>(xw + j * KW, KW, wb, KC, cf, j, j == 0 ? next : nullptr);
-  if (j > 0) next = nullptr;
-  switch (rows - j) {
-    case 1: dp_rows<1>(xw + j * KW, KW, wb, KC, cf, j, next); break;
-    case 2: dp_rows<2>(xw + j * KW, KW, wb, KC, cf, j, next); break;
-    case 3: dp_rows<3>(xw + j * KW, KW, wb, KC, cf, j, next); break;
-    case 4: dp_rows<4>(xw + j * KW, KW, wb, KC, cf, j, next); break;
-    case 5: dp_rows<5>(xw + j * KW, KW, wb, KC, cf, j, next); break;
-    case 6: dp_rows<6>(xw + j * KW, KW, wb, KC, cf, j, next); break;
-    case 7: dp_rows<7>(xw + j * KW, KW, wb, KC, cf, j, next); break;
-    case 8: dp_rows<8>(xw + j * KW, KW, wb, KC, cf, j, next); break;
-    case 9: dp_rows<9>(xw + j * KW, KW, wb, KC, cf, j, next); break;
-    case 10: dp_rows<10>(xw + j * KW, KW, wb, KC, cf, j, next); break;
-    case 11: dp_rows<11>(xw + j * KW, KW, wb, KC, cf, j, next); break;
-    default: break;
-  }
+  dp_row_groups<12>(reinterpret_cast<const uint32_t*>(rt.x + mt * 16 * rt.K), rt.K / 2, KC, &c[0][0][0], rows,
+                    PackedBlock{wb, next}, PackedBlock{wb, nullptr});
 }
 #endif
 

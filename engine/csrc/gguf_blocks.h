@@ -87,23 +87,23 @@ struct TileLayout {
   static const uint8_t* pair(const uint8_t* t, int k2, int h) { return t + kHead + (2 * k2 + h) * kPair; }
 };
 
-// R rows of x (their bfloat16 pairs as 32-bit words, KW a row) against one 32-column block of
-// KB tiles: 2 R accumulators of 16 columns over the whole reduction, in the bfloat16 kernel's
-// order (dp_rows in amx_linear.cpp), stored where it stores them. No software prefetch: the
-// widening, not the stream, sets the pace here, and the hardware's prefetcher keeps up (prefetching
-// the next block into L2, as the bfloat16 kernel does, measured no faster on a Zen 4).
-template <BlockKind K, int R>
-static inline void widened_rows(const uint32_t* xw, int64_t KW, const uint8_t* wb, int64_t KB, float* cf, int j0) {
-  using L = TileLayout<K>;
+// R rows of x (their bfloat16 pairs as 32-bit words, KW a row) against one 32-column block, 2 R
+// accumulators of 16 columns in registers over the whole reduction: for each 32-input step kc,
+// src.step(kc) gives the block's weights there, whose pairs(k2, w0, w1) are the bfloat16 pairs of
+// inputs 2 k2, 2 k2 + 1 for columns 0-15 (w0) and 16-31 (w1); each row's pair is broadcast and
+// multiply-added into both. Row j lands where the AMX tiles would store it (c[j / 16][h], row
+// j % 16). The bfloat16 kernel (amx_linear.cpp) and the widened blocks both run this loop, so
+// their sums are the same in the same order.
+template <int R, typename Source>
+static inline void dp_rows(const uint32_t* xw, int64_t KW, int64_t KC, float* cf, int j0, const Source& src) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t kb = 0; kb < KB; ++kb) {
-    const uint8_t* t = wb + kb * L::kBytes;
-    const HalfScales s0 = half_scales(L::d(t, 0), L::m(t, 0)), s1 = half_scales(L::d(t, 1), L::m(t, 1));
-    const uint32_t* xk = xw + kb * 16;
+  for (int64_t kc = 0; kc < KC; ++kc) {
+    const auto step = src.step(kc);
+    const uint32_t* xk = xw + kc * 16;
     for (int k2 = 0; k2 < 16; ++k2) {
-      const __m512bh w0 = widen_pair<K>(L::pair(t, k2, 0), s0);
-      const __m512bh w1 = widen_pair<K>(L::pair(t, k2, 1), s1);
+      __m512bh w0, w1;
+      step.pairs(k2, w0, w1);
       for (int r = 0; r < R; ++r) {
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[r * KW + k2]));
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
@@ -118,27 +118,55 @@ static inline void widened_rows(const uint32_t* xw, int64_t KW, const uint8_t* w
   }
 }
 
+template <int N, typename Source>
+static inline void dp_rows_tail(const uint32_t* xw, int64_t KW, int64_t KC, float* cf, int j, int n, const Source& src) {
+  if constexpr (N > 0) {
+    if (n == N)
+      dp_rows<N>(xw + j * KW, KW, KC, cf, j, src);
+    else
+      dp_rows_tail<N - 1>(xw, KW, KC, cf, j, n, src);
+  }
+}
+
+// dp_rows over `rows` rows of x (up to 32) in groups of G, then the remainder: the first group
+// reads `first` (a source that may prefetch the next block), the others `rest`.
+template <int G, typename Source>
+static inline void dp_row_groups(const uint32_t* xw, int64_t KW, int64_t KC, float* cf, int rows, const Source& first,
+                                 const Source& rest) {
+  int j = 0;
+  for (; j + G <= rows; j += G) dp_rows<G>(xw + j * KW, KW, KC, cf, j, j == 0 ? first : rest);
+  dp_rows_tail<G - 1>(xw, KW, KC, cf, j, rows - j, j == 0 ? first : rest);
+}
+
+// One 32-column block of KB widened tiles as dp_rows reads it. No software prefetch: the widening,
+// not the stream, sets the pace here, and the hardware's prefetcher keeps up (prefetching the
+// next block into L2, as the bfloat16 kernel does, measured no faster on a Zen 4).
+template <BlockKind K>
+struct WidenedTiles {
+  using L = TileLayout<K>;
+  const uint8_t* wb;
+  struct Step {
+    const uint8_t* t;
+    HalfScales s0, s1;
+    void pairs(int k2, __m512bh& w0, __m512bh& w1) const {
+      w0 = widen_pair<K>(L::pair(t, k2, 0), s0);
+      w1 = widen_pair<K>(L::pair(t, k2, 1), s1);
+    }
+  };
+  Step step(int64_t kb) const {
+    const uint8_t* t = wb + kb * L::kBytes;
+    return Step{t, half_scales(L::d(t, 0), L::m(t, 0)), half_scales(L::d(t, 1), L::m(t, 1))};
+  }
+};
+
 // Rows from 16 mt on (up to 32; x's rows are never copied: only whole rows are read) in groups
 // of at most 8 (16 accumulators).
 template <BlockKind K>
 static inline void widened_block(const bf16* x, int64_t M, int64_t Kdim, int64_t mt, const uint8_t* wb, int64_t KB,
                                  float* cf) {
-  constexpr int G = 8;
+  const WidenedTiles<K> src{wb};
   const int rows = static_cast<int>(std::min<int64_t>(32, M - mt * 16));
-  const int64_t KW = Kdim / 2;
-  const uint32_t* xw = reinterpret_cast<const uint32_t*>(x + mt * 16 * Kdim);
-  int j = 0;
-  for (; j + G <= rows; j += G) widened_rows<K, G>(xw + j * KW, KW, wb, KB, cf, j);
-  switch (rows - j) {
-    case 1: widened_rows<K, 1>(xw + j * KW, KW, wb, KB, cf, j); break;
-    case 2: widened_rows<K, 2>(xw + j * KW, KW, wb, KB, cf, j); break;
-    case 3: widened_rows<K, 3>(xw + j * KW, KW, wb, KB, cf, j); break;
-    case 4: widened_rows<K, 4>(xw + j * KW, KW, wb, KB, cf, j); break;
-    case 5: widened_rows<K, 5>(xw + j * KW, KW, wb, KB, cf, j); break;
-    case 6: widened_rows<K, 6>(xw + j * KW, KW, wb, KB, cf, j); break;
-    case 7: widened_rows<K, 7>(xw + j * KW, KW, wb, KB, cf, j); break;
-    default: break;
-  }
+  dp_row_groups<8>(reinterpret_cast<const uint32_t*>(x + mt * 16 * Kdim), Kdim / 2, KB, cf, rows, src, src);
 }
 
 // blocks [N, KB, gguf bytes] (uint8, the GGUF tensor's rows in w's row order) -> the packed
