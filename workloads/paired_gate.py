@@ -36,7 +36,7 @@ import yaml
 
 import conf
 from workloads.gate_stats import MetricRule, PairedCheck, judge_all
-from workloads.gate_trees import extension_dir_for, materialise, python_for, resolve_baseline
+from workloads.gate_trees import extension_dir_for, kernel_digest, materialise, python_for, resolve_baseline
 
 DEFAULT_SETTINGS = Path(conf.__file__).parent / "gate" / "paired.yaml"
 WORKER = Path(__file__).with_name("gate_worker.py")
@@ -247,7 +247,9 @@ def run_paired_gate(
     python, why_python = python_for(tree, repo, cache)
     ext_dir = extension_dir_for(tree, repo, cache)
     notes = [f"baseline {commit[:12]} at {tree}", f"baseline python: {why_python}",
-             "C++ kernels: " + (f"baseline built separately in {ext_dir}" if ext_dir else "same sources, shared build")]
+             "C++ kernels: " + (f"baseline built separately in {ext_dir}" if ext_dir else
+                                "same sources, shared build" if kernel_digest(tree) == kernel_digest(repo) else
+                                "changed; builds named by their sources, in the shared cache")]  # fmt: skip
     perf = perf_available()
     notes.append("perf stat: counting instructions" if perf else "perf stat: no instruction counter here (not reported)")
     for n in notes:
