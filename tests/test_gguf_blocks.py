@@ -51,8 +51,8 @@ def test_linear_and_argmax_equal_the_bfloat16_kernels(kind, n, k) -> None:  # ty
     ops, ref = amx_linear.amx_ops(), amx_linear.pack(w)
     for m in ROWS:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
-        assert torch.equal(ops.quant_linear(x, packed, n), ops.amx_linear(x, ref, n)), m
-        assert torch.equal(ops.quant_linear_argmax(x, packed, n), ops.amx_linear_argmax(x, ref, n)), m
+        assert torch.equal(ops.amx_linear(x, packed, n), ops.amx_linear(x, ref, n)), m
+        assert torch.equal(ops.amx_linear_argmax(x, packed, n), ops.amx_linear_argmax(x, ref, n)), m
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -68,8 +68,8 @@ def test_fused_silu_mul_equals_the_bfloat16_kernel(m) -> None:  # type: ignore[n
     down, wd = random_blocks("Q4_1", 576, inter, seed=3)
     nxt = amx_linear.quant_pack(down, "Q4_1", wd)
     want = ops.amx_linear_silu_mul(x, amx_linear.pack(w, inter), inter)
-    assert torch.equal(ops.quant_linear_silu_mul(x, packed, inter), want)
-    assert torch.equal(ops.quant_linear_silu_mul(x, packed, inter, nxt), want)  # the prefetch hand-off changes nothing
+    assert torch.equal(ops.amx_linear_silu_mul(x, packed, inter), want)
+    assert torch.equal(ops.amx_linear_silu_mul(x, packed, inter, nxt), want)  # the prefetch hand-off changes nothing
 
 
 def test_blocks_that_do_not_reproduce_the_weight_are_refused() -> None:

@@ -197,12 +197,16 @@ static void for_each_block(const RowTiles& rt, const W& wt, const Body& body, co
 }
 #endif
 
+// x [M, K] against a packed weight of either layout: an amx_pack result (int32 [NB, K / 32, 2, 16,
+// 16]) or a quant_pack one (uint8 [NB, K / 32, tile bytes]: gguf_blocks.h).
 static void check_linear(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "x: contiguous [M, K] bfloat16 on the CPU");
-  TORCH_CHECK(packed.scalar_type() == torch::kInt32 && packed.dim() == 5 && packed.is_contiguous() &&
-                  packed.size(1) * 32 == x.size(1) && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 16,
-              "packed: amx_pack of a [N, K] weight with x's K");
+  const bool amx = packed.scalar_type() == torch::kInt32 && packed.dim() == 5 && packed.size(2) == 2 &&
+                   packed.size(3) == 16 && packed.size(4) == 16;
+  const bool gguf = packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed_kind(packed.size(2)) >= 0;
+  TORCH_CHECK((amx || gguf) && packed.is_contiguous() && packed.size(1) * 32 == x.size(1),
+              "packed: amx_pack or quant_pack of a [N, K] weight with x's K");
 }
 
 // w [N, K] -> [NB][KC][2][16][16] 32-bit words (NB = ceil(N / 32) blocks of 32 columns, KC = K / 32):
@@ -328,8 +332,30 @@ static void argmax_into(const RowTiles& rt, const W& wt, int64_t N, int64_t* op)
   }
 }
 
-static Bf16Blocks bf16_blocks(const torch::Tensor& packed) {
-  return Bf16Blocks{reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), packed.size(0), packed.size(1)};
+// f(the packed weight as the loops walk it): Bf16Blocks for an amx_pack result, GgufBlocks<K>
+// for a quant_pack one (check_linear has told them apart).
+template <typename F>
+static void with_packed(const torch::Tensor& packed, const char* what, const F& f) {
+  if (packed.scalar_type() == torch::kInt32) {
+    TORCH_CHECK(amx_tiles_granted(), what, ": no AMX tile state on this CPU");
+    f(Bf16Blocks{reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), packed.size(0), packed.size(1)});
+    return;
+  }
+#if defined(SERVELAB_GGUF_BLOCKS)
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (packed_kind(packed.size(2)) == static_cast<int>(BlockKind::Q4_1))
+    f(GgufBlocks<BlockKind::Q4_1>{w, packed.size(0), packed.size(1)});
+  else
+    f(GgufBlocks<BlockKind::Q8_0>{w, packed.size(0), packed.size(1)});
+#else
+  TORCH_CHECK(false, what, ": a quant_pack weight needs the AVX512-BF16 build");
+#endif
+}
+
+// x's rows as the loops read them: AMX's tile loads read whole tiles of an amx_pack weight's
+// rows (the last one a padded copy); every other path reads rows.
+static RowTiles row_tiles(const torch::Tensor& x, const torch::Tensor& packed) {
+  return RowTiles(x.data_ptr<bf16>(), x.size(0), x.size(1), kPadTiles && packed.scalar_type() == torch::kInt32);
 }
 #endif
 
@@ -338,9 +364,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, const
   TORCH_CHECK((N + 31) / 32 == packed.size(0), "amx_linear: N does not match the packed weight");
   auto y = torch::empty({x.size(0), N}, x.options());
 #if defined(SERVELAB_LINEAR_ANY)
-  TORCH_CHECK(amx_tiles_granted(), "amx_linear: no AMX tile state on this CPU");
-  linear_into(RowTiles(x.data_ptr<bf16>(), x.size(0), x.size(1)), bf16_blocks(packed), N, y.data_ptr<bf16>(),
-              NextWeight(next));
+  const RowTiles rt = row_tiles(x, packed);
+  with_packed(packed, "amx_linear", [&](const auto& wt) { linear_into(rt, wt, N, y.data_ptr<bf16>(), NextWeight(next)); });
 #else
   TORCH_CHECK(false, "amx_linear: built without AMX or AVX512-BF16");
 #endif
@@ -353,9 +378,9 @@ torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t
   TORCH_CHECK(I % 16 == 0 && I / 16 == packed.size(0), "amx_linear_silu_mul: I does not match the packed weight");
   auto y = torch::empty({x.size(0), I}, x.options());
 #if defined(SERVELAB_LINEAR_ANY)
-  TORCH_CHECK(amx_tiles_granted(), "amx_linear_silu_mul: no AMX tile state on this CPU");
-  silu_mul_into(RowTiles(x.data_ptr<bf16>(), x.size(0), x.size(1)), bf16_blocks(packed), I, y.data_ptr<bf16>(),
-                NextWeight(next));
+  const RowTiles rt = row_tiles(x, packed);
+  with_packed(packed, "amx_linear_silu_mul",
+              [&](const auto& wt) { silu_mul_into(rt, wt, I, y.data_ptr<bf16>(), NextWeight(next)); });
 #else
   TORCH_CHECK(false, "amx_linear_silu_mul: built without AMX or AVX512-BF16");
 #endif
@@ -367,93 +392,24 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t N
   TORCH_CHECK((N + 31) / 32 == packed.size(0) && N > 0, "amx_linear_argmax: N does not match the packed weight");
   auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
 #if defined(SERVELAB_LINEAR_ANY)
-  TORCH_CHECK(amx_tiles_granted(), "amx_linear_argmax: no AMX tile state on this CPU");
-  argmax_into(RowTiles(x.data_ptr<bf16>(), x.size(0), x.size(1)), bf16_blocks(packed), N, out.data_ptr<int64_t>());
+  const RowTiles rt = row_tiles(x, packed);
+  with_packed(packed, "amx_linear_argmax", [&](const auto& wt) { argmax_into(rt, wt, N, out.data_ptr<int64_t>()); });
 #else
   TORCH_CHECK(false, "amx_linear_argmax: built without AMX or AVX512-BF16");
 #endif
   return out;
 }
 
-// ---- the same ops on a GGUF checkpoint's own blocks (gguf_blocks.h) --------------------------
-
-static BlockKind block_kind(const std::string& kind) {
-  TORCH_CHECK(kind == "Q4_1" || kind == "Q8_0", "quant_pack: block kind Q4_1 or Q8_0, got ", kind);
-  return kind == "Q4_1" ? BlockKind::Q4_1 : BlockKind::Q8_0;
-}
-
-// x [M, K] against a quant_pack result: the kind (by its tile size) and the shape checked.
-static BlockKind check_quant(const torch::Tensor& x, const torch::Tensor& packed) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
-              "x: contiguous [M, K] bfloat16 on the CPU");
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
-                  packed.size(1) * 32 == x.size(1) && packed_kind(packed.size(2)) >= 0,
-              "packed: quant_pack of a [N, K] weight with x's K");
-  return static_cast<BlockKind>(packed_kind(packed.size(2)));
-}
+// ---- the checkpoint's own blocks (gguf_blocks.h): packed here, then read by the ops above ----
 
 torch::Tensor quant_pack(torch::Tensor blocks, std::string kind, torch::Tensor w, int64_t interleave) {
+  TORCH_CHECK(kind == "Q4_1" || kind == "Q8_0", "quant_pack: block kind Q4_1 or Q8_0, got ", kind);
 #if defined(SERVELAB_GGUF_BLOCKS)
-  return pack_gguf_blocks(blocks, w, block_kind(kind), interleave);
+  return pack_gguf_blocks(blocks, w, kind == "Q4_1" ? BlockKind::Q4_1 : BlockKind::Q8_0, interleave);
 #else
-  (void)blocks, (void)w, (void)interleave, (void)block_kind(kind);
+  (void)blocks, (void)w, (void)interleave;
   TORCH_CHECK(false, "quant_pack: built without AVX512-BF16");
 #endif
-}
-
-#if defined(SERVELAB_GGUF_BLOCKS)
-// f(GgufBlocks<K>) for the packed weight's kind.
-template <typename F>
-static void with_blocks(const torch::Tensor& packed, BlockKind kind, const F& f) {
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  if (kind == BlockKind::Q4_1)
-    f(GgufBlocks<BlockKind::Q4_1>{w, packed.size(0), packed.size(1)});
-  else
-    f(GgufBlocks<BlockKind::Q8_0>{w, packed.size(0), packed.size(1)});
-}
-#endif
-
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t N, const std::optional<torch::Tensor>& next) {
-  const BlockKind kind = check_quant(x, packed);
-  TORCH_CHECK((N + 31) / 32 == packed.size(0), "quant_linear: N does not match the packed weight");
-  auto y = torch::empty({x.size(0), N}, x.options());
-#if defined(SERVELAB_GGUF_BLOCKS)
-  const RowTiles rt(x.data_ptr<bf16>(), x.size(0), x.size(1), false);
-  with_blocks(packed, kind, [&](const auto& wt) { linear_into(rt, wt, N, y.data_ptr<bf16>(), NextWeight(next)); });
-#else
-  (void)kind, (void)next;
-  TORCH_CHECK(false, "quant_linear: built without AVX512-BF16");
-#endif
-  return y;
-}
-
-torch::Tensor quant_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t I,
-                                    const std::optional<torch::Tensor>& next) {
-  const BlockKind kind = check_quant(x, packed);
-  TORCH_CHECK(I % 16 == 0 && I / 16 == packed.size(0), "quant_linear_silu_mul: I does not match the packed weight");
-  auto y = torch::empty({x.size(0), I}, x.options());
-#if defined(SERVELAB_GGUF_BLOCKS)
-  const RowTiles rt(x.data_ptr<bf16>(), x.size(0), x.size(1), false);
-  with_blocks(packed, kind, [&](const auto& wt) { silu_mul_into(rt, wt, I, y.data_ptr<bf16>(), NextWeight(next)); });
-#else
-  (void)kind, (void)next;
-  TORCH_CHECK(false, "quant_linear_silu_mul: built without AVX512-BF16");
-#endif
-  return y;
-}
-
-torch::Tensor quant_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  const BlockKind kind = check_quant(x, packed);
-  TORCH_CHECK((N + 31) / 32 == packed.size(0) && N > 0, "quant_linear_argmax: N does not match the packed weight");
-  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
-#if defined(SERVELAB_GGUF_BLOCKS)
-  const RowTiles rt(x.data_ptr<bf16>(), x.size(0), x.size(1), false);
-  with_blocks(packed, kind, [&](const auto& wt) { argmax_into(rt, wt, N, out.data_ptr<int64_t>()); });
-#else
-  (void)kind;
-  TORCH_CHECK(false, "quant_linear_argmax: built without AVX512-BF16");
-#endif
-  return out;
 }
 
 bool quant_linear_available() {
@@ -481,9 +437,6 @@ TORCH_LIBRARY_FRAGMENT(servelab, m) {
   m.def("amx_linear_argmax(Tensor x, Tensor packed, int N) -> Tensor");
   m.def("amx_linear_available() -> bool", &servelab::amx_linear_available);
   m.def("quant_pack(Tensor blocks, str kind, Tensor w, int interleave) -> Tensor");
-  m.def("quant_linear(Tensor x, Tensor packed, int N, Tensor? next=None) -> Tensor");
-  m.def("quant_linear_silu_mul(Tensor x, Tensor packed, int I, Tensor? next=None) -> Tensor");
-  m.def("quant_linear_argmax(Tensor x, Tensor packed, int N) -> Tensor");
   m.def("quant_linear_available() -> bool", &servelab::quant_linear_available);
 }
 
@@ -493,7 +446,4 @@ TORCH_LIBRARY_IMPL(servelab, CPU, m) {
   m.impl("amx_linear_silu_mul", &servelab::amx_linear_silu_mul);
   m.impl("amx_linear_argmax", &servelab::amx_linear_argmax);
   m.impl("quant_pack", &servelab::quant_pack);
-  m.impl("quant_linear", &servelab::quant_linear);
-  m.impl("quant_linear_silu_mul", &servelab::quant_linear_silu_mul);
-  m.impl("quant_linear_argmax", &servelab::quant_linear_argmax);
 }

@@ -30,6 +30,12 @@ Fused epilogues save a pass over memory each:
     torch.ops.servelab.amx_linear(Tensor x, Tensor packed, int N, Tensor? next=None) -> Tensor      [M, N]
     torch.ops.servelab.amx_linear_silu_mul(Tensor x, Tensor packed, int I, Tensor? next=None) -> Tensor      [M, I]
     torch.ops.servelab.amx_linear_argmax(Tensor x, Tensor packed, int N) -> Tensor      [M] int64
+    torch.ops.servelab.quant_pack(Tensor blocks, str kind, Tensor w, int interleave) -> Tensor
+
+`packed` is an `amx_pack` result or a `quant_pack` one: a GGUF checkpoint's Q4_1 / Q8_0 blocks
+as stored, widened in registers to w's very bfloat16 values (engine/csrc/gguf_blocks.h; the same
+results bit for bit, a third of the bytes), which the model uses for steps of at most
+`QUANT_MAX_ROWS` rows.
 
 `next` (optional, AVX512-BF16 path): the packed weight of the op that runs next; while a thread
 reads its last block it prefetches its first blocks of that one into L2, so a step's back-to-back
@@ -89,18 +95,6 @@ def _register_fakes() -> None:
         n, kb, _ = blocks.shape
         nb = interleave // 16 if interleave else -(-n // 32)
         return blocks.new_empty((nb, kb, 640 if kind == "Q4_1" else 1088))
-
-    @torch.library.register_fake("servelab::quant_linear")
-    def _(x: torch.Tensor, packed: torch.Tensor, n: int, next: torch.Tensor | None = None) -> torch.Tensor:
-        return x.new_empty((x.shape[0], n))
-
-    @torch.library.register_fake("servelab::quant_linear_silu_mul")
-    def _(x: torch.Tensor, packed: torch.Tensor, i: int, next: torch.Tensor | None = None) -> torch.Tensor:
-        return x.new_empty((x.shape[0], i))
-
-    @torch.library.register_fake("servelab::quant_linear_argmax")
-    def _(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-        return x.new_empty(x.shape[:1], dtype=torch.int64)
 
 
 def amx_ops() -> Any | None:

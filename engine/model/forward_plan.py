@@ -112,17 +112,17 @@ def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None) -> ForwardPl
     if not layers:
         return None
     with_amx = all(lp.amx is not None for lp in layers)
+    with_quant = with_amx and all(lp.amx is not None and lp.amx.quant is not None for lp in layers)
     if not with_amx:
         layers = [dataclasses.replace(lp, amx=None) for lp in layers]
-    elif not all(lp.amx is not None and lp.amx.quant is not None for lp in layers):  # all layers or none
+    elif not with_quant:  # all layers or none
         layers = [dataclasses.replace(lp, amx=dataclasses.replace(lp.amx, quant=None)) if lp.amx else lp for lp in layers]
     first = layers[0].attn
     sizes = (first.q_size + 2 * first.kv_size, int(model.embed_tokens.weight.shape[1]), inter)
     with_gemv = all(lp.plain is not None for lp in layers)
     return ForwardPlan(model.embed_tokens.weight.dtype, ops, model.norm.eps, tuple(layers),
                        model.norm.weight.detach(), amx_linear.amx_ops() if with_amx else None, sizes,
-                       cpu_gemv.gemv_ops() if with_gemv else None,
-                       with_amx and all(lp.amx is not None and lp.amx.quant is not None for lp in layers))  # fmt: skip
+                       cpu_gemv.gemv_ops() if with_gemv else None, with_quant)  # fmt: skip
 
 
 def _amx_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | None, ...] | None) -> AmxPacks | None:
@@ -137,10 +137,10 @@ def _amx_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | No
         return None
     qkv, o, down = (amx_linear.pack(w) for w in weights)
     quant = None
-    if blocks is not None and all(b is not None for b in blocks):
+    if blocks is not None:
         full = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
-        packs = [amx_linear.quant_pack(b[1], b[0], w, inter if i == 2 else 0)
-                 for i, (b, w) in enumerate(zip(blocks, full, strict=True)) if b is not None]  # fmt: skip
+        packs = [amx_linear.quant_pack(b[1], b[0], w, inter if i == 2 else 0) if b is not None else None
+                 for i, (b, w) in enumerate(zip(blocks, full, strict=True))]  # fmt: skip
         if all(p is not None for p in packs):
             quant = cast("tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]", tuple(packs))
     return AmxPacks(qkv, o, amx_linear.pack(mlp.gate_up_proj.weight, inter), down, quant)
@@ -178,9 +178,6 @@ def planned_forward(
     t = x.shape[0]
     amx = plan.amx_ops if t <= amx_linear.DECODE_MAX_ROWS else None  # decode-sized steps: AMX kernels
     quant = amx is not None and plan.quant and t <= amx_linear.QUANT_MAX_ROWS  # a few rows: the checkpoint's blocks
-    if amx is not None:
-        linear = amx.quant_linear if quant else amx.amx_linear
-        silu_mul = amx.quant_linear_silu_mul if quant else amx.amx_linear_silu_mul
     gemv = plan.gemv_ops is not None and t <= cpu_gemv.max_rows(plan.dtype)  # a few rows: packed_linear's GEMV
     rows = t if amx is not None or gemv else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
     if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them
@@ -201,7 +198,7 @@ def planned_forward(
         if amx is not None and packs is not None:
             # each call names the next one's weight: its threads prefetch their first blocks of it
             w_qkv, w_o, w_gate_up, w_down = packs.matrices(quant)
-            qkv = linear(x, w_qkv, n_qkv, w_o).view(t, hq + 2 * hkv, a.head_dim)
+            qkv = amx.amx_linear(x, w_qkv, n_qkv, w_o).view(t, hq + 2 * hkv, a.head_dim)
         else:
             qkv = packed_linear(x, lp.qkv, plain=plain[0]).view(rows, hq + 2 * hkv, a.head_dim)
         ops.rope_(qkv, cos, sin, hq + hkv)
@@ -209,11 +206,11 @@ def planned_forward(
         o = a.attn_backend.forward(q_rows[:, :hq], q_rows[:, hq : hq + hkv], q_rows[:, hq + hkv :], kv_cache,
                                    metadata, a.scale)  # fmt: skip
         if amx is not None and packs is not None:
-            x = linear(o.reshape(t, a.q_size), w_o, hidden, w_gate_up)
+            x = amx.amx_linear(o.reshape(t, a.q_size), w_o, hidden, w_gate_up)
             ops.add_rms_norm_(x, residual, lp.post_norm, eps)
             following = plan.layers[i + 1].amx if i < last else None  # the next layer's qkv comes next
-            x = linear(silu_mul(x, w_gate_up, inter, w_down), w_down, hidden,
-                       following.matrices(quant)[0] if following is not None else None)
+            x = amx.amx_linear(amx.amx_linear_silu_mul(x, w_gate_up, inter, w_down), w_down, hidden,
+                               following.matrices(quant)[0] if following is not None else None)
         else:
             o = o.reshape(t, a.q_size)
             x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o, plain=plain[1])

@@ -195,9 +195,7 @@ class LlamaForCausalLM(nn.Module):
         packed = self.packed_lm_head
         amx = self._amx_head(hidden)
         if amx is not None:
-            quant = self._quant_head(hidden)
-            logits = (amx.quant_linear(hidden.contiguous(), quant, weight.shape[0]) if quant is not None
-                      else amx.amx_linear(hidden.contiguous(), self.amx_lm_head, weight.shape[0]))  # fmt: skip
+            logits = amx.amx_linear(hidden.contiguous(), self._head_pack(hidden), weight.shape[0])
         elif packed is not None and hidden.dtype == weight.dtype and not torch.compiler.is_compiling():
             logits = packed_linear(hidden, packed, plain=weight)
         else:
@@ -211,10 +209,7 @@ class LlamaForCausalLM(nn.Module):
         their near-ties settled in float32 (`_bf16_argmax`); None otherwise (the sampler's argmax)."""
         amx = self._amx_head(hidden)
         if amx is not None:
-            quant = self._quant_head(hidden)
-            if quant is not None:
-                return amx.quant_linear_argmax(hidden.contiguous(), quant, self.arch.vocab_size)
-            return amx.amx_linear_argmax(hidden.contiguous(), self.amx_lm_head, self.arch.vocab_size)
+            return amx.amx_linear_argmax(hidden.contiguous(), self._head_pack(hidden), self.arch.vocab_size)
         if hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" or torch.compiler.is_compiling():
             return None
         return self._bf16_argmax(hidden)
@@ -257,9 +252,12 @@ class LlamaForCausalLM(nn.Module):
         win = scores == best[rows]
         return first.scatter_reduce(0, rows[win], cols[win], "amin", include_self=False)
 
-    def _quant_head(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The LM head from the checkpoint's blocks for a step of a few rows (after `_amx_head`)."""
-        return self.quant_lm_head if hidden.shape[0] <= amx_linear.QUANT_MAX_ROWS else None
+    def _head_pack(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head the AMX ops read (after `_amx_head`): from the checkpoint's blocks for a
+        step of a few rows where the model has them."""
+        if self.quant_lm_head is not None and hidden.shape[0] <= amx_linear.QUANT_MAX_ROWS:
+            return self.quant_lm_head
+        return self.amx_lm_head
 
     def _amx_head(self, hidden: torch.Tensor) -> Any | None:
         plan = self.model.plan
