@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from engine.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
 
 
+QuantPacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 @dataclass(frozen=True, slots=True)
 class AmxPacks:
     """A dense layer's matrices in the AMX kernels' layout (engine/model/amx_linear.py), for
@@ -45,7 +48,7 @@ class AmxPacks:
     o: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
-    quant: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    quant: QuantPacks | None = None
 
     def matrices(self, quant: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv, o, gate_up, down: the quant packs where asked for and present."""
@@ -136,14 +139,21 @@ def _amx_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | No
     if not amx_linear.supports(mlp.gate_up_proj.weight, inter):
         return None
     qkv, o, down = (amx_linear.pack(w) for w in weights)
-    quant = None
-    if blocks is not None:
-        full = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
-        packs = [amx_linear.quant_pack(b[1], b[0], w, inter if i == 2 else 0) if b is not None else None
-                 for i, (b, w) in enumerate(zip(blocks, full, strict=True))]  # fmt: skip
-        if all(p is not None for p in packs):
-            quant = cast("tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]", tuple(packs))
-    return AmxPacks(qkv, o, amx_linear.pack(mlp.gate_up_proj.weight, inter), down, quant)
+    gate_up = amx_linear.pack(mlp.gate_up_proj.weight, inter)
+    return AmxPacks(qkv, o, gate_up, down, _quant_packs(attn, mlp, blocks) if blocks is not None else None)
+
+
+def _quant_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | None, ...]) -> QuantPacks | None:
+    """The quant packs of (qkv, o, gate_up, down), or None as soon as one matrix has no blocks
+    or its blocks do not reproduce its weight (the rest are then not packed: start-up time)."""
+    full = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+    packs = []
+    for i, (b, w) in enumerate(zip(blocks, full, strict=True)):
+        packed = amx_linear.quant_pack(b[1], b[0], w, mlp.intermediate_size if i == 2 else 0) if b is not None else None
+        if packed is None:
+            return None
+        packs.append(packed)
+    return cast(QuantPacks, tuple(packs))
 
 
 GgufBlock = tuple[str, torch.Tensor]  # (block type, uint8 [rows, in / 32, bytes]): gguf_loader.load_gguf_blocks
