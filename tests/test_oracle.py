@@ -95,6 +95,8 @@ def test_all_together(llm, prompt_ids, hf_greedy, async_scheduling):
     assert _run(llm, prompt_ids) == hf_greedy
     compiled = llm.engine_core.config.model.enforce_eager is False
     assert all(s.compiled == compiled for s in llm.step_stats[start:])
+    # on a CPU the one dynamic-shape graph runs every step (prefill and decode) unpadded
+    assert all(s.padded_tokens == s.num_prefill_tokens + s.num_decode_tokens for s in llm.step_stats[start:])
 
 
 def test_chunked_prefill(llm, prompt_ids, hf_greedy, async_scheduling):

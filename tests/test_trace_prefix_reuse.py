@@ -30,7 +30,7 @@ def test_mooncake_prefix_hit_rate_matches_trace_block_reuse(tmp_path: Path) -> N
         [sys.executable, "-m", "workloads.cli", "workload=mooncake", "target=simulated",
          f"workload.trace.path={TRACE}", f"workload.trace.max_requests={N}", "cache.num_blocks=40000",
          "cache.block_size=16", "scheduler.max_num_batched_tokens=8192", "scheduler.max_num_seqs=64",
-         "profiling.telemetry=false", "run.time_reference=false", f"hydra.run.dir={run}"],
+         "profiling.telemetry=false", "run.time_reference=false", "report.html=false", f"hydra.run.dir={run}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

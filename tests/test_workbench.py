@@ -43,24 +43,28 @@ def servelab_run(*args: str, timeout: float = 300) -> subprocess.CompletedProces
     return proc
 
 
-def run_once(run_dir: Path, *overrides: str) -> Path:
-    proc = servelab_run(*overrides, f"hydra.run.dir={run_dir}")
+def run_once(run_dir: Path, *overrides: str, report: bool = True) -> Path:
+    """One `servelab-run`; `report=False` skips the HTML page (~4 s of figures on 2 cores) where
+    the test reads only the run folder's tables."""
+    proc = servelab_run(*overrides, f"report.html={str(report).lower()}", f"hydra.run.dir={run_dir}")
     assert f"run folder: {run_dir}" in proc.stdout
-    assert (run_dir / "report.html").exists() and not (run_dir / "error.txt").exists()
+    assert (run_dir / "report.html").exists() == report and not (run_dir / "error.txt").exists()
     return run_dir
 
 
 def runs_side_by_side(*runs: tuple[Path, list[str]], timeout: float = 300) -> None:
-    """`run_once` for each (run folder, overrides), the processes started together: for runs
-    whose figures are compared by count, not by time (each mostly waits on its own start-up)."""
-    procs = [(run_dir, subprocess.Popen([sys.executable, "-m", "workloads.cli", *overrides, f"hydra.run.dir={run_dir}"],
+    """`run_once` for each (run folder, overrides) without the HTML page, the processes started
+    together: for runs whose figures are compared by count, not by time (each mostly waits on its
+    own start-up)."""
+    procs = [(run_dir, subprocess.Popen([sys.executable, "-m", "workloads.cli", *overrides, "report.html=false",
+                                         f"hydra.run.dir={run_dir}"],
                                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
              for run_dir, overrides in runs]  # fmt: skip
     for run_dir, proc in procs:
         out, err = proc.communicate(timeout=timeout)
         assert proc.returncode == 0, out[-3000:] + err[-3000:]
         assert f"run folder: {run_dir}" in out
-        assert (run_dir / "report.html").exists() and not (run_dir / "error.txt").exists()
+        assert (run_dir / "summary.json").exists() and not (run_dir / "error.txt").exists()
 
 
 def test_sweep_2x2_writes_sweep_csv(tmp_path: Path) -> None:
@@ -71,6 +75,7 @@ def test_sweep_2x2_writes_sweep_csv(tmp_path: Path) -> None:
         "workload.shared_prefix.prefix_len=48", "workload.shared_prefix.num_groups=1",
         "workload.shared_prefix.fraction=1.0", "workload.output_len.value=4",
         "workload.arrival.rate=16", "run.time_reference=false", "cache.num_blocks=64",
+        "report.html=false",  # the jobs' pages; the sweep's own page is written regardless
         f"hydra.sweep.dir={sweep_dir}", timeout=600,
     )
     df = pd.read_csv(sweep_dir / "sweep.csv")
@@ -91,7 +96,7 @@ def test_enforce_eager_sweep_records_compile_status(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     servelab_run(
         "-m", "model.enforce_eager=true,false", "model.load_format=dummy", "model.num_layers_override=1",
-        *TINY, f"hydra.sweep.dir={sweep_dir}", timeout=900,
+        *TINY, "report.html=false", f"hydra.sweep.dir={sweep_dir}", timeout=900,
     )
     df = pd.read_csv(sweep_dir / "sweep.csv")
     assert sorted(df["model.enforce_eager"].astype(bool)) == [False, True]
@@ -154,13 +159,13 @@ def _gate(baseline: Path, run: Path, config: Path) -> subprocess.CompletedProces
 
 def test_gate_passes_a_rerun_and_fails_a_slowed_run(tmp_path: Path) -> None:
     gate_overrides = ["experiment=ci_gate", "run.time_reference=true"]
-    base = run_once(tmp_path / "base", *gate_overrides)
-    rerun = run_once(tmp_path / "rerun", *gate_overrides)
+    base = run_once(tmp_path / "base", *gate_overrides, report=False)
+    rerun = run_once(tmp_path / "rerun", *gate_overrides, report=False)
     # A delay per step of twice the normal step time (at least 60 ms) makes every step ~3x
     # slower, whatever the speed of this machine.
     step_ms = pd.read_csv(base / "steps.csv")["step_time"].mean() * 1000
     delay = max(60, round(2 * step_ms))
-    slow = run_once(tmp_path / "slow", *gate_overrides, f"scheduler.step_delay_ms={delay}")
+    slow = run_once(tmp_path / "slow", *gate_overrides, f"scheduler.step_delay_ms={delay}", report=False)
 
     # conf/gate/ci.yaml: time metrics may be 60% worse before they fail (CI machines differ).
     config = yaml.safe_load((ROOT / "conf" / "gate" / "ci.yaml").read_text())
