@@ -124,6 +124,24 @@ def test_start_failure_is_reported() -> None:
     asyncio.run(main())
 
 
+def test_ipc_folder_goes_with_the_client() -> None:
+    """The sockets' folder is removed by shutdown(), and by the client's finalizer when it is
+    dropped without one (no servelab-core-* folders left in the temp dir)."""
+    import gc
+    from pathlib import Path
+
+    closed = EngineCoreClient(EngineConfig(), multiprocess=False)
+    folder = Path(closed._tmpdir)
+    assert folder.is_dir()
+    closed.shutdown()
+    assert not folder.exists()
+    dropped = EngineCoreClient(EngineConfig(), multiprocess=False)
+    folder = Path(dropped._tmpdir)
+    del dropped
+    gc.collect()
+    assert not folder.exists()
+
+
 def test_loop_and_front_end_time_are_accounted() -> None:
     """The core's loop splits its time into step / socket I/O / idle; the client counts output batches."""
 

@@ -74,8 +74,9 @@ class EngineCoreClient:
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.bind(self.output_addr)
         self._aoutput: zmq.asyncio.Socket | None = None  # async view, made on the serving loop
-        # Never leave the context to the garbage collector with its sockets (see multiproc.py).
-        self._finalizer = weakref.finalize(self, _release_sockets, self._input, self._output, self._ctx)
+        # Never leave the context to the garbage collector with its sockets (see multiproc.py),
+        # nor the sockets' folder behind a client that was dropped without shutdown().
+        self._finalizer = weakref.finalize(self, _release_ipc, self._input, self._output, self._ctx, self._tmpdir)
         self._encoder = msgspec.msgpack.Encoder()
         self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._result_decoder = msgspec.msgpack.Decoder(msg.UtilityResult)
@@ -222,7 +223,6 @@ class EngineCoreClient:
             self._thread.join(timeout_s)
         self._fail_pending_calls(EngineDeadError("engine core shut down"))
         self._finalizer()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # ---- requests ---------------------------------------------------------------
 
@@ -313,9 +313,10 @@ class EngineCoreClient:
                 fut.set_exception(err)
 
 
-def _release_sockets(inp: zmq.Socket, out: zmq.Socket, ctx: zmq.Context) -> None:
+def _release_ipc(inp: zmq.Socket, out: zmq.Socket, ctx: zmq.Context, folder: str) -> None:
     for sock in (inp, out):
         if not sock.closed:
             sock.close(linger=0)
     if not ctx.closed:
         ctx.term()
+    shutil.rmtree(folder, ignore_errors=True)
