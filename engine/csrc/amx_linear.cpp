@@ -167,13 +167,14 @@ struct Bf16Blocks {
 
 #if defined(SERVELAB_GGUF_BLOCKS)
 template <BlockKind K>
-struct GgufBlocks {  // gguf_blocks.h: the checkpoint's own blocks, widened to bfloat16 in registers
+struct GgufBlocks {  // gguf_blocks.h: the checkpoint's own blocks, widened in registers
   static constexpr bool kTiles = false;
   const uint8_t* w;
   int64_t NB, KB;
+  const float* sx;  // x's block sums (block_sums)
   const uint8_t* block(int64_t nb) const { return w + nb * KB * TileLayout<K>::kBytes; }
   void product(const RowTiles& rt, int64_t mt, int64_t nb, float (*c)[2][256], const uint8_t* /*next*/) const {
-    widened_block<K>(rt.x, rt.M, rt.K, mt, block(nb), KB, &c[0][0][0]);  // no software prefetch: gguf_blocks.h
+    widened_block<K>(rt.x, sx, rt.M, rt.K, mt, block(nb), KB, &c[0][0][0]);  // no software prefetch: gguf_blocks.h
   }
 };
 #endif
@@ -335,7 +336,7 @@ static void argmax_into(const RowTiles& rt, const W& wt, int64_t N, int64_t* op)
 // f(the packed weight as the loops walk it): Bf16Blocks for an amx_pack result, GgufBlocks<K>
 // for a quant_pack one (check_linear has told them apart).
 template <typename F>
-static void with_packed(const torch::Tensor& packed, const char* what, const F& f) {
+static void with_packed(const torch::Tensor& packed, const RowTiles& rt, const char* what, const F& f) {
   if (packed.scalar_type() == torch::kInt32) {
     TORCH_CHECK(amx_tiles_granted(), what, ": no AMX tile state on this CPU");
     f(Bf16Blocks{reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), packed.size(0), packed.size(1)});
@@ -343,11 +344,13 @@ static void with_packed(const torch::Tensor& packed, const char* what, const F& 
   }
 #if defined(SERVELAB_GGUF_BLOCKS)
   const uint8_t* w = packed.data_ptr<uint8_t>();
+  const std::vector<float> sx = block_sums(rt.x, rt.M, rt.K);
   if (packed_kind(packed.size(2)) == static_cast<int>(BlockKind::Q4_1))
-    f(GgufBlocks<BlockKind::Q4_1>{w, packed.size(0), packed.size(1)});
+    f(GgufBlocks<BlockKind::Q4_1>{w, packed.size(0), packed.size(1), sx.data()});
   else
-    f(GgufBlocks<BlockKind::Q8_0>{w, packed.size(0), packed.size(1)});
+    f(GgufBlocks<BlockKind::Q8_0>{w, packed.size(0), packed.size(1), sx.data()});
 #else
+  (void)rt;
   TORCH_CHECK(false, what, ": a quant_pack weight needs the AVX512-BF16 build");
 #endif
 }
@@ -365,7 +368,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, const
   auto y = torch::empty({x.size(0), N}, x.options());
 #if defined(SERVELAB_LINEAR_ANY)
   const RowTiles rt = row_tiles(x, packed);
-  with_packed(packed, "amx_linear", [&](const auto& wt) { linear_into(rt, wt, N, y.data_ptr<bf16>(), NextWeight(next)); });
+  with_packed(packed, rt, "amx_linear", [&](const auto& wt) { linear_into(rt, wt, N, y.data_ptr<bf16>(), NextWeight(next)); });
 #else
   TORCH_CHECK(false, "amx_linear: built without AMX or AVX512-BF16");
 #endif
@@ -379,7 +382,7 @@ torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t
   auto y = torch::empty({x.size(0), I}, x.options());
 #if defined(SERVELAB_LINEAR_ANY)
   const RowTiles rt = row_tiles(x, packed);
-  with_packed(packed, "amx_linear_silu_mul",
+  with_packed(packed, rt, "amx_linear_silu_mul",
               [&](const auto& wt) { silu_mul_into(rt, wt, I, y.data_ptr<bf16>(), NextWeight(next)); });
 #else
   TORCH_CHECK(false, "amx_linear_silu_mul: built without AMX or AVX512-BF16");
@@ -393,7 +396,7 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t N
   auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
 #if defined(SERVELAB_LINEAR_ANY)
   const RowTiles rt = row_tiles(x, packed);
-  with_packed(packed, "amx_linear_argmax", [&](const auto& wt) { argmax_into(rt, wt, N, out.data_ptr<int64_t>()); });
+  with_packed(packed, rt, "amx_linear_argmax", [&](const auto& wt) { argmax_into(rt, wt, N, out.data_ptr<int64_t>()); });
 #else
   TORCH_CHECK(false, "amx_linear_argmax: built without AMX or AVX512-BF16");
 #endif

@@ -1,28 +1,36 @@
 // The decode linears on a GGUF checkpoint's own blocks (Q4_1, Q8_0): each weight read as stored
-// (5 or 8.5 bits instead of bfloat16's 16) and widened in registers to the very bfloat16 value the
-// loader made of it, so the results are those of the bfloat16 kernel (amx_linear.cpp), bit for bit.
+// (5 or 8.5 bits instead of bfloat16's 16) and multiplied as the checkpoint defines it, unrounded.
 //
-// The loader's values: Q4_1 w = bf16(float(d) * q + float(m)) (a product, then a sum, each rounded
-// to float32; then round to nearest even), Q8_0 w = bf16(float(d) * q). Here: one fused
-// multiply-add (Q4_1) or a multiply (Q8_0), then vcvtne2ps2bf16 (round to nearest even). Both are
-// the same numbers: d has 11 significant bits and q at most 8, so d * q is exact in float32 and
-// rounding it first changes nothing; the values are never float32 denormals. quant_pack checks
-// every packed weight through the very widening the kernel runs, against the loaded weight.
+// Per 32-input block of a column, sum_k x_k w_k = d sum_k q_k x_k + m sum_k x_k (Q4_1: w = d q + m,
+// q a nibble; Q8_0: w = d q, q an int8, m = 0). The integers reach vdpbf16ps as bfloat16 words
+// with one or two integer ops: bfloat16 counts by 1 in [128, 256), so the word 0x4300 | n is
+// exactly 128 + n for a nibble n. A Q4_1 nibble is one such word; a Q8_0 byte q, as u = q + 128 =
+// 16 a + b (its high nibble a = (byte >> 4) ^ 8, its low nibble b), two of them. With sx = sum_k x_k
+// (float32, once per call and row) and A, B the block's vdpbf16ps sums over the words:
+//   Q4_1: y += d (A - 128 sx) + m sx              = d A + (m - 128 d) sx
+//   Q8_0: y += d (16 (A - 128 sx) + B - 256 sx)  = d (16 A + B) - 2304 d sx
+// Widening 64 weights takes 4 integer ops (Q4_1) or 8 (Q8_0) where rounding each to the loader's
+// bfloat16 value took ~18: at a few rows the stream, not the widening, sets the pace
+// (docs/benchmarks.md). The results are the checkpoint's products in float32, rounded once at
+// the end: closer to the exact sums than the bfloat16 kernel's (amx_linear.cpp), which multiplies
+// bf16(d q + m), the loader's rounding of each weight; subtracting the 128 (2304) sx costs ~6 (~9)
+// of float32's 24 bits. tests/test_gguf_blocks.py holds both against float64.
 //
 // Packed layout (quant_pack), per 32-column block nb and 32-input block kb (kb = the GGUF block of
-// every column), "tiles" of 16 columns (half h: columns 32 nb + 16 h .. + 16, or with interleave I
-// the gate columns 16 nb .. + 16 (h = 0) and the same up columns (h = 1)):
-//   Q4_1 (640 bytes): d[h=0] 16 x fp16, m[h=0], d[h=1], m[h=1]; then per input pair k2 = 0..15,
-//        for h = 0, 1: 16 bytes, byte b = lane b of the "low" vector (column b / 2, input 2 k2 + b % 2)
-//        in its low nibble and lane b of the "high" vector (column 8 + b / 2) in its high nibble.
-//   Q8_0 (1088 bytes): d[h=0], d[h=1] 16 x fp16; then per k2, for h = 0, 1: 16 int8 of the low
-//        vector's lanes, 16 of the high vector's.
-// Widened and rounded, vcvtne2ps2bf16(high, low) puts column c's pair (inputs 2 k2, 2 k2 + 1) in
-// 32-bit lane c: exactly the word the bfloat16 kernel's packed layout holds there.
+// every column), two halves h of 16 columns (columns 32 nb + 16 h .. + 16, or with interleave I
+// the gate columns 16 nb .. + 16 (h = 0) and the same up columns (h = 1)). A "line" is 32 bytes,
+// byte b for word b of a half's 32-word vector: column b / 2, input 2 k2 + b % 2 (so vdpbf16ps sums
+// column c in 32-bit lane c, as the bfloat16 kernel's packed layout has it).
+//   Q4_1 (640 bytes): d[h=0] 16 x fp16 (column order), m[h=0], d[h=1], m[h=1]; then per input pair
+//        k2 = 0..15 one line: half 0's nibble low, half 1's high.
+//   Q8_0 (1088 bytes): d[h=0], d[h=1] 16 x fp16; then per k2 and h one line of int8.
+// quant_pack checks every packed weight, rounded as the loader rounds it (bf16(float(d) q +
+// float(m))), against the loaded bfloat16 weight: a pack is only made of the very blocks loaded.
 #pragma once
 #include "kernel_header.h"
 #include <algorithm>
 #include <atomic>
+#include <vector>
 
 namespace servelab {
 
@@ -36,55 +44,33 @@ static inline int packed_kind(int64_t tile_bytes) { return tile_bytes == 640 ? 0
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define SERVELAB_GGUF_BLOCKS 1
 
-// The 16 columns of one half-tile, their scales widened to the two vectors' lane order
-// (lane j: column j / 2 of the low vector, 8 + j / 2 of the high one).
-struct HalfScales {
-  __m512 d_lo, d_hi, m_lo, m_hi;
-};
-
-static inline HalfScales half_scales(const uint8_t* d16, const uint8_t* m16) {
-  const __m512i lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i hi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
-  HalfScales s;
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d16)));
-  s.d_lo = _mm512_permutexvar_ps(lo, d);
-  s.d_hi = _mm512_permutexvar_ps(hi, d);
-  if (m16 != nullptr) {
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m16)));
-    s.m_lo = _mm512_permutexvar_ps(lo, m);
-    s.m_hi = _mm512_permutexvar_ps(hi, m);
-  } else {
-    s.m_lo = s.m_hi = _mm512_setzero_ps();
-  }
-  return s;
+// Nibbles to bfloat16 words 128 + n: (v & 15) | 0x4300 (one vpternlogd) and (v >> 4) | 0x4300.
+static inline __m512i low_words(__m512i v) {
+  return _mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), 0xEA);  // (A & B) | C
 }
-
-// One input pair of a half-tile as 16 bfloat16 pairs (16 columns x inputs 2 k2, 2 k2 + 1).
-template <BlockKind K>
-static inline __m512bh widen_pair(const uint8_t* p, const HalfScales& s) {
-  __m512 lo, hi;
-  if constexpr (K == BlockKind::Q4_1) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // float(nibble)
-    lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, q), s.d_lo, s.m_lo);  // vpermd reads the low 4 bits
-    hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), q), s.d_hi, s.m_hi);
-  } else {
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-    lo = _mm512_mul_ps(lo, s.d_lo);
-    hi = _mm512_mul_ps(hi, s.d_hi);
-  }
-  return _mm512_cvtne2ps_pbh(hi, lo);
+static inline __m512i high_words(__m512i v, int16_t flip) {  // flip 8: the high nibble of q + 128
+  return _mm512_xor_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi16(static_cast<int16_t>(0x4300 | flip)));
+}
+static inline __m512i line_bytes(const uint8_t* p) {  // 32 bytes, each zero-extended to a word
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 template <BlockKind K>
 struct TileLayout {
   static constexpr int64_t kBytes = K == BlockKind::Q4_1 ? 640 : 1088;
   static constexpr int64_t kHead = K == BlockKind::Q4_1 ? 128 : 64;  // the scales
-  static constexpr int64_t kPair = K == BlockKind::Q4_1 ? 16 : 32;   // one half's bytes per input pair
   static const uint8_t* d(const uint8_t* t, int h) { return t + h * (kHead / 2); }
-  static const uint8_t* m(const uint8_t* t, int h) { return K == BlockKind::Q4_1 ? t + h * 64 + 32 : nullptr; }
-  static const uint8_t* pair(const uint8_t* t, int k2, int h) { return t + kHead + (2 * k2 + h) * kPair; }
+  static const uint8_t* m(const uint8_t* t, int h) { return t + h * 64 + 32; }  // Q4_1
+  // Q4_1: the line of input pair k2 (both halves); Q8_0: half h's line
+  static const uint8_t* line(const uint8_t* t, int k2, int h) {
+    return K == BlockKind::Q4_1 ? t + kHead + k2 * 32 : t + kHead + (2 * k2 + h) * 32;
+  }
+  // the weight at (half h, word b) of line k2, as the integer the scales multiply
+  static int q(const uint8_t* t, int k2, int h, int b) {
+    const uint8_t byte = line(t, k2, h)[b];
+    if constexpr (K == BlockKind::Q4_1) return h == 0 ? byte & 15 : byte >> 4;
+    return static_cast<int8_t>(byte);
+  }
 };
 
 // R rows of x (their bfloat16 pairs as 32-bit words, KW a row) against one 32-column block, 2 R
@@ -138,35 +124,112 @@ static inline void dp_row_groups(const uint32_t* xw, int64_t KW, int64_t KC, flo
   dp_rows_tail<G - 1>(xw, KW, KC, cf, j, rows - j, j == 0 ? first : rest);
 }
 
-// One 32-column block of KB widened tiles as dp_rows reads it. No software prefetch: the widening,
-// not the stream, sets the pace here, and the hardware's prefetcher keeps up (prefetching the
-// next block into L2, as the bfloat16 kernel does, measured no faster on a Zen 4).
-template <BlockKind K>
-struct WidenedTiles {
+// R rows of x (bfloat16 pairs as 32-bit words, KW a row; sx: their float32 block sums, KB a row)
+// against one 32-column block of KB tiles: per tile the block sums A (and B) per row and half in
+// registers, then folded into the accumulators as the header says. Q4_1 at 1-2 rows keeps two
+// interleaved chains of A (one chain is vdpbf16ps's latency, not its throughput); Q8_0's A and B
+// are two chains already. No software prefetch: the hardware's prefetcher keeps up with a
+// block's stream (prefetching the next block, as the bfloat16 kernel does, measured no faster).
+// Rows land as dp_rows puts them.
+template <BlockKind K, int R>
+static inline void quant_rows(const uint32_t* xw, int64_t KW, const float* sx, int64_t KB, float* cf, int j0,
+                              const uint8_t* wb) {
   using L = TileLayout<K>;
-  const uint8_t* wb;
-  struct Step {
-    const uint8_t* t;
-    HalfScales s0, s1;
-    void pairs(int k2, __m512bh& w0, __m512bh& w1) const {
-      w0 = widen_pair<K>(L::pair(t, k2, 0), s0);
-      w1 = widen_pair<K>(L::pair(t, k2, 1), s1);
-    }
-  };
-  Step step(int64_t kb) const {
+  constexpr bool q4 = K == BlockKind::Q4_1;
+  constexpr int S = q4 && R <= 2 ? 2 : 1;  // chains of A per row and half
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* t = wb + kb * L::kBytes;
-    return Step{t, half_scales(L::d(t, 0), L::m(t, 0)), half_scales(L::d(t, 1), L::m(t, 1))};
+    const uint32_t* xk = xw + kb * 16;
+    __m512 A[S][R][2], B[q4 ? 1 : R][2];
+    for (int r = 0; r < R; ++r) {
+      for (int s = 0; s < S; ++s) A[s][r][0] = A[s][r][1] = _mm512_setzero_ps();
+      if constexpr (!q4) B[r][0] = B[r][1] = _mm512_setzero_ps();
+    }
+    for (int k2 = 0; k2 < 16; k2 += S)
+      for (int s = 0; s < S; ++s) {
+        __m512i hi[2], lo[2];
+        if constexpr (q4) {
+          const __m512i v = line_bytes(L::line(t, k2 + s, 0));
+          hi[0] = low_words(v);  // half 0: the low nibbles
+          hi[1] = high_words(v, 0);
+        } else {
+          for (int h = 0; h < 2; ++h) {
+            const __m512i v = line_bytes(L::line(t, k2 + s, h));
+            hi[h] = high_words(v, 8);
+            lo[h] = low_words(v);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[r * KW + k2 + s]));
+          for (int h = 0; h < 2; ++h) {
+            A[s][r][h] = _mm512_dpbf16_ps(A[s][r][h], xv, (__m512bh)hi[h]);
+            if constexpr (!q4) B[r][h] = _mm512_dpbf16_ps(B[r][h], xv, (__m512bh)lo[h]);
+          }
+        }
+      }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(L::d(t, h))));
+      __m512 dsx;  // the coefficient of sx
+      if constexpr (q4) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(L::m(t, h))));
+        dsx = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, m);  // m - 128 d
+      } else {
+        dsx = _mm512_mul_ps(_mm512_set1_ps(-2304.f), d);
+      }
+      for (int r = 0; r < R; ++r) {
+        __m512 sum = A[0][r][h];
+        for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, A[s][r][h]);
+        if constexpr (!q4) sum = _mm512_fmadd_ps(sum, _mm512_set1_ps(16.f), B[r][h]);
+        acc[r][h] = _mm512_fmadd_ps(sum, d, acc[r][h]);
+        acc[r][h] = _mm512_fmadd_ps(dsx, _mm512_set1_ps(sx[r * KB + kb]), acc[r][h]);
+      }
+    }
   }
-};
+  for (int r = 0; r < R; ++r) {
+    const int j = j0 + r;
+    _mm512_store_ps(cf + ((j / 16) * 2) * 256 + (j % 16) * 16, acc[r][0]);
+    _mm512_store_ps(cf + ((j / 16) * 2 + 1) * 256 + (j % 16) * 16, acc[r][1]);
+  }
+}
 
-// Rows from 16 mt on (up to 32; x's rows are never copied: only whole rows are read) in groups
-// of at most 8 (16 accumulators).
+template <BlockKind K, int N>
+static inline void quant_rows_tail(const uint32_t* xw, int64_t KW, const float* sx, int64_t KB, float* cf, int j,
+                                   int n, const uint8_t* wb) {
+  if constexpr (N > 0) {
+    if (n == N)
+      quant_rows<K, N>(xw + j * KW, KW, sx + j * KB, KB, cf, j, wb);
+    else
+      quant_rows_tail<K, N - 1>(xw, KW, sx, KB, cf, j, n, wb);
+  }
+}
+
+// float32 sums of each row's 32-input blocks of x [M, K] (bfloat16): sx [M, K / 32].
+static inline std::vector<float> block_sums(const bf16* x, int64_t M, int64_t K) {
+  std::vector<float> sx(M * (K / 32));
+  for (int64_t i = 0; i < M * (K / 32); ++i) {
+    float s = 0.f;
+    for (int k = 0; k < 32; ++k) s += static_cast<float>(x[i * 32 + k]);
+    sx[i] = s;
+  }
+  return sx;
+}
+
+// Rows from 16 mt on (up to 32; x's rows are never copied: only whole rows are read) in groups of
+// at most G (Q4_1 4, Q8_0 3: the block sums and accumulators fill 16 and 18 registers), each group
+// widening the block again (cheap enough).
 template <BlockKind K>
-static inline void widened_block(const bf16* x, int64_t M, int64_t Kdim, int64_t mt, const uint8_t* wb, int64_t KB,
-                                 float* cf) {
-  const WidenedTiles<K> src{wb};
+static inline void widened_block(const bf16* x, const float* sx, int64_t M, int64_t Kdim, int64_t mt,
+                                 const uint8_t* wb, int64_t KB, float* cf) {
+  constexpr int G = K == BlockKind::Q4_1 ? 4 : 3;
   const int rows = static_cast<int>(std::min<int64_t>(32, M - mt * 16));
-  dp_row_groups<8>(reinterpret_cast<const uint32_t*>(x + mt * 16 * Kdim), Kdim / 2, KB, cf, rows, src, src);
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(x + mt * 16 * Kdim);
+  const int64_t KW = Kdim / 2;
+  const float* sxm = sx + mt * 16 * KB;
+  int j = 0;
+  for (; j + G <= rows; j += G) quant_rows<K, G>(xw + j * KW, KW, sxm + j * KB, KB, cf, j, wb);
+  quant_rows_tail<K, G - 1>(xw, KW, sxm, KB, cf, j, rows - j, wb);
 }
 
 // blocks [N, KB, gguf bytes] (uint8, the GGUF tensor's rows in w's row order) -> the packed
@@ -189,7 +252,7 @@ static torch::Tensor pack_gguf_blocks(const torch::Tensor& blocks, const torch::
   const uint8_t* src = bl.data_ptr<uint8_t>();
   const uint16_t* wv = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   uint8_t* o = out.data_ptr<uint8_t>();
-  const int64_t head = kind == BlockKind::Q4_1 ? 128 : 64, pair = kind == BlockKind::Q4_1 ? 16 : 32;
+  const int64_t head = kind == BlockKind::Q4_1 ? 128 : 64;
   std::atomic<int64_t> bad{-1};
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb)
@@ -204,45 +267,42 @@ static torch::Tensor pack_gguf_blocks(const torch::Tensor& blocks, const torch::
             std::memcpy(dm + 2 * n, blk, 2);                                          // d
             if (kind == BlockKind::Q4_1) std::memcpy(dm + 32 + 2 * n, blk + 2, 2);  // m
             for (int k = 0; k < 32; ++k) {
-              // the value at (col, 32 kb + k) lands in lane 2 (n % 8) + k % 2 of pair k / 2's low or high vector
-              const int k2 = k / 2, lane = 2 * (n % 8) + k % 2;
-              uint8_t* p = t + head + (2 * k2 + h) * pair;
-              if (kind == BlockKind::Q4_1) {
+              const int k2 = k / 2;
+              if (kind == BlockKind::Q4_1) {  // word 2 n + k % 2 of line k2, half h's nibble
                 const uint8_t byte = blk[4 + (k & 15)];
                 const uint8_t q = k < 16 ? byte & 15 : byte >> 4;
-                p[lane] |= n < 8 ? q : static_cast<uint8_t>(q << 4);
-              } else {
-                p[(n < 8 ? 0 : 16) + lane] = blk[2 + k];
+                t[head + k2 * 32 + 2 * n + k % 2] |= h == 0 ? q : static_cast<uint8_t>(q << 4);
+              } else {  // word 2 n + k % 2 of half h's line k2
+                t[head + (2 * k2 + h) * 32 + 2 * n + k % 2] = blk[2 + k];
               }
             }
           }
       }
   });
-  // Every packed weight through the kernel's own widening, against w's bfloat16 bits.
+  // Every packed weight, rounded as the loader rounds it, against w's bfloat16 bits.
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) uint16_t got[32];
     for (int64_t nb = b0; nb < b1 && bad.load(std::memory_order_relaxed) < 0; ++nb)
       for (int64_t kb = 0; kb < KB; ++kb) {
         const uint8_t* t = o + (nb * KB + kb) * T;
-        for (int h = 0; h < 2; ++h) {
-          const uint8_t* m16 = kind == BlockKind::Q4_1 ? t + h * 64 + 32 : nullptr;
-          const HalfScales sc = half_scales(t + h * (head / 2), m16);
-          for (int k2 = 0; k2 < 16; ++k2) {
-            const uint8_t* p = t + head + (2 * k2 + h) * pair;
-            const __m512bh v = kind == BlockKind::Q4_1 ? widen_pair<BlockKind::Q4_1>(p, sc) : widen_pair<BlockKind::Q8_0>(p, sc);
-            _mm512_store_si512(got, (__m512i)v);
-            for (int n = 0; n < 16; ++n) {
-              const int64_t col = I ? h * I + nb * 16 + n : nb * 32 + h * 16 + n;
-              for (int e = 0; e < 2; ++e) {
-                const int64_t at = col * 32 * KB + 32 * kb + 2 * k2 + e;
-                if (col < N ? got[2 * n + e] != wv[at] : got[2 * n + e] != 0) {
-                  int64_t none = -1;
-                  bad.compare_exchange_strong(none, col < N ? at : 0);
-                }
+        for (int h = 0; h < 2; ++h)
+          for (int n = 0; n < 16; ++n) {
+            const int64_t col = I ? h * I + nb * 16 + n : nb * 32 + h * 16 + n;
+            uint16_t dh, mh = 0;
+            std::memcpy(&dh, t + h * (head / 2) + 2 * n, 2);
+            if (kind == BlockKind::Q4_1) std::memcpy(&mh, t + h * 64 + 32 + 2 * n, 2);
+            for (int k = 0; k < 32; ++k) {
+              const int q = kind == BlockKind::Q4_1 ? TileLayout<BlockKind::Q4_1>::q(t, k / 2, h, 2 * n + k % 2)
+                                                    : TileLayout<BlockKind::Q8_0>::q(t, k / 2, h, 2 * n + k % 2);
+              float v = _cvtsh_ss(dh) * static_cast<float>(q);  // exact in float32
+              if (kind == BlockKind::Q4_1) v += _cvtsh_ss(mh);
+              const uint16_t got = c10::BFloat16(v).x;  // round to nearest even
+              const int64_t at = col * 32 * KB + 32 * kb + k;
+              if (col < N ? got != wv[at] : got != 0) {
+                int64_t none = -1;
+                bad.compare_exchange_strong(none, col < N ? at : 0);
               }
             }
           }
-        }
       }
   });
   const int64_t at = bad.load();

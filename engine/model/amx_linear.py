@@ -33,9 +33,10 @@ Fused epilogues save a pass over memory each:
     torch.ops.servelab.quant_pack(Tensor blocks, str kind, Tensor w, int interleave) -> Tensor
 
 `packed` is an `amx_pack` result or a `quant_pack` one: a GGUF checkpoint's Q4_1 / Q8_0 blocks
-as stored, widened in registers to w's very bfloat16 values (engine/csrc/gguf_blocks.h; the same
-results bit for bit, a third of the bytes), which the model uses for steps of at most
-`QUANT_MAX_ROWS` rows.
+as stored, multiplied as the checkpoint defines them (engine/csrc/gguf_blocks.h: a third of the
+bytes, four or eight integer ops to widen 64 weights; the sums in float32 from the unrounded
+weights, so not the bfloat16 kernel's bits), which the model uses for steps of at most
+`QUANT_MAX_ROWS` rows (its LM head `QUANT_HEAD_MAX_ROWS`).
 
 `next` (optional, AVX512-BF16 path): the packed weight of the op that runs next; while a thread
 reads its last block it prefetches its first blocks of that one into L2, so a step's back-to-back
@@ -62,10 +63,13 @@ from engine.cpu_extension import load_cpu_ops
 # Up to this many rows a step's linears run here; above, oneDNN's prepacked kernels are faster.
 DECODE_MAX_ROWS = 128
 # Up to this many rows they read a GGUF checkpoint's own Q4_1 / Q8_0 blocks where the model has
-# them (quant_pack): the blocks are widened once per step for up to 8 rows, which on a 2-core Zen 4
-# costs less than reading bfloat16 from memory (SmolLM2's linears and LM head a step: 2.0x faster
-# at 1 row, 1.5x at 4, 1.2x at 8; 0.8x at 12, widened twice: docs/benchmarks.md).
-QUANT_MAX_ROWS = 8
+# them (quant_pack), the LM head (Q8_0 for the default model: two vdpbf16ps per weight pair, where
+# bfloat16 takes one) up to QUANT_HEAD_MAX_ROWS. Past that vdpbf16ps's throughput, not the stream,
+# sets the pace and the bfloat16 kernels win. benchmarks/quant_linears.py on a 2-core Zen 4
+# (2026-12-04): the 120 layer matrices 2.7x faster at 1 row, 2.1x at 4, 1.5x at 5, 1.3x at 6,
+# 0.8x at 8; the head 1.6x at 1 row, 1.2x at 2, 0.8x at 3 (docs/benchmarks.md).
+QUANT_MAX_ROWS = 6
+QUANT_HEAD_MAX_ROWS = 2
 
 _SOURCE = "amx_linear.cpp"  # engine/csrc
 logger = logging.getLogger(__name__)

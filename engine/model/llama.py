@@ -255,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
     def _head_pack(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The LM head the AMX ops read (after `_amx_head`): from the checkpoint's blocks for a
         step of a few rows where the model has them."""
-        if self.quant_lm_head is not None and hidden.shape[0] <= amx_linear.QUANT_MAX_ROWS:
+        if self.quant_lm_head is not None and hidden.shape[0] <= amx_linear.QUANT_HEAD_MAX_ROWS:
             return self.quant_lm_head
         return self.amx_lm_head
 
@@ -296,10 +296,11 @@ class LlamaForCausalLM(nn.Module):
             bf16 = [t for lp in self.model.plan.layers if lp.amx for t in lp.amx.matrices(False)]
             heads = [(self.quant_lm_head, self.amx_lm_head)] if self.quant_lm_head is not None else []
             logger.info("decode steps of up to %d rows read the checkpoint's own blocks: %.1f MB a step, not %.1f MB "
-                        "of bfloat16 (the LM head %s)", amx_linear.QUANT_MAX_ROWS,
+                        "of bfloat16 (the LM head %s)", amx_linear.QUANT_HEAD_MAX_ROWS,
                         sum(t.nbytes for t in quant + [q for q, _ in heads]) / 1e6,
                         sum(t.nbytes for t in bf16 + [b for _, b in heads if b is not None]) / 1e6,
-                        "too" if heads else "in bfloat16")  # fmt: skip
+                        f"too; from {amx_linear.QUANT_HEAD_MAX_ROWS + 1} to {amx_linear.QUANT_MAX_ROWS} rows the layers only"
+                        if heads else "in bfloat16")  # fmt: skip
         return n
 
     def _gguf_blocks(self) -> GgufBlocks | None:
