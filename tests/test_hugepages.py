@@ -86,8 +86,29 @@ def test_copies_lie_on_huge_pages_where_the_kernel_gives_them() -> None:
     # already touched in 4 KiB pages, where madvise changes nothing
     out = copies_on_huge_pages([torch.ones(32 * HUGE_PAGE // 2, dtype=torch.bfloat16)])
     after = _anon_huge_kib()
-    assert after is not None and after - before >= HUGE_PAGE // 1024  # at least one 2 MiB page
     assert bool(out[0].eq(1).all())
+    if after is not None and after - before >= HUGE_PAGE // 1024:  # at least one 2 MiB page
+        return
+    # None: either the copies missed the advice, or the kernel had no 2 MiB page to give just now
+    # (a busy or fragmented machine: seen once in a full suite run). A fresh mapping advised and
+    # touched the plain way tells the two apart.
+    if not _kernel_gives_huge_pages_now():
+        pytest.skip("the kernel gave no huge page to a fresh MADV_HUGEPAGE mapping either (memory fragmented or busy)")
+    raise AssertionError(f"no huge page for the copies (AnonHugePages {before} -> {after} kB) where a plain mapping got some")
+
+
+def _kernel_gives_huge_pages_now() -> bool:
+    import mmap
+
+    before = _anon_huge_kib() or 0
+    m = mmap.mmap(-1, 16 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+        for off in range(0, len(m), 4096):
+            m[off] = 1
+        return (_anon_huge_kib() or 0) - before >= HUGE_PAGE // 1024
+    finally:
+        m.close()
 
 
 def test_planned_decode_weights_lie_in_one_buffer() -> None:

@@ -44,7 +44,8 @@ static inline int packed_kind(int64_t tile_bytes) { return tile_bytes == 640 ? 0
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define SERVELAB_GGUF_BLOCKS 1
 
-// Nibbles to bfloat16 words 128 + n: (v & 15) | 0x4300 (one vpternlogd) and (v >> 4) | 0x4300.
+// Nibbles to bfloat16 words 128 + n: (v & 15) | 0x4300 (one vpternlogd) and (v >> 4) ^ 0x4300
+// (the bits do not overlap; with flip 8 the nibble's top bit turns over too).
 static inline __m512i low_words(__m512i v) {
   return _mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), 0xEA);  // (A & B) | C
 }
@@ -78,8 +79,8 @@ struct TileLayout {
 // src.step(kc) gives the block's weights there, whose pairs(k2, w0, w1) are the bfloat16 pairs of
 // inputs 2 k2, 2 k2 + 1 for columns 0-15 (w0) and 16-31 (w1); each row's pair is broadcast and
 // multiply-added into both. Row j lands where the AMX tiles would store it (c[j / 16][h], row
-// j % 16). The bfloat16 kernel (amx_linear.cpp) and the widened blocks both run this loop, so
-// their sums are the same in the same order.
+// j % 16). The bfloat16 kernel's loop without AMX (amx_linear.cpp); the blocks' quant_rows below
+// store their rows alike.
 template <int R, typename Source>
 static inline void dp_rows(const uint32_t* xw, int64_t KW, int64_t KC, float* cf, int j0, const Source& src) {
   __m512 acc[R][2];
