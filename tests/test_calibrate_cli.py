@@ -48,7 +48,7 @@ def test_calibrate_writes_a_profile_plan_accepts(runs: list[Path], tmp_path: Pat
     held = data["meta"]["held_out"]
     assert held["steps"] > 0 and 0 <= held["median_abs_rel_error"] < 0.5
 
-    from workloads.plan import main as plan_main
+    from workloads.plan_cli import main as plan_main
 
     rc = plan_main(["--model", "smollm2", "--hardware", "cpu-2core", "--plain", "--num-requests", "8",
                     "--prompt-len", "32", "--output-len", "4", "--rates", "2", "--step-model", str(profile),

@@ -7,7 +7,8 @@ import json
 import pandas as pd
 import pytest
 
-from workloads.plan import best_row, main
+from workloads.plan import best_row
+from workloads.plan_cli import main
 
 # SmolLM2 on one H100, roofline: each run is a few hundred simulated steps.
 TINY = ["--model", "smollm2", "--hardware", "h100", "--tp", "1", "--plain"]
