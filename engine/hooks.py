@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class StepHooks(Protocol):
@@ -40,3 +40,22 @@ class NullHooks:
 
 
 NULL_HOOKS = NullHooks()
+
+
+def observe_attention(backend: Any, hooks: StepHooks) -> None:
+    """Every layer's `backend.forward` runs inside `hooks.phase("attention")`.
+
+    The model holds the backend object and calls its `forward`; an instance attribute wraps
+    the class method, and NullHooks restore it (no cost when not observing).
+    """
+    if "forward" in vars(backend):
+        del backend.forward  # a wrapper from earlier hooks
+    if hooks is NULL_HOOKS:
+        return
+    inner = backend.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with hooks.phase("attention"):
+            return inner(*args, **kwargs)
+
+    backend.forward = forward

@@ -24,6 +24,11 @@ class FinishReason(enum.IntEnum):
         return ("stop", "length", "abort", "error")[self.value]
 
 
+def finish_reason_str(value: int | None) -> str | None:
+    """A FinishReason value as its name ("stop", "length", ...), None for None."""
+    return None if value is None else str(FinishReason(value))
+
+
 # One position's logprobs: (sampled token id, its logprob, [(top id, top logprob), ...]).
 TokenLogprobs = tuple[int, float, list[tuple[int, float]]]
 

@@ -30,11 +30,13 @@ import msgspec
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sched.scheduler import Scheduler
 from engine.core.sched.stats import SchedulerStats
+from engine.core.step_stats import async_step_stats, step_stats
+from engine.executor import make_executor
 from engine.executor.base import Executor
-from engine.hooks import NULL_HOOKS, StepHooks
+from engine.hooks import NULL_HOOKS, StepHooks, observe_attention
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
-from engine.outputs import EngineCoreOutputs, FinishReason, StepStats
+from engine.outputs import EngineCoreOutputs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.proposer import NgramProposer
@@ -114,7 +116,7 @@ class EngineCore:
             self._runner.hooks = hooks
             backend = getattr(self._runner, "attn_backend", None)
             if backend is not None:
-                _observe_attention(backend, hooks)
+                observe_attention(backend, hooks)
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -201,7 +203,8 @@ class EngineCore:
             time.sleep(delay / 1000.0)
         t4 = time.perf_counter()
         now = self.clock()
-        stats = self._make_stats(step, now, runner_out, (t0, t1, t2, t3, t4))
+        stats = step_stats(step, now, runner_out, self.scheduler.make_stats(), schedule_time=t1 - t0,
+                           update_time=t3 - t2, step_time=t4 - t0)
         stats.step_time = now - c0  # on the executor's clock: simulated runs report simulated steps
         self.hooks.step_end()
         self.step_index += 1  # every step with stats has its own index (steps.csv, kernels.csv join on it)
@@ -229,25 +232,6 @@ class EngineCore:
                 manager.accept_tokens(out.request_id, out.new_token_ids, out.finish_reason is not None)
         if self.proposer is not None:
             self.proposer.propose_for(self.scheduler.running, self.scheduler.max_model_len)
-
-    def _make_stats(
-        self, step: int, now: float, runner_out: ModelRunnerOutput, t: tuple[float, float, float, float, float]
-    ) -> StepStats:
-        return StepStats(
-            step=step,
-            time=now,
-            schedule_time=t[1] - t[0],
-            prepare_time=runner_out.prepare_time,
-            forward_time=runner_out.forward_time,
-            sample_time=runner_out.sample_time,
-            compiled=runner_out.compiled,
-            padded_tokens=runner_out.padded_tokens,
-            update_time=t[3] - t[2],
-            step_time=t[4] - t[0],
-            batch_queue_depth=1,
-            **comm_stats(runner_out),
-            **self.scheduler.make_stats().as_dict(),
-        )
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
         """One call of the async loop (module note): fill the batch queue, else apply the
@@ -288,7 +272,9 @@ class EngineCore:
         if delay > 0:
             time.sleep(delay / 1000.0)
         now = self.clock()
-        stats = self._make_async_stats(entry, now, runner_out, outputs, update_time=t3 - t2)
+        stats = async_step_stats(entry.step, entry.sched_stats, self.scheduler.make_stats(), now, runner_out,
+                                 outputs, schedule_time=entry.schedule_time, update_time=t3 - t2,
+                                 depth=entry.depth)
         stats.step_time = now - c0
         self.hooks.step_end()
         return EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=now)
@@ -311,36 +297,6 @@ class EngineCore:
             with contextlib.suppress(BaseException):  # the first failure is the one raised
                 entry.future.result()
             self.scheduler.fail_step(entry.scheduler_output, "engine step failed")
-
-    def _make_async_stats(
-        self,
-        entry: _InFlightStep,
-        now: float,
-        runner_out: ModelRunnerOutput,
-        outputs: list[Any],
-        update_time: float,
-    ) -> StepStats:
-        values = entry.sched_stats.as_dict()
-        state = self.scheduler.make_stats()  # state after this update
-        for key in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total"):
-            values[key] = getattr(state, key)
-        values["num_finished"] = sum(
-            1 for o in outputs if o.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
-        )
-        return StepStats(
-            step=entry.step,
-            time=now,
-            schedule_time=entry.schedule_time,
-            prepare_time=runner_out.prepare_time,
-            forward_time=runner_out.forward_time,
-            sample_time=runner_out.sample_time,
-            update_time=update_time,
-            compiled=runner_out.compiled,
-            padded_tokens=runner_out.padded_tokens,
-            batch_queue_depth=entry.depth,
-            **comm_stats(runner_out),
-            **values,
-        )
 
     def reconfigure(
         self,
@@ -390,52 +346,9 @@ class EngineCore:
             self.kv_connector.shutdown()
 
 
-def comm_stats(runner_out: ModelRunnerOutput) -> dict[str, Any]:
-    """StepStats' communication columns from a step's per-collective seconds."""
-    times = runner_out.comm_times
-    return {
-        "comm_time": sum(times.values()),
-        "all_reduce_time": times.get("all_reduce", 0.0),
-        "dispatch_time": times.get("dispatch", 0.0),
-        "combine_time": times.get("combine", 0.0),
-    }
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    """The executor `config.parallel` asks for: one in-process worker, or one process per rank."""
-    if config.parallel.uses_workers():
-        from engine.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    from engine.executor.inprocess import InProcessExecutor
-
-    return InProcessExecutor(config)
 def _tokenizer_source(config: EngineConfig) -> tuple[str, int | None]:
     """The vocabulary the grammars are compiled against: the model's own tokenizer."""
     from engine.tokenizer import get_tokenizer
 
     tokenizer = get_tokenizer(config.model)
     return tokenizer.backend.to_str(), tokenizer.eos_token_id
-
-
-def finish_reason_str(value: int | None) -> str | None:
-    return None if value is None else str(FinishReason(value))
-
-
-def _observe_attention(backend: Any, hooks: StepHooks) -> None:
-    """Every layer's `backend.forward` runs inside `hooks.phase("attention")`.
-
-    The model holds the backend object and calls its `forward`; an instance attribute wraps
-    the class method, and NullHooks restore it (no cost when not observing).
-    """
-    if "forward" in vars(backend):
-        del backend.forward  # a wrapper from earlier hooks
-    if hooks is NULL_HOOKS:
-        return
-    inner = backend.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with hooks.phase("attention"):
-            return inner(*args, **kwargs)
-
-    backend.forward = forward
