@@ -27,8 +27,8 @@ from engine.tokenizer import get_tokenizer
 from workloads import runfolder
 from workloads.driver import Driver, RunResult
 from workloads.factory import build_workload
-from workloads.metrics import summarize
-from workloads.time_reference import reference_cores, timed
+from workloads.run_summary import slo_of, write_results
+from workloads.time_reference import timed
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,6 @@ class Outcome:
     summary: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     report: Path | None = None
-
-
-# targets that run this engine on this machine (the others are HTTP servers of any kind)
-ENGINE_TARGETS = ("offline", "inprocess", "server", "pd")
 
 
 def send_limits(cfg: RunConfig) -> tuple[bool, int | None]:
@@ -59,10 +55,6 @@ def send_limits(cfg: RunConfig) -> tuple[bool, int | None]:
     if arr.max_concurrency is not None and arr.max_concurrency < 1:
         raise ValueError(f"workload.arrival.max_concurrency must be >= 1, got {arr.max_concurrency}")
     return False, arr.max_concurrency
-
-
-def slo_of(cfg: RunConfig) -> dict[str, float | None]:
-    return {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms, "e2el_ms": cfg.slo.e2el_ms}
 
 
 def run_experiment(cfg: RunConfig, run_dir: str | Path) -> Outcome:
@@ -143,7 +135,7 @@ def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         compile_s = _compile_time(target)  # read before shutdown drops the engine
     finally:
         _shutdown(target)
-    return _write_results(cfg, run_dir, result, reference, compile_s)
+    return write_results(cfg, run_dir, result, reference, compile_s)
 
 
 def _compile_time(target: Any) -> float | None:
@@ -317,69 +309,6 @@ def _shutdown(target: Any) -> None:
         stop()
 
 
-KV_STEP_TOTALS = ("kv_blocks_loaded", "kv_blocks_saved", "kv_bytes_loaded", "kv_bytes_saved", "kv_load_time",
-                  "kv_save_time", "kv_external_hit_tokens", "kv_load_failures")  # fmt: skip
-
-
-def kv_connector_summary(run_dir: Path, steps_df: Any) -> dict[str, Any]:
-    """External-KV totals: from steps.csv (an engine in this process), and per instance from
-    pd_instances.json (target=pd). Empty when no connector moved anything."""
-    out: dict[str, Any] = {}
-    if steps_df is not None and "kv_blocks_loaded" in steps_df:
-        totals = {k: float(steps_df[k].sum()) for k in KV_STEP_TOTALS if k in steps_df}
-        if any(totals.values()):
-            out["kv_connector"] = totals
-    pd_file = run_dir / "pd_instances.json"
-    if pd_file.exists():
-        out["kv_connector_instances"] = json.loads(pd_file.read_text())
-    return out
-
-
-def _write_results(
-    cfg: RunConfig, run_dir: Path, result: RunResult, reference: float | None, compile_time_s: float | None = None
-) -> dict[str, Any]:
-    runfolder.write_requests(run_dir, result.records)
-    steps_df = None
-    if result.steps:
-        steps_df = runfolder.steps_frame(result.steps, result.t0_wall)
-    elif result.scraped:
-        steps_df = runfolder.scraped_frame(result.scraped)
-    if steps_df is not None:
-        runfolder.write_steps(run_dir, steps_df)
-    summary = summarize(result.records, slo=slo_of(cfg), steps=steps_df)
-    if reference is not None:
-        summary["time_reference_s"] = reference
-        summary["time_reference_cores"] = reference_cores(cfg)
-    summary["target"] = cfg.target.kind
-    if result.metrics_error:
-        summary["server_metrics"] = f"unavailable: {result.metrics_error}"
-    if cfg.target.kind != "simulated":  # the dtype that ran ("auto" resolved, engine/platform.py)
-        from engine.platform import resolve_device, resolve_engine_dtype
-
-        summary["dtype"] = resolve_engine_dtype(cfg.model.dtype, cfg.device.device, cfg.model.model)
-        on_cpu = cfg.target.kind in ENGINE_TARGETS and resolve_device(cfg.device.device, check=False).type == "cpu"
-        if summary["dtype"] == "float32" and on_cpu:
-            from engine.model.cpu_linear import float32_linear_kernel
-
-            # decided by a start-up probe: two runs that differ here ran different kernels
-            summary["float32_linear"] = float32_linear_kernel()
-        elif summary["dtype"] == "bfloat16" and on_cpu:
-            from engine.model import amx_linear
-
-            # decode-sized steps' linears: by the CPU flags (amx_bf16, avx512_bf16) and the environment
-            summary["bfloat16_linear"] = amx_linear.kind()
-    summary.update(kv_connector_summary(run_dir, steps_df))
-    if compile_time_s is not None:
-        # Start-up compile + warm-up (enforce_eager=False); never inside a throughput figure.
-        summary["compile_time_s"] = compile_time_s
-    if result.interrupted:
-        summary["stop_reason"] = result.stop_reason
-        summary["partial"] = True
-        runfolder.write_error(run_dir, f"run stopped early: {result.stop_reason}")
-    runfolder.write_summary(run_dir, summary)
-    return summary
-
-
 def _run_simulated(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> dict[str, Any]:
     from engine.sim.executor import SimulatedExecutor
     from workloads.simulate import simulate
@@ -400,7 +329,7 @@ def _run_simulated(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -
     res = simulate(specs, engine_config, executor, progress=True, closed_loop=closed_loop,
                    concurrency=concurrency, tokenize=tokenizer.encode, max_duration_s=cfg.run.max_duration_s)
     result = RunResult(records=res.records, t0_wall=0.0, wall_s=res.sim_s, steps=res.steps)
-    summary = _write_results(cfg, run_dir, result, None)
+    summary = write_results(cfg, run_dir, result, None)
     summary["simulation_wall_s"] = res.wall_s
     runfolder.write_summary(run_dir, summary)
     return summary
@@ -455,4 +384,4 @@ def _run_offline(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> 
             kv=m.kv_figures() if m.kv_bytes_loaded or m.kv_bytes_saved else None,
         ))
     result = RunResult(records=records, t0_wall=t0_wall, wall_s=done, steps=llm.step_stats)
-    return _write_results(cfg, run_dir, result, reference, compile_time_s)
+    return write_results(cfg, run_dir, result, reference, compile_time_s)
