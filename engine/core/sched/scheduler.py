@@ -51,23 +51,20 @@ from engine.core.kv_cache.hashing import make_block_hasher
 from engine.core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from engine.core.sched import placeholders
 from engine.core.sched.budget import TokenBudget
+from engine.core.sched.output import make_output
 from engine.core.sched.preemption import pick_victim
 from engine.core.sched.remote_kv import RemoteKVWaits
 from engine.core.sched.request_queue import create_request_queue
-from engine.core.sched.stats import KV_CONNECTOR_STATS, SchedulerStats
+from engine.core.sched.stats import SchedulerStats
 from engine.core.sched.step_plan import StepPlan
 from engine.core.sched.stop_checker import check_stop
 from engine.kv_transfer.metadata import KVConnectorOutput
-from engine.outputs import EngineCoreOutput, TokenLogprobs
-from engine.request import Request, RequestStatus, finish_reason, is_finished
+from engine.outputs import EngineCoreOutput
+from engine.request import Request, RequestStatus, is_finished
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.kv_transfer.base import KVConnectorBase
-
-# RequestStatus -> FinishReason value (finished statuses only).
-_FINISH_REASON_VALUES = {s: int(finish_reason(s)) for s in RequestStatus if is_finished(s)}
-
 
 class Scheduler:
     def __init__(
@@ -136,7 +133,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_ERROR
         request.error = error
         request.finished_time = self.clock()
-        self._pending_outputs.append(self._make_output(request, []))
+        self._pending_outputs.append(make_output(request, []))
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Finish waiting or running requests as aborted (unknown ids are ignored)."""
@@ -163,7 +160,7 @@ class Scheduler:
                 request.status = status
                 request.error = error
                 self._finish(request, now)
-                outputs.append(self._make_output(request, []))
+                outputs.append(make_output(request, []))
         return outputs
 
     def _finish(self, request: Request, now: float) -> None:
@@ -351,7 +348,7 @@ class Scheduler:
                 self._finish(request, now)
                 self._step.num_finished += 1
             logprobs = all_logprobs.get(rid) if all_logprobs else None
-            outputs.append(self._make_output(request, kept, logprobs[: len(kept)] if logprobs else None))
+            outputs.append(make_output(request, kept, logprobs[: len(kept)] if logprobs else None))
         self._release_inflight(scheduler_output)
         return outputs
 
@@ -361,13 +358,8 @@ class Scheduler:
         request.num_computed_tokens -= num_drafts - num_accepted
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
-        self._step.num_drafts += 1
-        self._step.num_draft_tokens += num_drafts
-        self._step.num_accepted_tokens += num_accepted
-        per_pos = self._step.num_accepted_tokens_per_pos
-        per_pos.extend([0] * (num_accepted - len(per_pos)))
-        for pos in range(num_accepted):
-            per_pos[pos] += 1
+        self._step.add_verified_drafts(num_drafts, num_accepted)
+
     def _apply_connector_output(self, output: KVConnectorOutput) -> None:
         """Loads that ended rejoin the queue head; saves are credited to their requests."""
         assert self.remote_kv is not None and self.connector is not None
@@ -383,15 +375,7 @@ class Scheduler:
             self._saving.discard(rid)
             if rid in self._deferred_free and self._inflight[rid] == 0:
                 self.kv_cache_manager.free(self._deferred_free.pop(rid))
-        s = self._step
-        s.kv_blocks_loaded += output.num_blocks_loaded
-        s.kv_blocks_saved += output.num_blocks_saved
-        s.kv_bytes_loaded += sum(output.bytes_loaded.values())
-        s.kv_bytes_saved += sum(output.bytes_saved.values())
-        s.kv_load_time += output.load_time
-        s.kv_save_time += output.total_save_time
-        s.kv_external_hit_tokens += self.remote_kv.external_hit_tokens
-        s.kv_load_failures += self.remote_kv.load_failures
+        self._step.add_connector_output(output, self.remote_kv.external_hit_tokens, self.remote_kv.load_failures)
         self.remote_kv.begin_step()
 
     def _append_tokens(self, request: Request, token_ids: list[int], now: float) -> list[int]:
@@ -434,31 +418,6 @@ class Scheduler:
             del inflight[rid]
             if deferred and rid in deferred and rid not in self._saving:
                 self.kv_cache_manager.free(deferred.pop(rid))
-
-    @staticmethod
-    def _make_output(
-        request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None
-    ) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=_FINISH_REASON_VALUES.get(request.status),
-            stop_reason=request.stop_reason,
-            new_logprobs=logprobs,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            finished_time=request.finished_time,
-            error=request.error,
-            num_draft_tokens=request.num_draft_tokens,
-            num_accepted_tokens=request.num_accepted_tokens,
-            num_external_cached_tokens=request.num_external_cached_tokens,
-            kv_bytes_loaded=request.kv_bytes_loaded,
-            kv_bytes_saved=request.kv_bytes_saved,
-            kv_load_wait=request.kv_load_wait,
-            kv_save_time=request.kv_save_time,
-        )
 
     # ---- state queries -----------------------------------------------------------
 
@@ -506,27 +465,8 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """State now plus the counters of the last schedule() and its update."""
-        s = self._step
-        return SchedulerStats(
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            kv_blocks_used=self.kv_cache_manager.num_used_blocks,
-            kv_blocks_total=self.kv_cache_manager.num_blocks,
-            num_prefill_tokens=s.num_prefill_tokens,
-            num_decode_tokens=s.num_decode_tokens,
-            num_prefill_reqs=s.num_prefill_reqs,
-            num_decode_reqs=s.num_decode_reqs,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
-            num_finished=s.num_finished,
-            num_kv_tokens_read=s.num_kv_tokens_read,
-            num_drafts=s.num_drafts,
-            num_draft_tokens=s.num_draft_tokens,
-            num_accepted_tokens=s.num_accepted_tokens,
-            num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos),
-            **{name: getattr(s, name) for name in KV_CONNECTOR_STATS},
-        )
+        kv = self.kv_cache_manager
+        return self._step.with_state(self.num_running, self.num_waiting, kv.num_used_blocks, kv.num_blocks)
 
     def assert_idle(self) -> None:
         """AssertionError unless no request is left anywhere and every KV block is free."""

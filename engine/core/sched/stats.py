@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.kv_transfer.metadata import KVConnectorOutput
 
 
 @dataclass(slots=True)
@@ -44,6 +47,33 @@ class SchedulerStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _FIELDS}
+
+    def with_state(self, num_running: int, num_waiting: int, kv_blocks_used: int, kv_blocks_total: int) -> SchedulerStats:
+        """A copy of these counters with the scheduler's state columns set (its own list)."""
+        return replace(self, num_running=num_running, num_waiting=num_waiting, kv_blocks_used=kv_blocks_used,
+                       kv_blocks_total=kv_blocks_total,
+                       num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
+
+    def add_verified_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        """One request verified `num_drafts` draft tokens, the first `num_accepted` accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+
+    def add_connector_output(self, output: KVConnectorOutput, external_hit_tokens: int, load_failures: int) -> None:
+        """What the worker's KV connector moved this step, and the loads' hits and failures."""
+        self.kv_blocks_loaded += output.num_blocks_loaded
+        self.kv_blocks_saved += output.num_blocks_saved
+        self.kv_bytes_loaded += sum(output.bytes_loaded.values())
+        self.kv_bytes_saved += sum(output.bytes_saved.values())
+        self.kv_load_time += output.load_time
+        self.kv_save_time += output.total_save_time
+        self.kv_external_hit_tokens += external_hit_tokens
+        self.kv_load_failures += load_failures
 
     @property
     def kv_usage(self) -> float:
