@@ -10,7 +10,7 @@ packs (`amx_linear.pack`) and once on the GGUF blocks (`amx_linear.quant_pack`),
 alternated in one process (median of `--repeats` each). The weights come from memory, as in a
 step (120 matrices and the head are ~96 MB as blocks, ~270 MB as bfloat16). Prints ms per step
 and the ratio. `--part layers` times the 120 layer matrices alone, `--part head` the head alone:
-where each stops winning are `amx_linear.QUANT_MAX_ROWS` and `QUANT_HEAD_MAX_ROWS`.
+where each stops winning is `amx_linear.QUANT_MAX_ROWS` (per block kind: the layers Q4_1, the head Q8_0).
 """
 
 from __future__ import annotations

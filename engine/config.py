@@ -44,7 +44,7 @@ class ModelConfig:
     # waits for one (cpu_linear.padded_rows). None: on for servelab-serve, off for offline use.
     warm_up_linears: bool | None = None
     # bfloat16 on a CPU with AVX512-BF16, a GGUF checkpoint: decode steps of a few rows
-    # (amx_linear.QUANT_MAX_ROWS) read its Q4_1 / Q8_0 matrices as stored and multiply the
+    # (amx_linear.QUANT_MAX_ROWS, by block kind) read its Q4_1 / Q8_0 matrices as stored and multiply the
     # checkpoint's own (unrounded) weights, summed in float32 (a third of the bytes).
     quantized_decode: bool = True
 

@@ -4,8 +4,8 @@ Decode attention reads each request's cache blocks (a few KiB each, scattered ov
 cache) once per layer and step: with 4 KiB pages nearly every block read starts with a TLB
 miss. Linux backs anonymous memory with 2 MiB pages where the process asks for them
 (`/sys/kernel/mm/transparent_hugepage/enabled` = `madvise`, the common default) or always
-(`always`). `zeros_huge` allocates a tensor whose storage starts on a 2 MiB boundary, marks
-it `MADV_HUGEPAGE` before the first touch, then zeroes it: the pages fault in as huge pages.
+(`always`). `zeros_huge` maps fresh anonymous memory for a tensor whose storage starts on a
+2 MiB boundary, marks it `MADV_HUGEPAGE` before the first touch, then zeroes it: the pages fault in as huge pages.
 Measured on SmolLM2's cold-cache decode (benchmarks/cpu_paged_attention.py --layers 30,
 bfloat16, 2 threads): 3-5% faster per layer. Elsewhere (no Linux, THP `never`, a GPU, a
 failed `madvise`) it is `torch.zeros`: the same values, only 4 KiB pages.
@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
 import sys
 import threading
 from collections.abc import Sequence
@@ -121,7 +122,11 @@ def _advised_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or not sys.platform.startswith("linux") or thp_mode() != "madvise" or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype, device=device)  # `always` needs no advice; `never` takes none
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    # A mapping of its own, not malloc's: malloc serves even a large buffer from heap memory that
+    # earlier frees left behind, already faulted in 4 KiB pages where the advice changes nothing
+    # (seen: a 64 MiB buffer from [heap], no huge page, after an engine was freed in the process).
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping: unmapped with the tensor
     offset = -raw.data_ptr() % HUGE_PAGE
     start = raw.data_ptr() + offset
     length = nbytes - nbytes % HUGE_PAGE  # whole huge pages only; the tail keeps small pages
@@ -134,8 +139,7 @@ def copies_on_huge_pages(tensors: Sequence[torch.Tensor], align: int = 64) -> li
     """Contiguous copies of CPU `tensors`, laid end to end (each on an `align`-byte boundary) in
     one huge-page buffer (written once, by the copies): a model's decode weights, streamed from memory at every step, then
     cross a 2 MiB page where they crossed 512 small ones (one page walk where there were 512).
-    Where huge pages are not given the copies still share one buffer, in 4 KiB pages (a buffer under glibc's mmap threshold, at most 32 MiB, may reuse heap pages already
-    touched in 4 KiB pages, which the advice does not change)."""
+    Where huge pages are not given the copies still share one buffer, in 4 KiB pages."""
     sizes = [t.numel() * t.element_size() for t in tensors]
     offsets, total = [], 0
     for n in sizes:

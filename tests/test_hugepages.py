@@ -12,17 +12,6 @@ from engine import hugepages
 from engine.hugepages import HUGE_PAGE, copies_on_huge_pages, thp_mode, zeros_huge, zeros_huge_in_background
 
 
-def _anon_huge_kib() -> int | None:
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def test_zeros_huge_is_zeros_of_the_shape() -> None:
     for shape, dtype in (((3, 5), torch.float32), ((HUGE_PAGE // 2 + 7,), torch.bfloat16), ((2, HUGE_PAGE // 4),
                                                                                                torch.int32)):
@@ -75,38 +64,57 @@ def test_copies_share_one_buffer_keep_values_and_stand_alone() -> None:
     assert out[3].any()  # copies, not views of the sources
 
 
+def _huge_kib_at(addr: int) -> int | None:
+    """AnonHugePages (KiB) of the mapping that holds `addr` (/proc/self/smaps), None where unknown.
+    The mapping's own figure: the process's total moves with whatever else is freed meanwhile (a
+    previous test's engine, collected during the copy, once cancelled a fresh 64 MiB exactly)."""
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= addr < hi
+                elif inside and head == "AnonHugePages:":
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() != "madvise",
                     reason="needs Linux transparent huge pages in `madvise` mode")
 def test_copies_lie_on_huge_pages_where_the_kernel_gives_them() -> None:
-    before = _anon_huge_kib()
-    if before is None:
-        pytest.skip("no AnonHugePages in /proc/self/smaps_rollup")
-    # 64 MiB: above glibc's largest mmap threshold (32 MiB), so the buffer is fresh memory, as the
-    # engine's are (its decode weights are 269 MB); a few MiB can come from heap pages a previous test
-    # already touched in 4 KiB pages, where madvise changes nothing
+    # 64 MiB, as a previous test's engine left the heap with more than that free (and faulted in 4
+    # KiB pages), where a malloc'ed buffer never got a huge page: the buffer must be a mapping of its own
     out = copies_on_huge_pages([torch.ones(32 * HUGE_PAGE // 2, dtype=torch.bfloat16)])
-    after = _anon_huge_kib()
     assert bool(out[0].eq(1).all())
-    if after is not None and after - before >= HUGE_PAGE // 1024:  # at least one 2 MiB page
+    got = _huge_kib_at(out[0].data_ptr())
+    if got is None:
+        pytest.skip("no AnonHugePages for the buffer's mapping in /proc/self/smaps")
+    if got >= HUGE_PAGE // 1024:  # at least one 2 MiB page
         return
     # None: either the copies missed the advice, or the kernel had no 2 MiB page to give just now
-    # (a busy or fragmented machine: seen once in a full suite run). A fresh mapping advised and
-    # touched the plain way tells the two apart.
+    # (a busy or fragmented machine). A fresh mapping advised and touched the plain way tells them apart.
     if not _kernel_gives_huge_pages_now():
         pytest.skip("the kernel gave no huge page to a fresh MADV_HUGEPAGE mapping either (memory fragmented or busy)")
-    raise AssertionError(f"no huge page for the copies (AnonHugePages {before} -> {after} kB) where a plain mapping got some")
+    raise AssertionError(f"no huge page for the copies ({got} kB) where a plain mapping got some")
 
 
 def _kernel_gives_huge_pages_now() -> bool:
+    import ctypes
     import mmap
 
-    before = _anon_huge_kib() or 0
     m = mmap.mmap(-1, 16 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         m.madvise(mmap.MADV_HUGEPAGE)
         for off in range(0, len(m), 4096):
             m[off] = 1
-        return (_anon_huge_kib() or 0) - before >= HUGE_PAGE // 1024
+        view = ctypes.c_char.from_buffer(m)
+        addr = ctypes.addressof(view)
+        del view  # the mapping can close again
+        return (_huge_kib_at(addr) or 0) >= HUGE_PAGE // 1024
     finally:
         m.close()
 

@@ -408,7 +408,8 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t N
 torch::Tensor quant_pack(torch::Tensor blocks, std::string kind, torch::Tensor w, int64_t interleave) {
   TORCH_CHECK(kind == "Q4_1" || kind == "Q8_0", "quant_pack: block kind Q4_1 or Q8_0, got ", kind);
 #if defined(SERVELAB_GGUF_BLOCKS)
-  return pack_gguf_blocks(blocks, w, kind == "Q4_1" ? BlockKind::Q4_1 : BlockKind::Q8_0, interleave);
+  return kind == "Q4_1" ? pack_gguf_blocks<BlockKind::Q4_1>(blocks, w, interleave)
+                        : pack_gguf_blocks<BlockKind::Q8_0>(blocks, w, interleave);
 #else
   (void)blocks, (void)w, (void)interleave;
   TORCH_CHECK(false, "quant_pack: built without AVX512-BF16");

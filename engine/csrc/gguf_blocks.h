@@ -36,9 +36,8 @@ namespace servelab {
 
 enum class BlockKind : int { Q4_1 = 0, Q8_0 = 1 };
 
-// GGUF block sizes (bytes per 32 weights) and packed tile sizes (bytes per 32 columns x 32 inputs).
+// GGUF block sizes (bytes per 32 weights); a packed tile's size (32 columns x 32 inputs) -> its kind.
 static inline int64_t gguf_block_bytes(BlockKind k) { return k == BlockKind::Q4_1 ? 20 : 34; }
-static inline int64_t packed_tile_bytes(BlockKind k) { return k == BlockKind::Q4_1 ? 640 : 1088; }
 static inline int packed_kind(int64_t tile_bytes) { return tile_bytes == 640 ? 0 : tile_bytes == 1088 ? 1 : -1; }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -58,20 +57,22 @@ static inline __m512i line_bytes(const uint8_t* p) {  // 32 bytes, each zero-ext
 
 template <BlockKind K>
 struct TileLayout {
-  static constexpr int64_t kBytes = K == BlockKind::Q4_1 ? 640 : 1088;
-  static constexpr int64_t kHead = K == BlockKind::Q4_1 ? 128 : 64;  // the scales
-  static const uint8_t* d(const uint8_t* t, int h) { return t + h * (kHead / 2); }
-  static const uint8_t* m(const uint8_t* t, int h) { return t + h * 64 + 32; }  // Q4_1
-  // Q4_1: the line of input pair k2 (both halves); Q8_0: half h's line
-  static const uint8_t* line(const uint8_t* t, int k2, int h) {
-    return K == BlockKind::Q4_1 ? t + kHead + k2 * 32 : t + kHead + (2 * k2 + h) * 32;
-  }
-  // the weight at (half h, word b) of line k2, as the integer the scales multiply
+  static constexpr bool kQ4 = K == BlockKind::Q4_1;
+  static constexpr int64_t kBytes = kQ4 ? 640 : 1088;
+  static constexpr int64_t kHead = kQ4 ? 128 : 64;  // the scales
+  // Byte offsets in a tile: half h's d and m (Q4_1) scales (16 x fp16 each, column order), and the
+  // line of input pair k2 (Q4_1: both halves' nibbles; Q8_0: half h's bytes).
+  static constexpr int64_t d_at(int h) { return h * (kHead / 2); }
+  static constexpr int64_t m_at(int h) { return h * 64 + 32; }
+  static constexpr int64_t line_at(int k2, int h) { return kQ4 ? kHead + k2 * 32 : kHead + (2 * k2 + h) * 32; }
+  // The weight at (half h, word b) of line k2, as the integer the scales multiply; and the bits a
+  // stored byte of that line holds for integer q (Q4_1: OR-ed with the other half's nibble).
   static int q(const uint8_t* t, int k2, int h, int b) {
-    const uint8_t byte = line(t, k2, h)[b];
-    if constexpr (K == BlockKind::Q4_1) return h == 0 ? byte & 15 : byte >> 4;
+    const uint8_t byte = t[line_at(k2, h) + b];
+    if constexpr (kQ4) return h == 0 ? byte & 15 : byte >> 4;
     return static_cast<int8_t>(byte);
   }
+  static uint8_t bits(uint8_t q, int h) { return kQ4 && h == 1 ? static_cast<uint8_t>(q << 4) : q; }
 };
 
 // R rows of x (their bfloat16 pairs as 32-bit words, KW a row) against one 32-column block, 2 R
@@ -136,7 +137,7 @@ template <BlockKind K, int R>
 static inline void quant_rows(const uint32_t* xw, int64_t KW, const float* sx, int64_t KB, float* cf, int j0,
                               const uint8_t* wb) {
   using L = TileLayout<K>;
-  constexpr bool q4 = K == BlockKind::Q4_1;
+  constexpr bool q4 = L::kQ4;
   constexpr int S = q4 && R <= 2 ? 2 : 1;  // chains of A per row and half
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -152,12 +153,12 @@ static inline void quant_rows(const uint32_t* xw, int64_t KW, const float* sx, i
       for (int s = 0; s < S; ++s) {
         __m512i hi[2], lo[2];
         if constexpr (q4) {
-          const __m512i v = line_bytes(L::line(t, k2 + s, 0));
+          const __m512i v = line_bytes(t + L::line_at(k2 + s, 0));
           hi[0] = low_words(v);  // half 0: the low nibbles
           hi[1] = high_words(v, 0);
         } else {
           for (int h = 0; h < 2; ++h) {
-            const __m512i v = line_bytes(L::line(t, k2 + s, h));
+            const __m512i v = line_bytes(t + L::line_at(k2 + s, h));
             hi[h] = high_words(v, 8);
             lo[h] = low_words(v);
           }
@@ -171,10 +172,10 @@ static inline void quant_rows(const uint32_t* xw, int64_t KW, const float* sx, i
         }
       }
     for (int h = 0; h < 2; ++h) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(L::d(t, h))));
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + L::d_at(h))));
       __m512 dsx;  // the coefficient of sx
       if constexpr (q4) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(L::m(t, h))));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + L::m_at(h))));
         dsx = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, m);  // m - 128 d
       } else {
         dsx = _mm512_mul_ps(_mm512_set1_ps(-2304.f), d);
@@ -236,11 +237,13 @@ static inline void widened_block(const bf16* x, const float* sx, int64_t M, int6
 // blocks [N, KB, gguf bytes] (uint8, the GGUF tensor's rows in w's row order) -> the packed
 // layout above, checking every weight against w [N, 32 KB] bfloat16: the pack is only made where
 // the blocks reproduce the loaded weights exactly (else a RuntimeError names the first mismatch).
-static torch::Tensor pack_gguf_blocks(const torch::Tensor& blocks, const torch::Tensor& w, BlockKind kind,
-                                      int64_t interleave) {
+template <BlockKind K>
+static torch::Tensor pack_gguf_blocks(const torch::Tensor& blocks, const torch::Tensor& w, int64_t interleave) {
+  using L = TileLayout<K>;
+  const int64_t G = gguf_block_bytes(K), T = L::kBytes;
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 3 &&
-                  blocks.size(2) == gguf_block_bytes(kind),
-              "blocks: [N, KB, ", gguf_block_bytes(kind), "] uint8 on the CPU");
+                  blocks.size(2) == G,
+              "blocks: [N, KB, ", G, "] uint8 on the CPU");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kBFloat16 && w.dim() == 2 &&
                   w.size(0) == blocks.size(0) && w.size(1) == 32 * blocks.size(1),
               "w: [N, 32 KB] bfloat16, the blocks' weights");
@@ -248,54 +251,50 @@ static torch::Tensor pack_gguf_blocks(const torch::Tensor& blocks, const torch::
   const auto wc = w.contiguous();
   const int64_t N = w.size(0), KB = blocks.size(1), I = interleave;
   TORCH_CHECK(I == 0 || (N == 2 * I && I % 16 == 0), "quant_pack: interleave I needs N = 2 I and 16 | I");
-  const int64_t NB = I ? I / 16 : (N + 31) / 32, T = packed_tile_bytes(kind), G = gguf_block_bytes(kind);
+  const int64_t NB = I ? I / 16 : (N + 31) / 32;
   auto out = torch::zeros({NB, KB, T}, blocks.options());
   const uint8_t* src = bl.data_ptr<uint8_t>();
   const uint16_t* wv = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   uint8_t* o = out.data_ptr<uint8_t>();
-  const int64_t head = kind == BlockKind::Q4_1 ? 128 : 64;
-  std::atomic<int64_t> bad{-1};
+  // column n of half h of block nb (past N: zero scales, zero weights)
+  auto column = [&](int64_t nb, int h, int n) { return I ? h * I + nb * 16 + n : nb * 32 + h * 16 + n; };
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb)
       for (int64_t kb = 0; kb < KB; ++kb) {
         uint8_t* t = o + (nb * KB + kb) * T;
         for (int h = 0; h < 2; ++h)
           for (int n = 0; n < 16; ++n) {
-            const int64_t col = I ? h * I + nb * 16 + n : nb * 32 + h * 16 + n;
-            if (col >= N) continue;  // zero scales: zero weights
-            const uint8_t* blk = src + (col * KB + kb) * G;
-            uint8_t* dm = t + h * (head / 2);
-            std::memcpy(dm + 2 * n, blk, 2);                                          // d
-            if (kind == BlockKind::Q4_1) std::memcpy(dm + 32 + 2 * n, blk + 2, 2);  // m
-            for (int k = 0; k < 32; ++k) {
-              const int k2 = k / 2;
-              if (kind == BlockKind::Q4_1) {  // word 2 n + k % 2 of line k2, half h's nibble
-                const uint8_t byte = blk[4 + (k & 15)];
-                const uint8_t q = k < 16 ? byte & 15 : byte >> 4;
-                t[head + k2 * 32 + 2 * n + k % 2] |= h == 0 ? q : static_cast<uint8_t>(q << 4);
-              } else {  // word 2 n + k % 2 of half h's line k2
-                t[head + (2 * k2 + h) * 32 + 2 * n + k % 2] = blk[2 + k];
-              }
+            const int64_t col = column(nb, h, n);
+            if (col >= N) continue;
+            const uint8_t* blk = src + (col * KB + kb) * G;  // GGUF: d, (m,) then the weights
+            std::memcpy(t + L::d_at(h) + 2 * n, blk, 2);
+            if constexpr (L::kQ4) std::memcpy(t + L::m_at(h) + 2 * n, blk + 2, 2);
+            for (int k = 0; k < 32; ++k) {  // weight k: word 2 n + k % 2 of line k / 2
+              uint8_t q;
+              if constexpr (L::kQ4)
+                q = k < 16 ? blk[4 + k] & 15 : blk[4 + k - 16] >> 4;
+              else
+                q = blk[2 + k];
+              t[L::line_at(k / 2, h) + 2 * n + k % 2] |= L::bits(q, h);
             }
           }
       }
   });
-  // Every packed weight, rounded as the loader rounds it, against w's bfloat16 bits.
+  // Every packed weight, read back and rounded as the loader rounds it, against w's bfloat16 bits.
+  std::atomic<int64_t> bad{-1};
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1 && bad.load(std::memory_order_relaxed) < 0; ++nb)
       for (int64_t kb = 0; kb < KB; ++kb) {
         const uint8_t* t = o + (nb * KB + kb) * T;
         for (int h = 0; h < 2; ++h)
           for (int n = 0; n < 16; ++n) {
-            const int64_t col = I ? h * I + nb * 16 + n : nb * 32 + h * 16 + n;
-            uint16_t dh, mh = 0;
-            std::memcpy(&dh, t + h * (head / 2) + 2 * n, 2);
-            if (kind == BlockKind::Q4_1) std::memcpy(&mh, t + h * 64 + 32 + 2 * n, 2);
+            const int64_t col = column(nb, h, n);
+            uint16_t dh, mh;
+            std::memcpy(&dh, t + L::d_at(h) + 2 * n, 2);
+            if constexpr (L::kQ4) std::memcpy(&mh, t + L::m_at(h) + 2 * n, 2);
             for (int k = 0; k < 32; ++k) {
-              const int q = kind == BlockKind::Q4_1 ? TileLayout<BlockKind::Q4_1>::q(t, k / 2, h, 2 * n + k % 2)
-                                                    : TileLayout<BlockKind::Q8_0>::q(t, k / 2, h, 2 * n + k % 2);
-              float v = _cvtsh_ss(dh) * static_cast<float>(q);  // exact in float32
-              if (kind == BlockKind::Q4_1) v += _cvtsh_ss(mh);
+              float v = _cvtsh_ss(dh) * static_cast<float>(L::q(t, k / 2, h, 2 * n + k % 2));  // exact in float32
+              if constexpr (L::kQ4) v += _cvtsh_ss(mh);
               const uint16_t got = c10::BFloat16(v).x;  // round to nearest even
               const int64_t at = col * 32 * KB + 32 * kb + k;
               if (col < N ? got != wv[at] : got != 0) {

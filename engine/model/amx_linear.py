@@ -36,7 +36,7 @@ Fused epilogues save a pass over memory each:
 as stored, multiplied as the checkpoint defines them (engine/csrc/gguf_blocks.h: a third of the
 bytes, four or eight integer ops to widen 64 weights; the sums in float32 from the unrounded
 weights, so not the bfloat16 kernel's bits), which the model uses for steps of at most
-`QUANT_MAX_ROWS` rows (its LM head `QUANT_HEAD_MAX_ROWS`).
+`quant_max_rows(packed)` rows (by block kind: `QUANT_MAX_ROWS`).
 
 `next` (optional, AVX512-BF16 path): the packed weight of the op that runs next; while a thread
 reads its last block it prefetches its first blocks of that one into L2, so a step's back-to-back
@@ -62,14 +62,13 @@ from engine.cpu_extension import load_cpu_ops
 
 # Up to this many rows a step's linears run here; above, oneDNN's prepacked kernels are faster.
 DECODE_MAX_ROWS = 128
-# Up to this many rows they read a GGUF checkpoint's own Q4_1 / Q8_0 blocks where the model has
-# them (quant_pack), the LM head (Q8_0 for the default model: two vdpbf16ps per weight pair, where
-# bfloat16 takes one) up to QUANT_HEAD_MAX_ROWS. Past that vdpbf16ps's throughput, not the stream,
-# sets the pace and the bfloat16 kernels win. benchmarks/quant_linears.py on a 2-core Zen 4
-# (2026-12-04): the 120 layer matrices 2.7x faster at 1 row, 2.1x at 4, 1.5x at 5, 1.3x at 6,
-# 0.8x at 8; the head 1.6x at 1 row, 1.2x at 2, 0.8x at 3 (docs/benchmarks.md).
-QUANT_MAX_ROWS = 6
-QUANT_HEAD_MAX_ROWS = 2
+# Up to how many rows a quant_pack weight is read rather than the bfloat16 one, by its block kind:
+# past that vdpbf16ps's throughput, not the stream, sets the pace and the bfloat16 kernels win,
+# and a Q8_0 byte takes two vdpbf16ps words where bfloat16 takes one. benchmarks/quant_linears.py
+# on a 2-core Zen 4 (2026-12-04): SmolLM2's 120 Q4_1 layer matrices 2.7x faster at 1 row, 2.1x at
+# 4, 1.5x at 5, 1.3x at 6, 0.8x at 8; its Q8_0 LM head 1.6x at 1 row, 1.2x at 2, 0.8x at 3
+# (docs/benchmarks.md).
+QUANT_MAX_ROWS = {"Q4_1": 6, "Q8_0": 2}
 
 _SOURCE = "amx_linear.cpp"  # engine/csrc
 logger = logging.getLogger(__name__)
@@ -151,6 +150,15 @@ def supports(weight: torch.Tensor, interleave: int = 0) -> bool:
 
 # GGUF block types the quant ops read as stored (engine/csrc/gguf_blocks.h).
 GGUF_BLOCK_KINDS = ("Q4_1", "Q8_0")
+
+
+# quant_pack's tile bytes (its last dimension) -> block kind (engine/csrc/gguf_blocks.h)
+_TILE_KINDS = {640: "Q4_1", 1088: "Q8_0"}
+
+
+def quant_max_rows(packed: torch.Tensor) -> int:
+    """Up to how many rows a step reads this quant_pack result instead of the bfloat16 pack."""
+    return QUANT_MAX_ROWS[_TILE_KINDS[int(packed.shape[-1])]]
 
 
 def quant_available() -> bool:

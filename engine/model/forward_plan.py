@@ -42,7 +42,7 @@ class AmxPacks:
     """A dense layer's matrices in the AMX kernels' layout (engine/model/amx_linear.py), for
     steps of at most `amx_linear.DECODE_MAX_ROWS` rows; gate_up packed for the fused silu * up.
     `quant`: the same four from the checkpoint's own blocks (amx_linear.quant_pack), for steps
-    of at most `amx_linear.QUANT_MAX_ROWS` rows, where every one of them reproduces its weight."""
+    of at most `amx_linear.quant_max_rows` of each rows, where every one of them reproduces its weight."""
 
     qkv: torch.Tensor
     o: torch.Tensor
@@ -85,7 +85,11 @@ class ForwardPlan:
     amx_ops: Any = None  # torch.ops.servelab with the AMX linear ops, where every layer has AMX packs
     sizes: tuple[int, int, int] = (0, 0, 0)  # qkv width, hidden size, intermediate size
     gemv_ops: Any = None  # torch.ops.servelab with the GEMV (cpu_gemv), for steps of a few rows
-    quant: bool = False  # every layer's AmxPacks has its quant packs
+    quant_max_rows: int = 0  # every layer's AmxPacks has its quant packs: steps up to this many rows read them
+
+    @property
+    def quant(self) -> bool:
+        return self.quant_max_rows > 0
 
 
 def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None) -> ForwardPlan | None:
@@ -123,9 +127,12 @@ def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None) -> ForwardPl
     first = layers[0].attn
     sizes = (first.q_size + 2 * first.kv_size, int(model.embed_tokens.weight.shape[1]), inter)
     with_gemv = all(lp.plain is not None for lp in layers)
+    # steps up to this many rows read the quant packs (0: none left): the fewest any of them allows
+    quant_rows = min((amx_linear.quant_max_rows(t) for lp in layers if lp.amx and lp.amx.quant for t in lp.amx.quant),
+                     default=0)
     return ForwardPlan(model.embed_tokens.weight.dtype, ops, model.norm.eps, tuple(layers),
                        model.norm.weight.detach(), amx_linear.amx_ops() if with_amx else None, sizes,
-                       cpu_gemv.gemv_ops() if with_gemv else None, with_quant)  # fmt: skip
+                       cpu_gemv.gemv_ops() if with_gemv else None, quant_rows)  # fmt: skip
 
 
 def _amx_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | None, ...] | None) -> AmxPacks | None:
@@ -187,7 +194,7 @@ def planned_forward(
     ops, eps = plan.ops, plan.eps
     t = x.shape[0]
     amx = plan.amx_ops if t <= amx_linear.DECODE_MAX_ROWS else None  # decode-sized steps: AMX kernels
-    quant = amx is not None and plan.quant and t <= amx_linear.QUANT_MAX_ROWS  # a few rows: the checkpoint's blocks
+    quant = amx is not None and t <= plan.quant_max_rows  # a few rows: the checkpoint's blocks
     gemv = plan.gemv_ops is not None and t <= cpu_gemv.max_rows(plan.dtype)  # a few rows: packed_linear's GEMV
     rows = t if amx is not None or gemv else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
     if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them

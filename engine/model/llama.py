@@ -255,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
     def _head_pack(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The LM head the AMX ops read (after `_amx_head`): from the checkpoint's blocks for a
         step of a few rows where the model has them."""
-        if self.quant_lm_head is not None and hidden.shape[0] <= amx_linear.QUANT_HEAD_MAX_ROWS:
+        if self.quant_lm_head is not None and hidden.shape[0] <= amx_linear.quant_max_rows(self.quant_lm_head):
             return self.quant_lm_head
         return self.amx_lm_head
 
@@ -291,16 +291,17 @@ class LlamaForCausalLM(nn.Module):
                 self.quant_lm_head = amx_linear.quant_pack(found[1], found[0], head)
         if plan is not None and plan.amx_ops is not None:  # forward_plan.on_huge_pages: why
             self.model.plan, self.amx_lm_head = on_huge_pages(plan, self.amx_lm_head)
-        if self.model.plan is not None and self.model.plan.quant:
-            quant = [t for lp in self.model.plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant]
-            bf16 = [t for lp in self.model.plan.layers if lp.amx for t in lp.amx.matrices(False)]
+        plan = self.model.plan
+        if plan is not None and plan.quant:
+            quant = [t for lp in plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant]
+            bf16 = [t for lp in plan.layers if lp.amx for t in lp.amx.matrices(False)]
             heads = [(self.quant_lm_head, self.amx_lm_head)] if self.quant_lm_head is not None else []
+            rows = min([plan.quant_max_rows] + [amx_linear.quant_max_rows(q) for q, _ in heads])
             logger.info("decode steps of up to %d rows read the checkpoint's own blocks: %.1f MB a step, not %.1f MB "
-                        "of bfloat16 (the LM head %s)", amx_linear.QUANT_HEAD_MAX_ROWS,
+                        "of bfloat16 (the LM head %s; the layers up to %d rows)", rows,
                         sum(t.nbytes for t in quant + [q for q, _ in heads]) / 1e6,
                         sum(t.nbytes for t in bf16 + [b for _, b in heads if b is not None]) / 1e6,
-                        f"too; from {amx_linear.QUANT_HEAD_MAX_ROWS + 1} to {amx_linear.QUANT_MAX_ROWS} rows the layers only"
-                        if heads else "in bfloat16")  # fmt: skip
+                        "too" if heads else "in bfloat16", plan.quant_max_rows)  # fmt: skip
         return n
 
     def _gguf_blocks(self) -> GgufBlocks | None:

@@ -66,6 +66,7 @@ from engine.step_io import ModelRunnerOutput, SchedulerOutput
 if TYPE_CHECKING:
     from engine.kv_transfer.base import KVConnectorBase
 
+
 class Scheduler:
     def __init__(
         self,
