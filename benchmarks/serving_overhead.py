@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from server_utils import start_server  # noqa: E402
 
 from workloads.serve import load_config  # noqa: E402
+from workloads.sse import DONE as SSE_DONE  # noqa: E402
+from workloads.sse import aiter_sse  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -41,8 +43,8 @@ async def _server_once(session: aiohttp.ClientSession, url: str, max_tokens: int
     t0 = time.perf_counter()
     times = []
     async with session.post(url + "/v1/completions", json=body) as r:
-        async for line in r.content:
-            if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["text"]:
+        async for event in aiter_sse(r.content.iter_any()):
+            if event.data != SSE_DONE and json.loads(event.data)["choices"][0]["text"]:
                 times.append(time.perf_counter())
     return times[0] - t0, [b - a for a, b in zip(times, times[1:], strict=False)]
 

@@ -35,6 +35,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+from workloads.sse import aiter_sse
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -94,13 +96,13 @@ async def one_request(s: aiohttp.ClientSession, url: str, rng: random.Random, co
                 await r.read()
             else:
                 n = 0
-                async for line in r.content:
-                    n += line.startswith(b"data:")
+                async for event in aiter_sse(r.content.iter_any()):
+                    n += 1
                     if drop and n >= 3:
                         r.close()
                         counts["dropped"] += 1
                         return
-                    if b'"error"' in line:
+                    if '"error"' in event.data:
                         counts["stream_error"] += 1
             counts["200"] += 1
     except (aiohttp.ClientError, asyncio.TimeoutError):

@@ -129,3 +129,41 @@ def test_parse_gauges_never_adds_aliases_of_one_figure() -> None:
     )
     assert parse_gauges(text) == {"kv_usage": 0.25, "num_running": 5.0}
     assert parse_gauges('vllm:gpu_cache_usage_perc{engine="0"} 0.5\n') == {"kv_usage": 0.5}
+
+
+async def _spec_stream(request: web.Request) -> web.StreamResponse:
+    """A stream only a parser that follows the SSE standard reads: CRLF line ends, a comment,
+    an event whose JSON is spread over two `data` lines, and writes cut inside lines and CRLFs."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    usage = '"usage": {"prompt_tokens": 7, "completion_tokens": 2}'
+    raw = (": keep-alive\r\n\r\n"
+           'data: {"choices": [{"index": 0, "text": "Hel",\r\ndata:  "finish_reason": null}]}\r\n\r\n'
+           'event: message\r\ndata: {"choices": [{"index": 0, "text": "lo", "finish_reason": "length"}],\r\n'
+           f"data: {usage}}}\r\n\r\ndata: [DONE]\r\n\r\n").encode()  # fmt: skip
+    # cut inside the comment, between the CR and the LF ending the first data line, and
+    # inside the second event's text
+    cuts = [0, 5, raw.index(b"\r\ndata:  ") + 1, raw.index(b'"lo"') + 2, len(raw)]
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        await resp.write(raw[a:b])
+        await asyncio.sleep(0.01)
+    return resp
+
+
+def test_sse_multi_line_events_comments_and_crlf_split_across_writes() -> None:
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/completions", _spec_stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await run_workload([_spec("s")], OpenAITarget(f"http://127.0.0.1:{port}", "m"))
+        finally:
+            await runner.cleanup()
+
+    (rec,) = asyncio.run(run()).records
+    assert rec.ok, rec.error
+    assert rec.output_text == "Hello" and rec.finish_reason == "length" and rec.output_tokens == 2

@@ -21,11 +21,14 @@ import time
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.entrypoints.timing import HEADER as TIMING_HEADER
 from engine.outputs import StepStats
 from workloads.record import TargetResult
 from workloads.spec import RequestSpec
+from workloads.sse import DONE as SSE_DONE
+from workloads.sse import SSEParser
 from workloads.targets.base import OnToken
 
 _READ_BUFSIZE = 10 * 2**20
@@ -262,20 +265,19 @@ class OpenAITarget:
                     self.metrics_error = f"GET /metrics answered HTTP {resp.status}"
                     return None
                 return parse_gauges(await resp.text())
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, ValueError):  # unreachable, or not Prometheus text this time
             return None
 
 
 async def _read_sse(resp: aiohttp.ClientResponse, stream: _Stream) -> None:
-    async for raw in resp.content:
+    """Feed each event's JSON to `stream`, stamped with the arrival of the chunk that completed it."""
+    parser = SSEParser()
+    async for chunk in resp.content.iter_any():
         t = time.perf_counter()
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            break
-        stream.feed(json.loads(data), t)
+        for event in parser.feed(chunk):
+            if event.data == SSE_DONE:
+                return
+            stream.feed(json.loads(event.data), t)
 
 
 def parse_gauges(text: str) -> dict[str, float]:
@@ -284,15 +286,14 @@ def parse_gauges(text: str) -> dict[str, float]:
     One metric's label sets are summed (several engines behind one server); when several
     names mean the same figure (vLLM exports `kv_cache_usage_perc` and its deprecated alias
     `gpu_cache_usage_perc` side by side), the first name in `_GAUGES` order that is present
-    wins: aliases are never added together.
+    wins: aliases are never added together. Parsed by prometheus_client (a sample's optional
+    timestamp is not its value); ValueError for text that is not the exposition format.
     """
     per_name: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in _GAUGES or name in _COUNTERS:
-            per_name[name] = per_name.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:  # a counter's sample is `<family>_total`, as named in _COUNTERS
+            if sample.name in _GAUGES or sample.name in _COUNTERS:
+                per_name[sample.name] = per_name.get(sample.name, 0.0) + float(sample.value)
     out: dict[str, float] = {}
     for name, key in (*_GAUGES.items(), *_COUNTERS.items()):
         if name in per_name and key not in out:

@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig, KVTransferConfig
 from engine.kv_transfer.mooncake_master import MooncakeMaster
@@ -134,7 +135,7 @@ class PDTarget(OpenAITarget):
         for i, (role, url, proc) in enumerate(self.instances):
             row: dict[str, Any] = {"instance": f"{role}{i}", "role": role, "url": url}
             if proc.poll() is None:
-                with contextlib.suppress(OSError), urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+                with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(url + "/metrics", timeout=5) as r:
                     row.update(parse_connector_counters(r.read().decode()))
             out.append(row)
         return out
@@ -160,13 +161,15 @@ class PDTarget(OpenAITarget):
 
 
 def parse_connector_counters(text: str) -> dict[str, float]:
-    """`servelab:kv_connector_<name>_total` samples of a /metrics page, summed over labels."""
+    """`servelab:kv_connector_<name>_total` samples of a /metrics page, summed over labels
+    (parsed by prometheus_client: a sample's optional timestamp is not its value)."""
     out = dict.fromkeys(_COUNTERS, 0.0)
-    for line in text.splitlines():
-        if not line.startswith("servelab:kv_connector_"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0][len("servelab:kv_connector_"):]
-        name = name.removesuffix("_total")
-        if name in out:
-            out[name] += float(line.rsplit(" ", 1)[1])
+    prefix = "servelab:kv_connector_"
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not (sample.name.startswith(prefix) and sample.name.endswith("_total")):
+                continue  # `_created` and other series of the family
+            name = sample.name[len(prefix) : -len("_total")]
+            if name in out:
+                out[name] += float(sample.value)
     return out
