@@ -4,25 +4,23 @@ State gauges come from StepStats (each step) and from a fresh scheduler snapshot
 taken when /metrics is scraped (so an idle engine reads idle at once). Request
 histograms are observed when a request finishes, from its RequestMetrics.
 Each server owns its CollectorRegistry (no global state; tests can start several).
+vLLM exports no `*_created` series; prometheus_client's switch for them
+(`disable_created_metrics`) is process-wide, so they are dropped from servelab's own
+exposition instead (`_WithoutCreated`), and other registries in the process keep theirs.
 """
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 from engine.core.messages import EngineStats
 from engine.outputs import RequestOutput, StepStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-disable_created_metrics()  # vLLM exports no *_created series
 # Buckets as vLLM uses them (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -30,6 +28,19 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _WithoutCreated:
+    """A registry's metrics without their `_created` samples (a collector for exposition)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            kept = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            kept.samples = [s for s in metric.samples if s.name != metric.name + "_created"]
+            yield kept
 
 
 class PrometheusMetrics:
@@ -140,4 +151,4 @@ class PrometheusMetrics:
             self._l(self.tpot).observe((m.finished_time - m.first_token_time) / (num_out - 1))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
