@@ -18,6 +18,12 @@ from engine.dtypes import MODEL_DTYPES
 DEFAULT_MODEL = "smollm2"
 
 
+class ConfigLimitError(ValueError):
+    """A setting above a limit that is known only once the model (its context) or the KV cache
+    (its size) is: raised at start-up, never at run time. The message names the setting, both
+    numbers and what to change; front ends show it as one line, without a traceback."""
+
+
 @dataclass
 class ModelConfig:
     """Which weights to load and how.
@@ -34,6 +40,10 @@ class ModelConfig:
     # bfloat16 / float32 on a CPU (engine/platform.py); `validate()` resolves it.
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
+    # A max_model_len above the model's context (max_position_embeddings) is a start-up error
+    # unless this is true (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN, as a setting): past its context
+    # a model's outputs may be wrong.
+    allow_long_max_model_len: bool = False
     seed: int = 0
     # Override of the architecture's layer count (dummy shapes run faster with fewer).
     num_layers_override: int | None = None

@@ -39,7 +39,9 @@ def test_one_max_model_len_rule() -> None:
     arch = load_arch("llama-3-8b")  # 8192 positions
     assert arch.max_model_len(None) == 8192
     assert arch.max_model_len(1024) == 1024
-    assert arch.max_model_len(100_000) == 8192  # never above what the model was trained for
+    with pytest.raises(ValueError, match="above the context of llama-3-8b"):  # never silently capped
+        arch.max_model_len(100_000)
+    assert arch.max_model_len(100_000, allow_long=True) == 100_000  # model.allow_long_max_model_len
 
 
 def test_one_dtype_map() -> None:

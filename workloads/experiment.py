@@ -206,7 +206,7 @@ def _max_model_len(engine_config: EngineConfig) -> int:
     from engine.model.loader import resolve_model
 
     arch, _, _ = resolve_model(engine_config.model)
-    return arch.max_model_len(engine_config.model.max_model_len)
+    return arch.max_model_len(engine_config.model.max_model_len, engine_config.model.allow_long_max_model_len)
 
 
 def write_serve_config(engine_config: EngineConfig, run_dir: Path, server: dict[str, Any] | None = None) -> Path:

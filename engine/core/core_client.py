@@ -31,7 +31,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.config import EngineConfig
+from engine.config import ConfigLimitError, EngineConfig
 from engine.core import messages as msg
 from engine.core.core_proc import (
     EngineCoreProc,
@@ -86,6 +86,7 @@ class EngineCoreClient:
         self._process: Any = None
         self._thread_core: EngineCoreProc | None = None
         self._thread: threading.Thread | None = None
+        self._thread_error: str | None = None  # why the core thread failed to start, for _wait_ready
         self._dead: EngineDeadError | None = None
         self._closed = False
         self.ready: msg.ReadyInfo | None = None
@@ -167,8 +168,13 @@ class EngineCoreClient:
                 core.run()
                 engine.shutdown()
                 core.close()
-            except Exception:
-                logger.exception("engine core thread: fatal error")
+            except Exception as exc:
+                if self._thread_core is None:  # during start-up: _wait_ready reports it
+                    self._thread_error = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, ConfigLimitError):  # a setting to change, not a bug: one line
+                    logger.error("engine core thread: %s", exc)
+                else:
+                    logger.exception("engine core thread: fatal error")
 
         self._thread = threading.Thread(target=target, name="EngineCore", daemon=True)
         self._thread.start()
@@ -185,6 +191,8 @@ class EngineCoreClient:
                 if kind == msg.FAILED:
                     raise EngineStartError(f"engine core failed to start: {msgspec.msgpack.decode(payload)}")
             elif not alive:
+                if self._thread_error is not None:
+                    raise EngineStartError(f"engine core failed to start: {self._thread_error}")
                 raise EngineStartError("engine core exited during start-up")
         raise EngineStartError(f"engine core not ready after {timeout_s:.0f} s")
 

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.config import EngineConfig
+from engine.config import ConfigLimitError, EngineConfig
 from engine.core import messages as msg
 from engine.hooks import StepHooks
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
@@ -277,7 +277,10 @@ def run_engine_core(
         logger.info("engine core loop: %s", proc.loop_stats.describe())
         engine.shutdown()
     except Exception as exc:
-        logger.exception("engine core: fatal error")
+        if isinstance(exc, ConfigLimitError):  # a setting to change, not a bug: one line, no traceback
+            logger.error("engine core: %s", exc)
+        else:
+            logger.exception("engine core: fatal error")
         _report_failure(ctx, output_addr, proc, exc)
         ctx.term()  # waits for the FAILED message to leave (linger)
         os._exit(1)

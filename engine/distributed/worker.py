@@ -24,7 +24,7 @@ from engine.outputs import TokenLogprobs
 from engine.sample.sampler import Sampler, SamplingBatch
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
-from engine.worker.worker import Worker, kv_bytes_per_block
+from engine.worker.worker import Worker, check_kv_capacity, cover_positions, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +77,14 @@ class ParallelWorker(Worker):
         )
         arch = self.model.arch  # this rank's shapes: its KV heads
         self.arch = self.model.full_arch
-        self.max_model_len = arch.max_model_len(self.config.model.max_model_len)
+        model_cfg = self.config.model
+        self.max_model_len = arch.max_model_len(model_cfg.max_model_len, model_cfg.allow_long_max_model_len)
         cache = self.config.cache
         per_block = kv_bytes_per_block(arch.num_layers, cache.block_size, arch.num_kv_heads, arch.head_dim, self.kv_dtype)
         num_blocks = cache.num_blocks or max(2, int(cache.kv_cache_memory_gb * (1 << 30) // per_block))
         num_blocks = ps.all_reduce_min(num_blocks)
+        self.max_model_len = check_kv_capacity(self.max_model_len, model_cfg.max_model_len, num_blocks, cache)
+        cover_positions(self.model, self.max_model_len)
         shape = (2, num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim)
         kv_caches = [zeros_huge(shape, self.kv_dtype, self.device) for _ in range(arch.num_layers)]
         logger.info("rank %d/%d: %d q heads, %d KV heads; KV cache %d blocks (%.1f MiB)", info.rank,

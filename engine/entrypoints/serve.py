@@ -239,8 +239,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(engine_config: EngineConfig, settings: ServerSettings) -> None:
     """Log to stderr and serve until told to stop (both front doors end here)."""
+    from engine.core.core_client import EngineStartError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(engine_config, settings))
+    try:
+        asyncio.run(serve(engine_config, settings))
+    except EngineStartError as exc:  # its message is the core's own reason (e.g. a limit to change)
+        raise SystemExit(f"servelab-serve: {exc}") from None
 
 
 if __name__ == "__main__":

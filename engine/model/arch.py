@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.config import ConfigLimitError
+from engine.model.rope_scaling import RopeScaling
+
 # GGUF readers are duck-typed: anything with `.metadata` (key -> Python value) and `.tensors`
 # (engine/model/gguf_file.py's GGUFFile).
 GGUFReaderLike = Any
@@ -28,6 +31,7 @@ class ModelArch:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 4096
+    rope_scaling: RopeScaling | None = None  # Llama-3.1's long-context frequency scaling
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -60,6 +64,7 @@ class ModelArch:
             rope_theta=float(rope_theta),
             rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-5),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            rope_scaling=RopeScaling.from_hf(cfg.get("rope_scaling") or rope),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=_first_id(cfg.get("bos_token_id")),
             eos_token_id=_first_id(cfg.get("eos_token_id")),
@@ -114,10 +119,26 @@ class ModelArch:
         return replace(self, num_layers=min(num_layers, self.num_layers))
 
     # ---- derived numbers ---------------------------------------------------------
-    def max_model_len(self, requested: int | None) -> int:
+    def max_model_len(self, requested: int | None, allow_long: bool = False) -> int:
         """The engine's context length: `requested` (ModelConfig.max_model_len; None: the model's
-        own), never above the model's `max_position_embeddings`. The one rule every executor uses."""
-        return min(requested or self.max_position_embeddings, self.max_position_embeddings)
+        own `max_position_embeddings`). The one rule every executor uses.
+
+        A `requested` above the model's context raises ValueError naming both numbers, unless
+        `allow_long` (ModelConfig.allow_long_max_model_len) says the caller wants it anyway: a
+        ConfigLimitError (a ValueError) naming both numbers and the two settings.
+        """
+        own = self.max_position_embeddings
+        if requested is None:
+            return own
+        if requested < 1:
+            raise ValueError(f"model.max_model_len must be >= 1, got {requested}")
+        if requested > own and not allow_long:
+            raise ConfigLimitError(
+                f"model.max_model_len={requested} is above the context of {self.name} ({own} tokens, its "
+                f"max_position_embeddings); lower model.max_model_len, or set model.allow_long_max_model_len=true "
+                f"to run past it (outputs past {own} tokens may be wrong)"
+            )
+        return requested
 
     @property
     def is_moe(self) -> bool:

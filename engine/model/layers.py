@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.cpu_kernels import kernels
+from engine.model.rope_scaling import RopeScaling
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -81,11 +82,12 @@ class RotaryEmbedding(nn.Module):
     cos_table: torch.Tensor
     sin_table: torch.Tensor
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.theta = theta
+        self.scaling = scaling  # Llama-3.1's long-context frequency scaling (engine/model/rope_scaling.py)
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
         if self.cos_table.device.type != "meta":  # built on meta: the loader rebuilds after to_empty (a
@@ -98,6 +100,8 @@ class RotaryEmbedding(nn.Module):
         half = self.head_dim // 2
         exponents = torch.arange(0, half, dtype=torch.float32, device=device) * 2 / self.head_dim
         inv_freq = 1.0 / (self.theta**exponents)  # [D/2]
+        if self.scaling is not None:
+            inv_freq = self.scaling.scale(inv_freq)
         pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         angles = torch.outer(pos, inv_freq)  # [P, D/2]
         cos, sin = angles.cos(), angles.sin()

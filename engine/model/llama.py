@@ -114,7 +114,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, attn_backend) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta)
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
         self.plan: ForwardPlan | None = None  # set by build_plan() once the weights are packed
 
     def build_plan(self, blocks: GgufBlocks | None = None) -> bool:

@@ -85,7 +85,7 @@ class SimulatedExecutor(Executor):
         self.eos_token_id = arch.eos_token_id
         token = token_id % arch.vocab_size
         self.token_id = (token + 1) % arch.vocab_size if token == arch.eos_token_id else token
-        self.max_model_len = arch.max_model_len(config.model.max_model_len)
+        self.max_model_len = arch.max_model_len(config.model.max_model_len, config.model.allow_long_max_model_len)
         self.record_breakdown = record_breakdown
         self._now = start_time
         self._known: dict[str, int] = {}  # req_id -> tokens the runner knows

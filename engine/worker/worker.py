@@ -7,7 +7,7 @@ import logging
 import torch
 
 from engine.attention.registry import get_attention_backend
-from engine.config import EngineConfig
+from engine.config import CacheConfig, ConfigLimitError, EngineConfig
 from engine.dtypes import torch_dtype
 from engine.hugepages import zeros_huge_in_background
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
@@ -22,6 +22,35 @@ logger = logging.getLogger(__name__)
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def check_kv_capacity(max_model_len: int, requested: int | None, num_blocks: int, cache: CacheConfig) -> int:
+    """The context length the KV cache can serve: `max_model_len` when `num_blocks` blocks hold
+    one request of that length. A `requested` (ModelConfig.max_model_len) the cache cannot hold
+    is a ConfigLimitError naming both numbers and the settings to change (vLLM refuses it at
+    start-up too); with none requested, the model's own context is lowered to the cache's, with
+    a warning, so that longer prompts are refused at the door instead of failing in the scheduler."""
+    holds = num_blocks * cache.block_size
+    if max_model_len <= holds:
+        return max_model_len
+    sized_by = f"cache.num_blocks={num_blocks}" if cache.num_blocks else f"cache.kv_cache_memory_gb={cache.kv_cache_memory_gb:g}"
+    if requested is not None:
+        raise ConfigLimitError(
+            f"model.max_model_len={max_model_len} is more than the KV cache holds ({holds} tokens: {num_blocks} "
+            f"blocks of {cache.block_size}, {sized_by}); raise {sized_by.split('=')[0]} or lower model.max_model_len"
+        )
+    logger.warning("max_model_len: the model's context of %d tokens is more than the KV cache holds; serving %d "
+                   "(%s; raise it for longer requests)", max_model_len, holds, sized_by)
+    return holds
+
+
+def cover_positions(model: torch.nn.Module, max_model_len: int) -> None:
+    """Extend the model's RoPE table to `max_model_len` positions when it is longer than the model's
+    context (model.allow_long_max_model_len); a no-op otherwise, and for models without one."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is not None and rotary.max_positions < max_model_len:
+        rotary.max_positions = max_model_len
+        rotary.rebuild()
 
 
 class Worker:
@@ -52,14 +81,17 @@ class Worker:
         resolved = resolve_model(self.config.model)  # metadata only; the weights load below
         arch = resolved[0]
         self.arch = arch
-        self.max_model_len = arch.max_model_len(self.config.model.max_model_len)
+        model_cfg = self.config.model
+        self.max_model_len = arch.max_model_len(model_cfg.max_model_len, model_cfg.allow_long_max_model_len)
         cache = self.config.cache
         per_block = kv_bytes_per_block(arch.num_layers, cache.block_size, arch.num_kv_heads, arch.head_dim, self.kv_dtype)
         self.kv_bytes_per_block = per_block
         num_blocks = cache.num_blocks or max(2, int(cache.kv_cache_memory_gb * (1 << 30) // per_block))
+        self.max_model_len = check_kv_capacity(self.max_model_len, model_cfg.max_model_len, num_blocks, cache)
         shape = (2, num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim)
         pending_kv = zeros_huge_in_background(shape, self.kv_dtype, arch.num_layers, self.device)
         self.model = load_model(self.config.model, backend, self.device, resolved)
+        cover_positions(self.model, self.max_model_len)
         if self.config.model.prepack_weights and hasattr(self.model, "prepack"):
             packed = self.model.prepack(self.config.model.quantized_decode)
             if packed:
