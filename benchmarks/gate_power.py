@@ -3,9 +3,9 @@
     PYTHONPATH=. .venv/bin/python benchmarks/gate_power.py --runs 10 --json runs/gate_power.jsonl
 
 Each gate run is a full `servelab-gate --against HEAD` (conf/gate/paired.yaml: its own
-workers, pairs and time box) whose candidate runs with the test-only injector
-`SERVELAB_TEST_SLOWDOWN` (engine/worker/test_slowdown.py) at one of `--slowdowns`; 0 is the
-no-change condition (the same commit on both sides). Conditions take turns (0, 5%, 10%,
+workers, generations, pairs and time box) whose candidate's forward is slowed by one of
+`--slowdowns` through the gate worker's test-only step hook (workloads/gate_worker.py
+`--test-slowdown`, `SlowForward`); 0 is the no-change condition (the same commit on both sides). Conditions take turns (0, 5%, 10%,
 20%, 0, ...) so that the machine's load drifts over all of them alike. Commit first: the
 candidate is the working tree and the baseline is HEAD.
 
@@ -49,12 +49,12 @@ def main() -> int:
         for s in slowdowns:
             if time.perf_counter() - t0 > args.budget_s:
                 break
-            env = {"SERVELAB_TEST_SLOWDOWN": f"{s}"} if s else {}
-            r = run_paired_gate(Path("."), args.against, settings, env, log=lambda _: None)
+            r = run_paired_gate(Path("."), args.against, settings, log=lambda _: None, candidate_slowdown=s)
             cpu = next((c for c in r.checks if c.metric == "cpu_ms_per_token"), None)
             row = {"slowdown": s, "run": i, "failed": r.regressed, "elapsed_s": r.elapsed_s, "pairs": r.pairs,
                    "flagged": [c.metric for c in r.checks if c.regressed],
-                   "cpu_change": cpu.change if cpu else None, "cpu_interval": cpu.interval if cpu else None}  # fmt: skip
+                   "generations": len(set(r.generations)), "cpu_change": cpu.change if cpu else None,
+                   "cpu_interval": cpu.interval if cpu else None, "cpu_p": cpu.p_value if cpu else None}  # fmt: skip
             results[s].append(row)
             print(json.dumps(row), flush=True)
             if args.json:

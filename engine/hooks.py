@@ -2,7 +2,9 @@
 
 The engine never imports `profiling/`: it calls these methods on whatever object
 is installed with `EngineCore.set_hooks()` (profiling.engine_hooks.StepProfilerHooks). The default does
-nothing, so an unprofiled step costs one attribute lookup per phase.
+nothing, so an unprofiled step costs one attribute lookup per phase. Test-only behaviour plugs
+in the same way and nowhere else: the paired gate's injected slowdown is a hook whose
+"forward" phase spins on exit (workloads/gate_worker.py `SlowForward`).
 """
 
 from __future__ import annotations

@@ -63,6 +63,10 @@ def report_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    if args.runs is not None:
+        return _compare_runs(args)
+    if args.b is None:
+        raise ValueError("give two run folders (or --runs N with one or two configurations)")
     df = compare(args.a, args.b, load_gate_config(args.config))
     print(format_table(df))
     if args.html:
@@ -70,12 +74,39 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_runs(args: argparse.Namespace) -> int:
+    """--runs N: run the configuration(s) N times each, then a repeatability table or a comparison."""
+    from reports import compare_runs
+
+    out = Path(args.out) if args.out else compare_runs.default_out()
+    sides = compare_runs.run_configurations(compare_runs.configurations(args.a, args.b), args.runs, out)
+    if len(sides) == 1:
+        df = compare_runs.repeatability(sides[0])
+    else:
+        df = compare(sides[0], sides[1], load_gate_config(args.config))
+    print(format_table(df))
+    df.to_csv(out / "compare.csv", index=False)
+    print(f"compare table: {out / 'compare.csv'}")
+    if args.html and len(sides) == 2:
+        print(write_html(df, sides[0], sides[1], args.html))
+    return 0
+
+
 def compare_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="servelab-compare", description="Compare the summary metrics of two runs."
+        prog="servelab-compare",
+        description="Compare the summary metrics of two runs, or (--runs N) run one or two configurations N times "
+        "each and report their spread or compare them.",
     )
-    parser.add_argument("a", help="run folder A (or a folder of repeated runs)")
-    parser.add_argument("b", help="run folder B (or a folder of repeated runs)")
+    parser.add_argument("a", help="run folder A (or a folder of repeated runs); with --runs, configuration A: "
+                        "an overrides file or overrides separated by spaces")  # fmt: skip
+    parser.add_argument("b", nargs="?", help="run folder B (or a folder of repeated runs); with --runs, "
+                        "configuration B (optional: without it, A's repeatability)")  # fmt: skip
+    parser.add_argument("--runs", type=int, metavar="N",
+                        help="run each configuration N times with servelab-run (fresh processes; 3 or more "
+                        "for a verdict)")  # fmt: skip
+    parser.add_argument("--out", help="with --runs: folder for the runs (a/run_0, ...) and compare.csv "
+                        "(default runs/compare/<time>)")  # fmt: skip
     parser.add_argument("--html", help="also write the table as an HTML page here")
     parser.add_argument(
         "--config", help="gate config with per-metric tolerances (default conf/gate/default.yaml)"

@@ -15,7 +15,8 @@ new runs:
   otherwise raw values are compared and the check says so;
 - a metric regresses when its relative change in the bad direction exceeds its
   tolerance and, with >= 2 runs on both sides, the bootstrap CI of the change of
-  medians excludes 0 (the change is not noise).
+  medians (runs resampled on each side, `workloads.stats.cluster_bootstrap` with one value
+  per run) excludes 0 (the change is not noise).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 import yaml
 
 import conf
-from reports.stats import bootstrap_median_change, relative_change
+from workloads.stats import cluster_bootstrap, relative_change
 
 DEFAULT_CONFIG = Path(conf.__file__).parent / "gate" / "default.yaml"
 EPS = 1e-9
@@ -104,6 +105,18 @@ def _compared_values(
     return out
 
 
+def median_change_interval(a: list[float], b: list[float], resampling: dict[str, Any]) -> tuple[float, float]:
+    """Interval of (median(b) - median(a)) / |median(a)| over per-run values, each run one draw."""
+    scale = abs(float(np.median(a))) or 1.0
+
+    def change(xa: np.ndarray, xb: np.ndarray) -> np.ndarray:  # [batch, runs, 1] each
+        return (np.nanmedian(xb[..., 0], axis=1) - np.nanmedian(xa[..., 0], axis=1)) / scale
+
+    est = cluster_bootstrap([[[v] for v in a], [[v] for v in b]], change, resamples=int(resampling.get("resamples", 2000)),
+                            confidence=float(resampling.get("confidence", 0.95)), seed=int(resampling.get("seed", 0)))  # fmt: skip
+    return est.low, est.high
+
+
 def _check_metric(
     metric: str,
     spec: dict[str, Any],
@@ -129,9 +142,7 @@ def _check_metric(
     ci = None
     if len(a) >= 2 and len(b) >= 2:
         bs = config.get("bootstrap", {})
-        ci = bootstrap_median_change(
-            a, b, bs.get("resamples", 2000), bs.get("confidence", 0.95), bs.get("seed", 0)
-        )
+        ci = median_change_interval(a, b, bs)
         regressed = regressed and not (ci[0] <= 0.0 <= ci[1])
     raw_a, raw_b = (float(np.median([float(s[metric]) for s in x])) for x in (base, cur))
     return Check(metric, raw_a, raw_b, change, tol, spec["direction"], normalised, ci, regressed)

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from workloads.stats import paired_bootstrap
+from workloads.ab import paired_difference
 
 # A tiny random-weight shape with the default tokenizer's vocabulary: prefill cost still grows
 # with the prompt, and 2 busy cores run it fast enough not to queue.
@@ -30,11 +30,23 @@ WORKLOAD = ["workload=fixed", "workload.num_requests=7", "workload.warmup_reques
 def test_bootstrap_separates_a_shift_from_noise() -> None:
     rng = np.random.default_rng(1)
     a = [rng.normal(100, 10, 30) for _ in range(3)]
-    same = paired_bootstrap("x", [(x, x + rng.normal(0, 10, 30)) for x in a])
-    shifted = paired_bootstrap("x", [(x, x * 1.5 + rng.normal(0, 10, 30)) for x in a])
-    assert same is not None and not same.significant and same.low < 0 < same.high
+    same = paired_difference("x", [(x, x + rng.normal(0, 10, 30)) for x in a])
+    shifted = paired_difference("x", [(x, x * 1.5 + rng.normal(0, 10, 30)) for x in a])
+    assert same is not None and not same.significant and same.low < 0 < same.high and same.repeats == 3
     assert shifted is not None and shifted.significant and shifted.low > 0
-    assert paired_bootstrap("x", []) is None
+    assert paired_difference("x", []) is None
+
+
+def test_repeat_drift_is_not_an_effect_and_one_repeat_has_no_interval() -> None:
+    """Each repeat's B ran on a machine busier or quieter by up to 8% (drift the ABBA order cannot
+    cancel within a repeat): repeats are resampled first, so the drift widens the interval."""
+    rng = np.random.default_rng(2)
+    a = [rng.normal(100, 2, 40) for _ in range(4)]
+    drifted = [(x, x * f + rng.normal(0, 1, 40)) for x, f in zip(a, (1.08, 1.06, 0.97, 1.05), strict=True)]
+    d = paired_difference("x", drifted)
+    assert d is not None and d.low < 0 < d.high and not d.significant
+    one = paired_difference("x", drifted[:1])
+    assert one is not None and np.isnan(one.low) and not one.significant and one.repeats == 1
 
 
 @pytest.fixture(scope="module")

@@ -43,9 +43,10 @@ def _noisy_pairs(ratio: float, sigma: float, n: int, seed: int = 1) -> tuple[lis
 # ---- statistics -------------------------------------------------------------------------
 def test_paired_ratio_cancels_load_that_both_sides_share():
     base, cand = _noisy_pairs(1.10, 0.01, 16)
-    change, (lo, hi) = paired_change(base, cand)
+    est, _ = paired_change(base, cand)
+    change = est.point
     assert change == pytest.approx(0.10, abs=0.01)
-    assert 0.0 < lo <= change <= hi
+    assert 0.0 < est.low <= change <= est.high
     # Unpaired, the 2x load drift swamps the 10%: the medians alone say little.
     assert abs(np.median(cand) / np.median(base) - 1.10) > abs(change - 0.10)
 
@@ -76,8 +77,9 @@ def test_judge_all_skips_metrics_a_rep_lacks_and_the_table_has_every_column():
     checks = judge_all(rules, base, cand)
     assert [c.metric for c in checks] == ["cpu_ms_per_token"]
     header, row = format_table(checks).splitlines()
-    assert header.split() == ["metric", "baseline", "candidate", "change", "95%", "interval", "verdict"]
-    assert row.split()[0] == "cpu_ms_per_token" and row.split()[-1] == "ok"
+    assert header.split() == ["metric", "baseline", "candidate", "change", "95%", "interval", "p", "(generations)",
+                              "verdict"]  # fmt: skip
+    assert row.split()[0] == "cpu_ms_per_token" and row.split()[-1] == "ok" and row.split()[-2] == "(2)"
 
 
 def test_bad_metric_rule_is_one_line():
@@ -91,20 +93,60 @@ def test_perf_output_parsing():
     assert parse_perf_instructions("") is None
 
 
-# ---- the test-only injector ---------------------------------------------------------------
-def test_slowdown_injector_is_off_by_default_and_spins_on_the_cpu_clock(monkeypatch):
-    from engine.worker.test_slowdown import ENV, slowdown_fraction, spin_cpu
+# ---- the test-only injector: a step hook of the gate worker, not engine code ---------------
+def _tiny_llm(tmp_path: Path):
+    import yaml
 
-    monkeypatch.delenv(ENV, raising=False)
-    assert slowdown_fraction() == 0.0
-    monkeypatch.setenv(ENV, "0.10")
-    assert slowdown_fraction() == 0.10
-    monkeypatch.setenv(ENV, "ten percent")
-    with pytest.raises(ValueError, match="SERVELAB_TEST_SLOWDOWN: expected a fraction"):
-        slowdown_fraction()
+    from engine.llm import LLM
+
+    shape = tmp_path / "tiny.yaml"
+    shape.write_text(yaml.safe_dump({"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                     "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 128,
+                                     "max_position_embeddings": 64}))  # fmt: skip
+    return LLM(model=str(shape), dtype="float32", num_blocks=16, max_num_seqs=4)
+
+
+def _generate(llm, n: int = 3, tokens: int = 4) -> None:
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([[1, 2, 3, 4 + i] for i in range(n)], params, use_tqdm=False)
+
+
+def test_the_engine_reads_no_slowdown_variable(monkeypatch, tmp_path):
+    """The forward path has no test branch: the variable the old engine read (and refused when it
+    was not a fraction) means nothing to a plain engine, and no engine file names it."""
+    monkeypatch.setenv("SERVELAB_TEST_SLOWDOWN", "ten percent")
+    llm = _tiny_llm(tmp_path)  # the old ModelRunner raised "SERVELAB_TEST_SLOWDOWN: expected a fraction"
+    try:
+        _generate(llm, n=1, tokens=2)
+    finally:
+        llm.engine_core.shutdown()
+    named = [p for p in (ROOT / "engine").rglob("*.py") if "SERVELAB_TEST_SLOWDOWN" in p.read_text()]
+    assert named == [] and not (ROOT / "engine/worker/test_slowdown.py").exists()
+
+
+def test_gate_worker_hook_spins_after_every_forward(tmp_path):
+    from workloads.gate_worker import SlowForward, install_slowdown, spin_cpu
+
+    llm = _tiny_llm(tmp_path)
+    try:
+        hooks = install_slowdown(llm, 1.0)
+        assert isinstance(hooks, SlowForward)
+        llm.step_stats.clear()
+        _generate(llm)
+        steps = list(llm.step_stats)
+    finally:
+        llm.engine_core.shutdown()
+    forwards = [s for s in steps if s.forward_time > 0]
+    assert hooks.forwards == len(forwards) > 0  # one spin per forward, counted by the hook
+    assert hooks.spun_s >= 1.0 * hooks.forward_cpu_s > 0  # the fraction, on the thread's CPU clock
+    assert sum(s.forward_time for s in steps) >= hooks.spun_s  # inside the forward the engine times
     c0 = time.thread_time()
-    spin_cpu(0.02)
-    assert time.thread_time() - c0 >= 0.02  # CPU time, not a sleep: CPU clocks see the delay
+    spin_cpu(0.01)
+    assert time.thread_time() - c0 >= 0.01  # CPU time, not a sleep: CPU clocks see the delay
+    with pytest.raises(ValueError, match="--test-slowdown: expected a fraction"):
+        SlowForward(-0.1)
 
 
 def test_worker_environment_drops_the_injector_unless_given(monkeypatch, tmp_path):
@@ -252,3 +294,86 @@ def test_paired_gate_end_to_end_on_the_real_engine(tmp_path):
     assert by_name["cpu_ms_per_token"].interval is not None
     saved = json.loads((tmp_path / "out" / "gate.json").read_text())
     assert saved["pairs"] == 2 and saved["baseline_tree"].startswith(str(tmp_path))
+
+
+# ---- generations ------------------------------------------------------------------------------
+class _FakeWorker:
+    """A worker that answers at once; reps carry its generation's placement luck."""
+
+    started: list[tuple[str, int, list[str] | None]] = []
+
+    def __init__(self, name, python, tree, env, cpus, log_dir, generation=0, args=None) -> None:
+        self.name, self.generation = name, generation
+        _FakeWorker.started.append((name, generation, args))
+
+    def send(self, line: str) -> None:
+        pass
+
+    def receive(self, timeout_s: float) -> dict:
+        return {"ready": True}
+
+    def close(self) -> None:
+        pass
+
+
+def _fake_gate(monkeypatch, tmp_path: Path, **changes) -> tuple:
+    from workloads import paired_gate
+
+    _FakeWorker.started = []
+    monkeypatch.setattr(paired_gate, "Worker", _FakeWorker)
+    monkeypatch.setattr(paired_gate, "resolve_baseline", lambda repo, ref: "0" * 40)
+    monkeypatch.setattr(paired_gate, "materialise", lambda repo, commit: tmp_path / "tree")
+    monkeypatch.setattr(paired_gate, "python_for", lambda tree, repo, cache: ("python", "same"))
+    monkeypatch.setattr(paired_gate, "extension_dir_for", lambda tree, repo, cache: None)
+    monkeypatch.setattr(paired_gate, "kernel_digest", lambda tree: "k")
+    monkeypatch.setattr(paired_gate, "perf_available", lambda: False)
+    monkeypatch.setattr(paired_gate, "build_job", lambda settings: {})
+    luck = [1.10, 0.95, 1.05, 0.98, 1.02, 1.0, 0.97, 1.03]
+    monkeypatch.setattr(paired_gate, "timed_rep", lambda w, timeout, perf, scratch: {
+        "cpu_ms_per_token": 5.0 * (luck[w.generation % 8] if w.name == "candidate" else 1.0)})
+    settings = GateSettings.load(None, **changes)
+    result = run_paired_gate(tmp_path, "HEAD", settings, log=lambda _: None, out_dir=tmp_path / "out")
+    return result, _FakeWorker.started
+
+
+def test_a_time_boxed_run_keeps_its_generations(monkeypatch, tmp_path):
+    """min_pairs 8 in 4 generations: a run the time box stops at min_pairs still has 4 generations
+    of 2 pairs (the old boundaries, over max_pairs + discard, gave it 2)."""
+    result, started = _fake_gate(monkeypatch, tmp_path, min_pairs=8, max_pairs=16, generations=4,
+                                 discard_pairs=1, time_box_s=0.0)  # fmt: skip
+    assert result.generations == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert (result.pairs, result.discarded) == (8, 1)
+    assert sorted({g for _, g, _ in started}) == [0, 1, 2, 3] and len(started) == 8  # fresh workers each time
+    check = next(c for c in result.checks if c.metric == "cpu_ms_per_token")
+    assert check.generations == 4 and check.p_value is not None
+    saved = json.loads((tmp_path / "out" / "gate.json").read_text())
+    assert saved["generation_of_pair"] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_an_unhurried_run_adds_generations_up_to_max_pairs(monkeypatch, tmp_path):
+    result, started = _fake_gate(monkeypatch, tmp_path, min_pairs=8, max_pairs=15, generations=4,
+                                 discard_pairs=0, time_box_s=1e9)  # fmt: skip
+    assert result.generations == [g for g in range(8) for _ in range(2)][:15]  # the last one cut at max_pairs
+    assert all(args is None for _, _, args in started)  # no test hook unless asked for
+    assert GateSettings.load(None, min_pairs=2, generations=4).pairs_per_generation == 1
+
+
+def test_the_test_slowdown_reaches_the_candidate_and_a_zero_hook_the_baseline(monkeypatch, tmp_path):
+    from workloads import paired_gate
+
+    result, _ = _fake_gate(monkeypatch, tmp_path, min_pairs=2, max_pairs=2, generations=1, discard_pairs=0)
+    _FakeWorker.started = []
+    settings = GateSettings.load(None, min_pairs=2, max_pairs=2, generations=1)
+    paired_gate.run_paired_gate(tmp_path, "HEAD", settings, log=lambda _: None, out_dir=tmp_path / "out2",
+                                candidate_slowdown=0.2)  # fmt: skip
+    args = {name: a for name, _, a in _FakeWorker.started}
+    assert args == {"baseline": ["--test-slowdown", "0"], "candidate": ["--test-slowdown", "0.2"]}
+    seen = {}
+
+    def fake_run(repo, against, settings, env, log, out_dir, candidate_slowdown):
+        seen["slowdown"] = candidate_slowdown
+        return result
+
+    monkeypatch.setattr(gate_cli, "run_paired_gate", fake_run)
+    assert gate_main(["--against", "HEAD", "--candidate-slowdown", "0.1"]) in (0, 1)
+    assert seen["slowdown"] == 0.1

@@ -6,10 +6,14 @@
 Each overrides argument is a file of `key=value` lines (`#` comments) or, when no such file
 exists, the overrides themselves separated by spaces. Both configurations replay RUN_DIR
 (`replay=RUN_DIR`: its arrivals, prompts and sampling settings) `--repeats` times, in ABBA
-order (A B, B A, A B, ...) so slow drift of the machine falls on both. Per metric the median of
-the paired differences B - A (same request, same repeat; the gate's statistic) gets a
-bootstrap interval (workloads/stats.py);
-the table, ab.csv and ab.json go to `--out` with the run folders (a_0, b_0, ...).
+order (A B, B A, A B, ...) so slow drift of the machine falls on both. Per metric the statistic
+is the median of the paired differences B - A (same request, same repeat): a burst of machine
+noise that slows a few requests of one run moves a mean a long way and a median hardly at all.
+Its interval is a cluster bootstrap (workloads/stats.py): repeats, then requests within each
+repeat, so run-to-run drift (a busier machine during one repeat) widens the interval instead of
+passing as an effect; with one repeat there is no interval. A difference is significant when
+the interval excludes 0 and the relative effect (median difference / median of A) is at least
+`--min-effect`. The table, ab.csv and ab.json go to `--out` with the run folders (a_0, b_0, ...).
 """
 
 from __future__ import annotations
@@ -18,17 +22,58 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from workloads.stats import Difference, paired_bootstrap
+from workloads.stats import cluster_bootstrap, pooled_median
 
 REQUEST_METRICS = ("ttft_ms", "tpot_ms", "e2el_ms")
 RUN_METRICS = ("output_throughput", "request_throughput")
 DEFAULTS = ["report.html=false"]  # per-run pages are not needed; a later override wins
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    """B - A of one metric: the median paired difference, its interval, relative to A's median."""
+
+    metric: str
+    median_a: float
+    median_b: float
+    diff: float
+    low: float  # nan with one repeat
+    high: float
+    n_pairs: int
+    repeats: int
+    significant: bool
+
+    @property
+    def relative(self) -> float:
+        return self.diff / self.median_a if self.median_a else float("nan")
+
+
+def paired_difference(
+    metric: str, pairs: list[tuple[np.ndarray, np.ndarray]], *, resamples: int = 2000, confidence: float = 0.95,
+    min_effect: float = 0.05, seed: int = 0,
+) -> Difference | None:
+    """`pairs[k]` = (A values, B values) of repeat k, aligned by request; None without data."""
+    pairs = [(np.asarray(a, float), np.asarray(b, float)) for a, b in pairs if len(a)]
+    if not pairs:
+        return None
+    diffs = [b - a for a, b in pairs]
+    median_a = float(np.median(np.concatenate([a for a, _ in pairs])))
+    median_b = float(np.median(np.concatenate([b for _, b in pairs])))
+    point = float(np.median(np.concatenate(diffs)))
+    low = high = float("nan")
+    if len(diffs) >= 2:
+        est = cluster_bootstrap([diffs], pooled_median, resamples=resamples, confidence=confidence, seed=seed)
+        low, high = est.low, est.high
+    effect = abs(point) / abs(median_a) if median_a else float("inf")
+    significant = bool(low > 0 or high < 0) and effect >= min_effect
+    return Difference(metric, median_a, median_b, point, low, high, sum(len(d) for d in diffs), len(diffs),
+                      significant)  # fmt: skip
 
 
 def read_overrides(arg: str) -> list[str]:
@@ -66,14 +111,14 @@ def compare(a_runs: list[Path], b_runs: list[Path], *, min_effect: float, seed: 
             joined = fa[["request_id", metric]].merge(fb[["request_id", metric]], on="request_id",
                                                       suffixes=("_a", "_b")).dropna()
             pairs.append((joined[f"{metric}_a"].to_numpy(), joined[f"{metric}_b"].to_numpy()))
-        d = paired_bootstrap(metric, pairs, min_effect=min_effect, seed=seed)
+        d = paired_difference(metric, pairs, min_effect=min_effect, seed=seed)
         if d is not None:
             out.append(d)
     summaries = [(read_summary(a), read_summary(b)) for a, b in zip(a_runs, b_runs, strict=True)]
     for metric in RUN_METRICS:
         pairs = [(np.array([sa[metric]]), np.array([sb[metric]])) for sa, sb in summaries
                  if sa.get(metric) is not None and sb.get(metric) is not None]
-        d = paired_bootstrap(metric, pairs, min_effect=min_effect, seed=seed)
+        d = paired_difference(metric, pairs, min_effect=min_effect, seed=seed)
         if d is not None:
             out.append(d)
     return out
@@ -82,7 +127,7 @@ def compare(a_runs: list[Path], b_runs: list[Path], *, min_effect: float, seed: 
 def table(diffs: list[Difference]) -> pd.DataFrame:
     rows = [{**asdict(d), "relative": d.relative} for d in diffs]
     return pd.DataFrame(rows, columns=["metric", "median_a", "median_b", "diff", "low", "high", "relative",
-                                       "n_pairs", "significant"])
+                                       "n_pairs", "repeats", "significant"])
 
 
 def run_ab(recorded: Path, a: list[str], b: list[str], out: Path, *, repeats: int = 2,

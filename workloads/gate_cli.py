@@ -36,7 +36,12 @@ def add_paired_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fallback-run", default="runs/ci_gate/latest", help="run folder of the fallback run")
     group.add_argument(
         "--candidate-env", action="append", default=[], metavar="KEY=VALUE",
-        help="TEST ONLY: an environment variable for the candidate's worker (e.g. SERVELAB_TEST_SLOWDOWN=0.1)",
+        help="an environment variable for the candidate's worker only",
+    )
+    group.add_argument(
+        "--candidate-slowdown", type=float, default=0.0, metavar="FRACTION",
+        help="TEST ONLY: slow the candidate's forward by FRACTION (e.g. 0.1) through a step hook, to measure "
+        "the gate's power (benchmarks/gate_power.py)",
     )
 
 
@@ -73,7 +78,8 @@ def paired_gate(args: argparse.Namespace, stored_gate: Callable[[argparse.Namesp
     try:
         result = run_paired_gate(Path(args.repo), args.against, settings, _env_pairs(args.candidate_env),
                                  log=lambda s: print(f"gate: {s}", flush=True),
-                                 out_dir=Path(args.out) if args.out else None)  # fmt: skip
+                                 out_dir=Path(args.out) if args.out else None,
+                                 candidate_slowdown=getattr(args, "candidate_slowdown", 0.0))  # fmt: skip
     except NoHistory as exc:
         print(f"servelab-gate: {exc}; falling back to the stored baseline {args.fallback_baseline}", flush=True)
         return _fallback(args, stored_gate)
@@ -83,6 +89,8 @@ def paired_gate(args: argparse.Namespace, stored_gate: Callable[[argparse.Namesp
         last = (exc.stderr or "").strip().splitlines()[-1:] or [f"exit {exc.returncode}"]
         raise ValueError(f"{' '.join(map(str, exc.cmd))}: {last[0]}") from None
     print(format_table(result.checks))
+    print(f"gate: {len(set(result.generations))} generations of workers (the interval resamples them); "
+          "p: exact signed-rank test of the per-generation median ratios")  # fmt: skip
     bad = [c.metric for c in result.checks if c.regressed]
     print(f"gate: {'FAIL' if bad else 'PASS'} ({len(bad)} regression(s) in {len(result.checks)} metrics"
           f"{': ' + ', '.join(bad) if bad else ''}; {result.pairs} pairs against {result.baseline_commit[:12]}, "

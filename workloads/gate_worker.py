@@ -11,15 +11,23 @@ Protocol (one JSON object per line): the first stdin line is the job
 "warmup_runs": int}`; the worker loads the engine, runs the warm-up, answers `{"ready": ...}`;
 then each `run` line is answered with one rep's measures (`measure_rep`), `quit` ends it.
 Protocol lines go to the original stdout; everything else the engine prints goes to stderr.
+
+`--test-slowdown F` (TEST ONLY: measuring the gate's power, benchmarks/gate_power.py) installs
+`SlowForward(F)` through the engine's observation hooks (engine/hooks.py, `EngineCore.set_hooks`):
+after every forward it spins on the thread's CPU clock for F times the CPU time that forward
+took, so the engine's forward path carries no test code of its own.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 PHASES = ("schedule", "prepare", "forward", "sample")
@@ -30,6 +38,65 @@ def _protocol_out() -> Any:
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     return out
+
+
+def spin_cpu(seconds: float) -> None:
+    """Busy-wait until this thread has used `seconds` more CPU time (so CPU clocks see it)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class SlowForward:
+    """TEST ONLY step hooks (the engine/hooks.py `StepHooks` protocol): every "forward" phase
+    ends with a spin of `fraction` times the thread CPU time the phase took; other phases, and
+    a fraction of 0, only count. The spin runs inside the phase, so the engine's forward time
+    and the process's CPU time both include it."""
+
+    def __init__(self, fraction: float) -> None:
+        if not 0.0 <= fraction <= 10.0:
+            raise ValueError(f"--test-slowdown: expected a fraction in [0, 10], got {fraction}")
+        self.fraction = fraction
+        self.forwards = 0  # forward phases seen
+        self.forward_cpu_s = 0.0  # their thread CPU time, before the spin
+        self.spun_s = 0.0  # thread CPU time spent spinning
+
+    def step_begin(self, step: int) -> None:
+        pass
+
+    def step_end(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if name != "forward":
+            yield
+            return
+        c0 = time.thread_time()
+        yield
+        c1 = time.thread_time()
+        self.forwards += 1
+        self.forward_cpu_s += c1 - c0
+        if self.fraction:
+            spin_cpu(self.fraction * (c1 - c0))
+            self.spun_s += time.thread_time() - c1
+
+
+def install_slowdown(llm: Any, fraction: float) -> SlowForward | None:
+    """Installs `SlowForward(fraction)` on the engine; None (and a line on stderr) where the tree's
+    engine has no `set_hooks` and the fraction is 0 (an old baseline: nothing to slow)."""
+    hooks = SlowForward(fraction)
+    core = getattr(llm, "engine_core", None)
+    if not hasattr(core, "set_hooks"):
+        if fraction:
+            raise RuntimeError("--test-slowdown: this tree's engine has no EngineCore.set_hooks")
+        print("gate worker: no EngineCore.set_hooks in this tree; no hook installed", file=sys.stderr)
+        return None
+    core.set_hooks(hooks)
+    return hooks
 
 
 def build_llm(job: dict[str, Any]) -> Any:
@@ -80,7 +147,10 @@ def measure_rep(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     return rep
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gate_worker")
+    parser.add_argument("--test-slowdown", type=float, default=None, help="TEST ONLY (module docstring)")
+    args = parser.parse_args(argv)
     out = _protocol_out()
     t0 = time.perf_counter()
     import torch  # while the gate composes the job
@@ -91,6 +161,8 @@ def main() -> int:
     torch.set_num_threads(int(job.get("threads", 1)))
     t1 = time.perf_counter()
     llm = build_llm(job)
+    if args.test_slowdown is not None:
+        install_slowdown(llm, args.test_slowdown)
     t2 = time.perf_counter()
     for _ in range(int(job.get("warmup_runs", 1))):
         measure_rep(llm, job)

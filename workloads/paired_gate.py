@@ -8,14 +8,17 @@
    `servelab-run` would, prompts as token ids), so both sides get identical requests;
 3. starts one worker per tree (`workloads/gate_worker.py`: loads that tree's engine once,
    runs the warm-up), with the same threads, CPU affinity and environment;
-4. runs pairs (baseline then candidate, the next pair candidate then baseline, ...) until
-   `pairs.max` or the time box, discards the first `pairs.discard` pairs, and judges every
-   metric on the paired ratios (`workloads.gate_stats`). The pairs are split over
-   `generations` pairs of worker processes, each pair started afresh: a process keeps the
-   placement it was given (its pages, their cache sets) for its life, and with one worker per
-   side for the whole run, identical code measured forward_ms -7.4% (-11.9% .. -1.4%), +11.9%
-   (-1.1% .. +18.4%) and +9.9% (+6.0% .. +16.0%: a false regression) in three runs (2-core
-   Zen 4 KVM guest, 16 pairs each). Fresh processes turn that bias into spread the pairs show.
+4. runs pairs (baseline then candidate, the next pair candidate then baseline, ...) in
+   generations: each generation is a fresh pair of worker processes that runs
+   `pairs_per_generation` pairs (`min_pairs // generations`; generation 0 first runs the
+   `discard_pairs` pairs that are dropped). A process keeps the placement it was given (its
+   pages, their cache sets) for its life, and with one worker per side for the whole run,
+   identical code measured forward_ms -7.4% (-11.9% .. -1.4%), +11.9% (-1.1% .. +18.4%) and
+   +9.9% (+6.0% .. +16.0%: a false regression) in three runs (2-core Zen 4 KVM guest, 16
+   pairs each). Fresh processes turn that bias into spread between generations, and the
+   verdict (`workloads.gate_stats`) resamples generations, the independent units. Generations
+   start until `max_pairs`; past `min_pairs`, one starts only when it fits in the time box, so
+   a time-boxed run still has the `generations` of its design, each of full size.
 
 Where `perf stat` counts instructions, each rep's user-space instructions per output token are
 reported too (deterministic to a fraction of a percent on one machine).
@@ -48,7 +51,9 @@ WORKER = Path(__file__).with_name("gate_worker.py")
 # Runs the worker script by path with the tree as sys.path[0] (python -c puts the working
 # directory first), not the folder holding the script.
 RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-TEST_ONLY_ENV = ("SERVELAB_TEST_SLOWDOWN",)  # never inherited by a worker (engine/worker/test_slowdown.py)
+# Never inherited by a worker: baseline trees from before the gate worker's --test-slowdown read
+# it inside their engine's forward.
+TEST_ONLY_ENV = ("SERVELAB_TEST_SLOWDOWN",)
 
 
 @dataclass
@@ -63,7 +68,7 @@ class GateSettings:
     min_pairs: int = 6
     max_pairs: int = 30
     discard_pairs: int = 1
-    generations: int = 4  # worker processes per side over the run, started afresh (module docstring)
+    generations: int = 4  # fresh worker pairs by min_pairs; more start up to max_pairs (module docstring)
     time_box_s: float = 230.0
     rep_timeout_s: float = 120.0
     bootstrap: dict[str, Any] = field(default_factory=lambda: {"resamples": 2000, "confidence": 0.95, "seed": 0})
@@ -88,6 +93,12 @@ class GateSettings:
             raise ValueError(f"paired gate: need generations >= 1, got {settings.generations}")
         return settings
 
+    @property
+    def pairs_per_generation(self) -> int:
+        """Pairs each worker generation runs: `min_pairs` pairs make `generations` generations
+        (at most `min_pairs` generations of one pair)."""
+        return max(1, self.min_pairs // min(self.generations, self.min_pairs))
+
 
 @dataclass
 class GateResult:
@@ -100,6 +111,7 @@ class GateResult:
     discarded: int
     elapsed_s: float
     notes: list[str]
+    generations: list[int] = field(default_factory=list)  # generation of each kept pair
 
     @property
     def regressed(self) -> bool:
@@ -112,6 +124,7 @@ class GateResult:
             "baseline_tree": self.baseline_tree,
             "pairs": self.pairs,
             "discarded_pairs": self.discarded,
+            "generation_of_pair": self.generations,
             "elapsed_s": self.elapsed_s,
             "notes": self.notes,
             "checks": [asdict(c) | {"rule": asdict(c.rule)} for c in self.checks],
@@ -157,13 +170,13 @@ class Worker:
     """One tree's worker process, driven over its stdin/stdout (see workloads/gate_worker.py)."""
 
     def __init__(self, name: str, python: str, tree: Path, env: dict[str, str], cpus: list[int] | None,
-                 log_dir: Path, generation: int = 0) -> None:  # fmt: skip
+                 log_dir: Path, generation: int = 0, args: list[str] | None = None) -> None:  # fmt: skip
         self.name = name
         self.log_path = log_dir / (f"{name}.log" if generation == 0 else f"{name}-{generation}.log")
         self._log = self.log_path.open("w")
         affinity = set(cpus) if cpus else None
         self.proc = subprocess.Popen(
-            [python, "-c", RUN_SCRIPT, str(WORKER)], cwd=tree, env=env, text=True, bufsize=1,
+            [python, "-c", RUN_SCRIPT, str(WORKER), *(args or [])], cwd=tree, env=env, text=True, bufsize=1,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             preexec_fn=(lambda: os.sched_setaffinity(0, affinity)) if affinity else None,  # type: ignore[arg-type]
         )
@@ -244,9 +257,13 @@ def timed_rep(worker: Worker, timeout_s: float, perf: bool, scratch: Path) -> di
 
 def run_paired_gate(
     repo: Path, against: str, settings: GateSettings, candidate_env: Mapping[str, str] | None = None,
-    log: Callable[[str], None] = print, out_dir: Path | None = None,
+    log: Callable[[str], None] = print, out_dir: Path | None = None, candidate_slowdown: float = 0.0,
 ) -> GateResult:
-    """See the module docstring. Raises gate_trees.NoHistory when there is nothing to compare with."""
+    """See the module docstring. Raises gate_trees.NoHistory when there is nothing to compare with.
+
+    `candidate_slowdown` (TEST ONLY, for measuring the gate's power): the candidate's worker
+    spins after each forward for that fraction of the forward's CPU time (gate_worker.py
+    `--test-slowdown`); the baseline's then installs the same hook at 0, so both pay its cost."""
     t0 = time.perf_counter()
     repo = repo.resolve()
     commit = resolve_baseline(repo, against)
@@ -260,17 +277,21 @@ def run_paired_gate(
                                 "changed; builds named by their sources, in the shared cache")]  # fmt: skip
     perf = perf_available()
     notes.append("perf stat: counting instructions" if perf else "perf stat: no instruction counter here (not reported)")
+    if candidate_slowdown:
+        notes.append(f"TEST ONLY: the candidate's forward slowed by {candidate_slowdown:.0%}")
     for n in notes:
         log(n)
     scratch = Path(out_dir or tempfile.mkdtemp(prefix="servelab-gate-"))
     scratch.mkdir(parents=True, exist_ok=True)
+    slow = {"baseline": ["--test-slowdown", "0"], "candidate": ["--test-slowdown", f"{candidate_slowdown}"]}
     sides = {"baseline": (python, tree, worker_env(tree, settings.threads, ext_dir, {})),
              "candidate": (sys.executable, repo, worker_env(repo, settings.threads, None, candidate_env or {}))}
 
     def start(generation: int) -> dict[str, Worker]:
         """Both sides' workers, started in an order that alternates with the generation."""
         names = ("baseline", "candidate") if generation % 2 == 0 else ("candidate", "baseline")
-        return {n: Worker(n, *sides[n], settings.cpus, scratch, generation) for n in names}
+        return {n: Worker(n, *sides[n], settings.cpus, scratch, generation, slow[n] if candidate_slowdown else None)
+                for n in names}  # fmt: skip
 
     def ready(workers: dict[str, Worker], job: str) -> None:
         for w in workers.values():
@@ -279,37 +300,43 @@ def run_paired_gate(
             w.receive(settings.rep_timeout_s * (settings.warmup_runs + 1) + 600)  # model load, C++ build
 
     reps: dict[str, list[dict[str, float]]] = {"baseline": [], "candidate": []}
-    total = settings.max_pairs + settings.discard_pairs
-    generations = min(settings.generations, total)
-    generation, workers = 0, start(0)
+    labels: list[int] = []  # the generation of each kept pair
+    per_generation = settings.pairs_per_generation
+    generation, pair, workers = 0, 0, start(0)
     try:
         job = json.dumps(build_job(settings))  # while the workers import torch
         ready(workers, job)
-        log(f"workers ready after {time.perf_counter() - t0:.0f} s" +
-            (f"; {generations} generations of workers over the pairs" if generations > 1 else ""))
-        pair_s = 0.0
-        for i in range(total):
-            elapsed = time.perf_counter() - t0
-            if i - settings.discard_pairs >= settings.min_pairs and elapsed + pair_s > settings.time_box_s:
+        log(f"workers ready after {time.perf_counter() - t0:.0f} s; {per_generation} pair(s) per generation of "
+            f"workers, {-(-settings.min_pairs // per_generation)} or more generations")  # fmt: skip
+        g0 = t0
+        while True:
+            todo = min(per_generation, settings.max_pairs - len(labels)) + (settings.discard_pairs if generation == 0 else 0)
+            for k in range(todo):
+                order = ("baseline", "candidate") if pair % 2 == 0 else ("candidate", "baseline")
+                measured = {side: timed_rep(workers[side], settings.rep_timeout_s, perf, scratch) for side in order}
+                pair += 1
+                if generation == 0 and k < settings.discard_pairs:
+                    continue
+                for side in order:
+                    reps[side].append(measured[side])
+                labels.append(generation)
+            now = time.perf_counter()
+            generation_s, g0 = now - g0, now  # the next generation is expected to take as long
+            if len(labels) >= settings.max_pairs:
                 break
-            if i * generations // total != generation:  # fresh processes for the next share of the pairs
-                for w in workers.values():
-                    w.close()
-                generation = i * generations // total
-                workers = start(generation)
-                ready(workers, job)
-            p0 = time.perf_counter()
-            order = ("baseline", "candidate") if i % 2 == 0 else ("candidate", "baseline")
-            for side in order:
-                reps[side].append(timed_rep(workers[side], settings.rep_timeout_s, perf, scratch))
-            pair_s = time.perf_counter() - p0  # the next pair is expected to take as long
+            if len(labels) >= settings.min_pairs and now - t0 + generation_s > settings.time_box_s:
+                break
+            for w in workers.values():  # fresh processes for the next generation
+                w.close()
+            generation += 1
+            workers = start(generation)
+            ready(workers, job)
     finally:
         for w in workers.values():
             w.close()
-    done = len(reps["candidate"])
-    base, cand = reps["baseline"][settings.discard_pairs:], reps["candidate"][settings.discard_pairs:]
-    checks = judge_all(settings.metrics, base, cand, settings.bootstrap)
-    result = GateResult(commit, str(tree), checks, base, cand, len(cand), done - len(cand),
-                        time.perf_counter() - t0, notes)  # fmt: skip
+    base, cand = reps["baseline"], reps["candidate"]
+    checks = judge_all(settings.metrics, base, cand, settings.bootstrap, labels)
+    result = GateResult(commit, str(tree), checks, base, cand, len(cand), pair - len(cand),
+                        time.perf_counter() - t0, notes, labels)  # fmt: skip
     (scratch / "gate.json").write_text(json.dumps(result.to_json(), indent=2, default=float))
     return result

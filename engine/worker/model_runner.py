@@ -36,7 +36,6 @@ from engine.spec_decode.verify import logits_layout, sample_with_drafts
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.compiled import CompiledForward, ForwardMode
 from engine.worker.input_batch import InputBatch
-from engine.worker.test_slowdown import slowdown_fraction, spin_cpu
 
 
 @dataclass
@@ -103,7 +102,6 @@ class ModelRunner:
         # req_id -> its index in the sampled ids of the last prepared (non-empty) step.
         self._prev_sample_idx: dict[str, int] = {}
         self._last_sampled: torch.Tensor | None = None  # [S] sampled ids of the last step run
-        self._test_slowdown = slowdown_fraction()  # TEST-ONLY (engine/worker/test_slowdown.py); 0 = off
 
     def warm_up(self) -> float:
         """Compile / capture the forward's shapes before serving; seconds taken (0 when eager)."""
@@ -270,7 +268,6 @@ class ModelRunner:
             inp.input_ids[inp.fill_dst] = self._last_sampled[inp.fill_src]
         self.attn_backend.begin_step(inp.metadata)
         with self.hooks.phase("forward"):
-            c1 = time.thread_time()
             hidden, mode = self._forward(inp)
             # Greedy-only steps need each row's argmax only: the LM head's fused argmax where the
             # model has one (no logits stored), else the logits in the model's dtype (the C++
@@ -282,8 +279,6 @@ class ModelRunner:
             logits = None if greedy_ids is not None else self.model.compute_logits(rows, upcast=not argmax_only)
             if logits is not None and inp.grammar_rows is not None and inp.grammar_bitmask is not None:
                 logits = apply_bitmask(logits, inp.grammar_rows, inp.grammar_bitmask)
-            if self._test_slowdown:
-                spin_cpu(self._test_slowdown * (time.thread_time() - c1))
         t2 = time.perf_counter()
         with self.hooks.phase("sample"):
             sample_rows = inp.rows[inp.sample_req_idx]
