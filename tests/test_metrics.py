@@ -44,8 +44,11 @@ def test_token_times_spread_chunk_gaps():
 def test_per_request_values(records):
     a, b, c, d = records[1:]
     assert a.ttft_s == pytest.approx(0.1) and a.e2el_s == pytest.approx(0.2) and a.tpot_s == pytest.approx(0.05)
-    assert b.itls_s == pytest.approx([0.0, 0.05, 0.05]) and b.tpot_s == pytest.approx(0.1 / 3)
-    assert c.tpot_s is None and c.itls_s == []
+    # b: chunks of 2 tokens at 0.7 and 0.8: one per-chunk gap (vLLM's ITL), three per-token gaps
+    assert b.itls_s == pytest.approx([0.1]) and b.itls_per_token_s == pytest.approx([0.0, 0.05, 0.05])
+    assert b.tpot_s == pytest.approx(0.1 / 3) and b.end_s == pytest.approx(0.8)
+    assert c.tpot_s is None and c.itls_s == [] and c.itls_per_token_s == []
+    assert a.engine_itls_s == [] and a.engine_tpot_s is None  # no engine timestamps
     assert not d.ok and d.ttft_s is None and d.done_s == pytest.approx(1.3)
 
 
@@ -64,13 +67,18 @@ def test_summary_hand_computed(records):
     assert s["p90_ttft_ms"] == pytest.approx(280) and s["p99_ttft_ms"] == pytest.approx(298)
     # TPOT ms [50, 33.33]: c has one token, unweighted mean
     assert s["mean_tpot_ms"] == pytest.approx(125 / 3) and s["p50_tpot_ms"] == pytest.approx(125 / 3)
-    # ITL ms pooled [50, 50, 0, 50, 50]
-    assert s["mean_itl_ms"] == pytest.approx(40) and s["median_itl_ms"] == pytest.approx(50)
-    assert s["p90_itl_ms"] == pytest.approx(50) and s["std_itl_ms"] == pytest.approx(20)
+    # ITL (vLLM, per chunk) ms pooled [50, 50 | 100]
+    assert s["mean_itl_ms"] == pytest.approx(200 / 3) and s["median_itl_ms"] == pytest.approx(50)
+    assert s["p90_itl_ms"] == pytest.approx(90) and s["std_itl_ms"] == pytest.approx(math.sqrt(5000 / 9))
+    # ITL per token ms pooled [50, 50 | 0, 50, 50]
+    assert s["mean_itl_per_token_ms"] == pytest.approx(40) and s["median_itl_per_token_ms"] == pytest.approx(50)
+    assert s["p90_itl_per_token_ms"] == pytest.approx(50) and s["std_itl_per_token_ms"] == pytest.approx(20)
+    assert not any(k.startswith("engine_") for k in s)  # no engine timestamps: no engine figures
     # E2EL ms [200, 300, 300]
     assert s["mean_e2el_ms"] == pytest.approx(800 / 3) and s["p50_e2el_ms"] == pytest.approx(300)
-    assert s["max_output_tokens_per_s"] == 7  # 3 + 4 tokens in [0, 1), 1 in [1, 2)
-    assert s["max_concurrent_requests"] == 2  # c [1.0, 1.3] and d [1.2, 1.3]
+    assert s["max_output_tokens_per_s"] == 5  # vLLM counts chunks: 3 + 2 in [0, 1), 1 in [1, 2)
+    assert s["peak_output_tokens_per_s"] == 7  # 3 + 4 tokens in [0, 1), 1 in [1, 2)
+    assert s["max_concurrent_requests"] == 1  # completed only (vLLM): a, b, c never overlap
     assert s["mean_client_queue_ms"] == 0 and s["p99_lateness_ms"] == 0 and not s["driver_bottleneck"]
     assert s["errors"] == ["boom"]
     assert "mean_server_queued_ms" not in s and s["num_steps"] == 0

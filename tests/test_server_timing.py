@@ -1,12 +1,12 @@
 """The servelab timing extension over HTTP (engine/entrypoints/timing.py, issue 16 item 1).
 
-- a stream whose chunks carry 4 tokens each, with the extension: the record's ITLs are the
-  engine's per-token gaps, the per-chunk gaps are kept beside them, the front-end share is
-  client TTFT minus engine TTFT (no server needed);
-- without the extension: chunk timing, and the summary says so;
+- a stream whose chunks carry 4 tokens each, with the extension: vLLM's ITL stays the per-chunk
+  gap the client saw, the engine's per-token gaps are kept under `engine_*`, the front-end share
+  is client TTFT minus engine TTFT (no server needed);
+- without the extension: the chunk figures, the per-token spread, no engine figures;
 - a real servelab-serve sending 4 tokens per SSE chunk (`server.stream_chunk_tokens=4`): the
-  per-token ITL the workbench derives matches the engine's own ITL figure from the same run
-  (its Prometheus `inter_token_latency` histogram sum / count) within 5%, the per-chunk figure
+  engine ITL the workbench keeps matches the engine's own ITL figure from the same run
+  (its Prometheus `inter_token_latency` histogram sum / count) within 5%, vLLM's per-chunk ITL
   is about 4 times larger, and the engine's first-to-last token span matches what the client
   saw (clock alignment). Same run, same engine: robust on a busy machine.
 """
@@ -50,26 +50,32 @@ def test_engine_timing_gives_per_token_itl_and_front_end_share() -> None:
     res = _feed_coalesced(with_extension=True).finish()
     rec = record_from_result(SPEC, res, t0=10.0, scheduled_s=0.0, start_s=0.0, lateness_s=0.0, now_s=0.2)
     assert rec.timing_source == "engine"
-    assert rec.itls_s == pytest.approx([0.01] * 7)
+    assert rec.itls_s == pytest.approx([0.04, 0.03])  # vLLM's: per chunk, client clock
+    assert rec.engine_itls_s == pytest.approx([0.01] * 7)
+    assert rec.itls_per_token_s == pytest.approx([0.01] * 7)  # 40 ms over 4 tokens, 30 ms over 3
     assert rec.chunk_itls_s == pytest.approx([0.04, 0.03])
+    assert rec.e2el_s == pytest.approx(0.130) and rec.engine_e2el_s == pytest.approx(0.130)
     assert rec.ttft_s == pytest.approx(0.060)  # the client's
     assert rec.server_ttft_s == pytest.approx(0.05)
     assert rec.front_end_s == pytest.approx(0.010)
     assert (rec.server_queued_s, rec.server_prefill_s, rec.server_decode_s) == pytest.approx((0.01, 0.04, 0.07))
     summary = summarize([rec])
-    assert summary["mean_itl_ms"] == pytest.approx(10.0)
-    assert summary["mean_itl_chunk_ms"] == pytest.approx(35.0)
-    assert summary["sources"]["itl"] == "engine" and summary["sources"]["ttft"] == "client"
+    assert summary["mean_itl_ms"] == pytest.approx(35.0)
+    assert summary["engine_mean_itl_ms"] == pytest.approx(10.0) and summary["engine_mean_tpot_ms"] == pytest.approx(10.0)
+    assert summary["mean_itl_per_token_ms"] == pytest.approx(10.0)
+    assert summary["sources"]["itl"] == "client" and summary["sources"]["engine_itl/tpot/e2el"] == "engine"
     assert summary["mean_front_end_ms"] == pytest.approx(10.0)
 
 
 def test_without_extension_chunk_timing_stays_and_is_named() -> None:
     res = _feed_coalesced(with_extension=False).finish()
     rec = record_from_result(SPEC, res, t0=10.0, scheduled_s=0.0, start_s=0.0, lateness_s=0.0, now_s=0.2)
-    assert rec.timing_source == "chunks" and rec.chunk_itls_s is None and rec.front_end_s is None
-    assert rec.itls_s == pytest.approx([0.01] * 4 + [0.01] * 3)  # 40 ms over 4, 30 ms over 3
+    assert rec.timing_source == "chunks" and rec.front_end_s is None
+    assert rec.itls_s == pytest.approx([0.04, 0.03])
+    assert rec.itls_per_token_s == pytest.approx([0.01] * 4 + [0.01] * 3)  # 40 ms over 4, 30 ms over 3
     summary = summarize([rec])
-    assert summary["sources"]["itl"] == "chunks" and "mean_itl_chunk_ms" not in summary
+    assert summary["mean_itl_ms"] == pytest.approx(35.0) and summary["mean_itl_per_token_ms"] == pytest.approx(10.0)
+    assert summary["sources"]["engine_itl/tpot/e2el"] is None and "engine_mean_itl_ms" not in summary
 
 
 def _prom_mean(text: str, name: str) -> float:
@@ -128,8 +134,8 @@ def test_server_with_4_token_chunks_matches_engine_itl(tmp_path: Path) -> None:
     assert max(chunks) <= 1 + 6 + 1  # first token alone, then 4 per chunk (the last may be short)
     summary = summarize(records)
     engine_itl_ms = _prom_mean(prom, "vllm:inter_token_latency_seconds") * 1000.0
-    assert summary["mean_itl_ms"] == pytest.approx(engine_itl_ms, rel=0.05)
-    assert summary["mean_itl_chunk_ms"] > 2.5 * summary["mean_itl_ms"]
+    assert summary["engine_mean_itl_ms"] == pytest.approx(engine_itl_ms, rel=0.05)
+    assert summary["mean_itl_ms"] > 2.5 * summary["engine_mean_itl_ms"]
     for r in records:  # engine first->last token span vs the client's first->last chunk
         client_span = sum(r.chunk_itls_s or [])
         engine_span = r.token_times[-1] - r.token_times[0]

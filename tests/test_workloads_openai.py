@@ -87,12 +87,12 @@ def test_completions_stream_with_continuous_usage():
     tt = rec.token_times
     assert len(tt) == 5 and tt[0] < tt[1] < tt[2] < tt[3] < tt[4]
     # chunk 2 carries 2 tokens: its gap is split in two equal ITLs
-    assert rec.itls_s[0] == pytest.approx(rec.itls_s[1])
+    assert rec.itls_per_token_s[0] == pytest.approx(rec.itls_per_token_s[1])
     # the text-less chunk's token arrives with "!": 2 tokens over ~2 gaps
     assert tt[4] - tt[2] > 1.5 * GAP
-    assert rec.itls_s[2] == pytest.approx(rec.itls_s[3])
+    assert rec.itls_per_token_s[2] == pytest.approx(rec.itls_per_token_s[3])
     s = summarize(result.records)
-    assert s["total_output_tokens"] == 5 and s["mean_tpot_ms"] == pytest.approx(s["mean_itl_ms"])
+    assert s["total_output_tokens"] == 5 and s["mean_tpot_ms"] == pytest.approx(s["mean_itl_per_token_ms"])
     assert gauges == {"num_running": 3.0, "num_waiting": 1.0, "kv_usage": 0.25}
 
 

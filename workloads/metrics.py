@@ -1,13 +1,21 @@
-"""Run metrics from per-request records, with vLLM's names and METRICS.md's definitions.
+"""Run metrics from per-request records: vLLM's keys with vLLM's definitions, and beside them
+the per-token and engine figures under names of their own (METRICS.md).
 
 `summarize(records, ...)` returns the summary.json dict. Rules:
+- a key named like `vllm bench serve`'s (`median_ttft_ms`, `p99_tpot_ms`, `mean_itl_ms`,
+  `median_e2el_ms`, `output_throughput`, `max_output_tokens_per_s`, ...) is computed as
+  vLLM's `calculate_metrics` computes it: client clock, per content chunk (ITL = each gap
+  between successive chunks, however many tokens a chunk carries; E2EL ends at the last
+  content chunk; TPOT = (E2EL - TTFT) / (output tokens - 1) per request);
+- `*_itl_per_token_ms`: the chunk gaps spread over their server-counted tokens;
+  `engine_*_{itl,tpot,e2el}_ms`: engine timestamps, present only when every completed request
+  carried them (`DEFINITIONS`, `summary["sources"]`);
 - warm-up requests are left out of everything;
-- a request failed when it has an error or no content token: it is counted in `failed`,
+- a request failed when it has an error or no content chunk: it is counted in `failed`,
   its message listed in `errors`, and it is excluded from latency statistics and throughput;
 - percentiles are `numpy.percentile` (linear); std is the population std (numpy default);
-- TPOT is per request, only when output_tokens > 1, unweighted across requests;
-- ITL is per token (chunk gaps spread over the chunk's tokens), pooled over all requests;
-- a statistic with no sample is None (JSON null).
+- TPOT is per request, only when output_tokens > 1, unweighted across requests; ITLs are pooled;
+- a statistic with no sample is None (JSON null; vLLM prints 0).
 """
 
 from __future__ import annotations
@@ -24,46 +32,63 @@ PERCENTILES = (50, 90, 95, 99)
 DRIVER_LATE_P99_MS = 10.0
 MAX_ERRORS = 5
 
+_VLLM = "(vLLM's definition, `vllm bench serve`) "
 DEFINITIONS = {
-    "ttft": "time to first token: first chunk with generated content - request start (client clock)",
-    "tpot": "time per output token: (E2EL - TTFT) / (output tokens - 1), requests with > 1 token, unweighted",
-    "itl": "inter-token latency: gap between successive tokens; a chunk of k tokens spreads its gap over k",
-    "e2el": "end-to-end latency: last content chunk - request start",
+    "ttft": _VLLM + "time to first token: first content chunk - request start (client clock)",
+    "tpot": _VLLM + "time per output token: (E2EL - TTFT) / (server-counted output tokens - 1), client clock; "
+    "requests with > 1 token, unweighted",
+    "itl": _VLLM + "inter-token latency: each gap between successive content chunks as the client receives "
+    "them, pooled over requests; a chunk of k tokens is one gap (per chunk, not per token)",
+    "e2el": _VLLM + "end-to-end latency: last content chunk - request start, client clock (the trailing "
+    "usage-only chunk and [DONE] do not count)",
+    "content_chunk": "an SSE chunk carrying generated text; vLLM's client also counts a chunk whose choices have "
+    "no text (a chat role-only first delta, a text-less final chunk), this workbench does not",
+    "itl_per_token": "per-token ITL, client clock: a chunk's gap spread evenly over its server-counted tokens "
+    "(the first chunk's extra tokens give 0 gaps, so a request's mean is its TPOT), pooled",
+    "engine_itl": "gaps between the ends of the engine steps that made successive tokens (servelab timing "
+    "extension over HTTP, or the in-process engine); only when every completed request carried them",
+    "engine_tpot": "engine first-to-last token span / (output tokens - 1), per request, unweighted",
+    "engine_e2el": "client TTFT + engine first-to-last token span: the latency had every token been sent "
+    "the moment the engine made it",
     "client_queue": "request start - planned arrival (concurrency slot wait or driver lateness)",
     "lateness": "driver lateness: actual send - when the request could have been sent",
     "duration": "first send to last completion of the measured (non-warm-up) requests",
     "request_throughput": "completed requests / duration",
     "output_throughput": "sum of server-counted output tokens of completed requests / duration",
-    "total_token_throughput": "(prompt tokens + output tokens of completed requests) / duration",
-    "request_goodput": "completed requests meeting every given SLO (ttft, tpot, e2el) / duration; null without SLOs",
-    "max_output_tokens_per_s": "most output tokens received in one 1-second bin from the first send",
-    "max_concurrent_requests": "most requests in flight at once (start to completion)",
+    "total_token_throughput": "(server-counted prompt tokens + output tokens of completed requests) / duration",
+    "request_goodput": "completed requests meeting every given SLO (ttft, tpot, e2el; vLLM's definitions) / "
+    "duration; null without SLOs",
+    "max_output_tokens_per_s": _VLLM + "most content chunks received in one 1-second bin counted from the first "
+    "completed request's start (a chunk of k tokens counts once)",
+    "peak_output_tokens_per_s": "most output tokens in one 1-second bin counted from the first send (per-token "
+    "times: the engine's when known)",
+    "max_concurrent_requests": _VLLM + "most completed requests in flight at once, each from its start to its "
+    "last content chunk",
     "driver_bottleneck": f"p99 lateness above {DRIVER_LATE_P99_MS} ms: the client, not the server, limited the run",
     "server_queued/prefill/decode": "engine timestamps: arrival->scheduled, scheduled->first token, first->last",
     "prefix_cache_hit_rate": "prefix-cache hit tokens / queried tokens over all engine steps (HTTP targets: the "
     "server's vllm:prefix_cache_* counters over the run, warm-up included)",
     "prompt_token_mismatch": "completed requests whose server-counted prompt tokens differ from the workload's",
     "mean_tokens_per_step": "(prefill + decode tokens scheduled) / engine steps",
-    "itl_chunk": "gap between successive content chunks (per chunk, vLLM's ITL); beside the per-token ITL "
-    "when the token times are the engine's",
     "server_ttft/e2el": "engine timestamps: arrival -> first / last token (servelab timing extension or in-process)",
     "front_end": "client TTFT - engine TTFT: network, HTTP front end and client",
-    "sources": "where each figure came from: client (client clock), engine (engine timestamps), "
-    "engine+client (engine gaps placed after the client's first token), chunks (chunk arrival)",
+    "sources": "where each figure came from: client (arrival of content chunks at the client; in-process and "
+    "offline targets have no HTTP: their chunks are the engine's step outputs), chunks (client chunks spread "
+    "per token), engine (engine timestamps), mixed (some requests had engine timestamps, others not)",
     "failed": "requests without a content chunk or with an error; excluded from latency statistics",
     "slo_miss_causes": "per SLO metric, requests missing it by dominant cause (workloads/attribution.py): queueing, "
     "prefill_interference, prefill, preemption, batch_size, front_end, harness_lateness, unknown",
 }
 
 
-def stats_ms(values_s: Sequence[float], name: str) -> dict[str, float | None]:
-    """mean/median/std/pXX of `values_s` (seconds) in ms, keyed like vLLM (mean_ttft_ms ...)."""
+def stats_ms(values_s: Sequence[float], name: str, prefix: str = "") -> dict[str, float | None]:
+    """mean/median/std/pXX of `values_s` (seconds) in ms, keyed like vLLM (`{prefix}mean_{name}_ms` ...)."""
     arr = np.asarray(values_s, dtype=np.float64) * 1000.0
     keys = ["mean", "median", "std", *(f"p{p}" for p in PERCENTILES)]
     if arr.size == 0:
-        return {f"{k}_{name}_ms": None for k in keys}
+        return {f"{prefix}{k}_{name}_ms": None for k in keys}
     vals = [arr.mean(), np.median(arr), arr.std(), *np.percentile(arr, PERCENTILES)]
-    return {f"{k}_{name}_ms": float(v) for k, v in zip(keys, vals, strict=True)}
+    return {f"{prefix}{k}_{name}_ms": float(v) for k, v in zip(keys, vals, strict=True)}
 
 
 def meets_slo(rec: RequestRecord, slo: dict[str, float | None]) -> bool:
@@ -76,9 +101,8 @@ def meets_slo(rec: RequestRecord, slo: dict[str, float | None]) -> bool:
     return rec.ok
 
 
-def peak_tokens_per_s(records: Sequence[RequestRecord], t_start: float) -> int:
-    """Most output tokens received within one 1-second bin counted from `t_start`."""
-    times = [t for r in records for t in r.token_times]
+def peak_per_s(times: Sequence[float], t_start: float) -> int:
+    """Most of `times` within one 1-second bin counted from `t_start`."""
     if not times:
         return 0
     bins = np.floor(np.asarray(times) - t_start).astype(np.int64)
@@ -86,8 +110,9 @@ def peak_tokens_per_s(records: Sequence[RequestRecord], t_start: float) -> int:
 
 
 def peak_concurrency(records: Sequence[RequestRecord]) -> int:
-    """Most requests whose [start_s, done_s) intervals overlap."""
-    events = sorted([(r.start_s, 1) for r in records] + [(r.done_s, -1) for r in records])
+    """Most completed requests whose [start_s, end_s) intervals overlap (vLLM: start to last chunk)."""
+    done = [r for r in records if r.ok]
+    events = sorted([(r.start_s, 1) for r in done] + [(r.end_s, -1) for r in done])
     cur = best = 0
     for _, delta in events:  # at equal times the end (-1) sorts first
         cur += delta
@@ -105,7 +130,8 @@ def summarize(
     measured = [r for r in records if not r.is_warmup]
     done = [r for r in measured if r.ok]
     failed = [r for r in measured if not r.ok]
-    duration = (max(r.done_s for r in measured) - min(r.start_s for r in measured)) if measured else 0.0
+    first_send = min((r.start_s for r in measured), default=0.0)
+    duration = (max(r.done_s for r in measured) - first_send) if measured else 0.0
     n_in = sum(r.prompt_tokens for r in done)
     n_out = sum(r.output_tokens for r in done)
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
@@ -119,13 +145,17 @@ def summarize(
         "output_throughput": per_s(n_out),
         "total_token_throughput": per_s(n_in + n_out),
         "request_goodput": _goodput(done, slo, per_s),
-        "max_output_tokens_per_s": peak_tokens_per_s(done, min((r.start_s for r in measured), default=0.0)),
+        # vLLM bins the chunks of completed requests from the first one's start
+        "max_output_tokens_per_s": peak_per_s([t for r in done for t in r.chunk_times_s],
+                                              min((r.start_s for r in done), default=0.0)),
+        "peak_output_tokens_per_s": peak_per_s([t for r in done for t in r.token_times], first_send),
         "max_concurrent_requests": peak_concurrency(measured),
     }
     out |= stats_ms([r.ttft_s for r in done], "ttft")
     out |= stats_ms([r.tpot_s for r in done if r.tpot_s is not None], "tpot")
     out |= stats_ms([g for r in done for g in r.itls_s], "itl")
     out |= stats_ms([r.e2el_s for r in done], "e2el")
+    out |= _per_token_and_engine(done)
     out |= _client_side(measured)
     out |= _prompt_token_mismatch(done)
     out |= _server_side(done)
@@ -226,23 +256,38 @@ def scraped_summary(scraped: pd.DataFrame | None) -> dict[str, Any]:
     return out
 
 
-def _timing_sources(done: list[RequestRecord]) -> dict[str, Any]:
-    """Per-chunk ITL beside the per-token one, the engine's TTFT and front-end share, and which
-    source each figure came from (DEFINITIONS["sources"])."""
-    n_engine = sum(r.timing_source == "engine" for r in done)
-    token_source = "engine" if done and n_engine == len(done) else ("chunks" if n_engine == 0 else "mixed")
+def _per_token_and_engine(done: list[RequestRecord]) -> dict[str, Any]:
+    """`*_itl_per_token_ms` (when every completed request has its chunks' token counts) and
+    `engine_*_{itl,tpot,e2el}_ms` (when every completed request has engine token times)."""
     out: dict[str, Any] = {}
-    chunk_gaps = [g for r in done if r.chunk_itls_s is not None for g in r.chunk_itls_s]
-    if chunk_gaps:
-        out |= stats_ms(chunk_gaps, "itl_chunk")
+    if _per_token_known(done):
+        out |= stats_ms([g for r in done for g in r.itls_per_token_s], "itl_per_token")
+    if done and all(r.engine_timed for r in done):
+        out |= stats_ms([g for r in done for g in r.engine_itls_s], "itl", prefix="engine_")
+        out |= stats_ms([r.engine_tpot_s for r in done if r.engine_tpot_s is not None], "tpot", prefix="engine_")
+        out |= stats_ms([r.engine_e2el_s for r in done], "e2el", prefix="engine_")
+    return out
+
+
+def _per_token_known(done: list[RequestRecord]) -> bool:
+    return bool(done) and all(r.chunk_tokens is not None or r.timing_source != "engine" for r in done)
+
+
+def _timing_sources(done: list[RequestRecord]) -> dict[str, Any]:
+    """The engine's TTFT and front-end share, and which source each figure came from
+    (DEFINITIONS["sources"])."""
+    n_engine = sum(r.timing_source == "engine" for r in done)
+    engine = "engine" if done and n_engine == len(done) else (None if n_engine == 0 else "mixed")
+    out: dict[str, Any] = {}
     for name in ("server_ttft", "server_e2el", "front_end"):
         vals = [getattr(r, f"{name}_s") for r in done]
         vals = [v for v in vals if v is not None]
         if vals:
             out |= {k: v for k, v in stats_ms(vals, name).items() if k.startswith(("mean", "median", "p99"))}
     out["sources"] = {
-        "ttft": "client", "e2el": "client" if token_source == "chunks" else f"{token_source}+client",
-        "itl": token_source, "tpot": token_source,
+        "ttft": "client", "tpot": "client", "itl": "client", "e2el": "client",
+        "itl_per_token": "chunks" if _per_token_known(done) else None,
+        "engine_itl/tpot/e2el": engine,
         "server_phases": "engine" if any(r.server_queued_s is not None for r in done) else None,
         "front_end": "engine+client" if "mean_front_end_ms" in out else None,
     }

@@ -5,18 +5,22 @@ Clock: every time here is `time.perf_counter()` based. A `TargetResult` holds ra
 since the run start (the driver's `t0`). Every record of a run is made by `build_record`,
 whatever made the request happen (driver, simulator, offline `LLM.generate`).
 
-Tokens per chunk: a stream chunk may carry several tokens (speculative decoding, coalesced
-streams). `token_times_from_chunks` spreads the gap before a chunk evenly over its tokens, so
-there is one time per token and ITLs are per token (METRICS.md). The first chunk's tokens all
-get the first chunk's time (nothing tells when they were made), so the gaps of a request
-always sum to E2EL - TTFT and their mean equals its TPOT.
+Three views of one response (METRICS.md), each with its own properties:
+- per chunk, client clock (vLLM's definitions, `vllm bench serve`'s keys): content chunk j
+  arrived at `chunk_times_s[j]`; TTFT = first chunk - start, E2EL = last chunk - start,
+  ITL = each gap between successive chunks (a chunk of k tokens is one gap), TPOT =
+  (E2EL - TTFT) / (output tokens - 1). `ttft_s`, `e2el_s`, `tpot_s`, `itls_s`.
+- per token, client clock: a chunk's gap spread evenly over its `chunk_tokens` (server
+  counts); the first chunk's extra tokens get its own time, so the gaps of a request sum to
+  E2EL - TTFT and their mean is its TPOT. `itls_per_token_s`.
+- per token, engine clock: with the `servelab` timing extension over HTTP
+  (engine/entrypoints/timing.py) or an in-process engine, each token's engine step-end time
+  as an offset from the first token, placed after the client's first chunk. `engine_*`.
 
-Engine timing over HTTP: when a server returns the `servelab` timing extension
-(engine/entrypoints/timing.py), the target keeps each token's engine step-end time as an
-offset from the first token. The record then places token i at (client first-chunk time +
-engine offset i): TTFT stays the client's, every later gap is the engine's own (per token,
-whatever the chunking), so E2EL = client TTFT + engine first-to-last-token span. The
-per-chunk gaps are kept beside it (`chunk_itls_s`) and `timing_source` says which was used.
+Storage: `token_times` holds one time per output token, the engine's when `timing_source`
+is "engine", else the client per-token times; `chunk_itls_s` and `chunk_tokens` hold the
+chunk view. A record built without chunks (offline runs, the simulator, files written before
+the chunk view was stored) takes one chunk per distinct token time.
 """
 
 from __future__ import annotations
@@ -83,8 +87,8 @@ def token_times_from_chunks(chunk_times: list[float], chunk_tokens: list[int]) -
 class RequestRecord:
     """One request as the driver measured it; times in seconds since the run start.
 
-    `token_times` holds one receive time per output token (see module doc). A request failed
-    when it has no token (or an error): its latency properties return None.
+    See the module doc for the three views. A request failed when it has no token (or an
+    error): its latency properties return None and its gap lists are empty.
     """
 
     request_id: str
@@ -112,8 +116,10 @@ class RequestRecord:
     # gave one (a chat template, a tokenizer other than the workload's make them differ).
     sent_prompt_tokens: int = 0
     kv: dict[str, float] | None = None  # external-KV figures (requests.csv KV_COLUMNS)
-    timing_source: str = "chunks"  # "engine" (engine step times) | "chunks" (chunk arrival, spread)
-    chunk_itls_s: list[float] | None = None  # gaps between content chunks (engine timing over HTTP only)
+    timing_source: str = "chunks"  # token_times are: "engine" (engine step times) | "chunks" (client, spread)
+    # Gaps between successive content chunks on the client's clock; None: one chunk per distinct token time.
+    chunk_itls_s: list[float] | None = None
+    chunk_tokens: list[int] | None = None  # output tokens per content chunk (server counts); None: unknown
     server_ttft_s: float | None = None  # engine arrival -> first token
     server_e2el_s: float | None = None  # engine arrival -> last token
 
@@ -125,13 +131,28 @@ class RequestRecord:
     def client_queue_s(self) -> float:
         return self.start_s - self.scheduled_s
 
+    # ---- per chunk, client clock (vLLM's definitions) ----------------------------------
+
+    @property
+    def chunk_times_s(self) -> list[float]:
+        """When each content chunk arrived (client clock); empty for a failed request."""
+        if not self.ok:
+            return []
+        if self.chunk_itls_s is None:
+            return sorted(set(self.token_times))
+        times = [self.token_times[0]]  # the first token is placed at the first chunk in every view
+        for gap in self.chunk_itls_s:
+            times.append(times[-1] + gap)
+        return times
+
     @property
     def first_token_s(self) -> float | None:
         return self.token_times[0] if self.ok else None
 
     @property
     def end_s(self) -> float | None:
-        return self.token_times[-1] if self.ok else None
+        """The last content chunk's arrival (client clock)."""
+        return self.chunk_times_s[-1] if self.ok else None
 
     @property
     def ttft_s(self) -> float | None:
@@ -139,14 +160,65 @@ class RequestRecord:
 
     @property
     def e2el_s(self) -> float | None:
-        return self.token_times[-1] - self.start_s if self.ok else None
+        """Last content chunk - start (vLLM's request latency)."""
+        end = self.end_s
+        return None if end is None else end - self.start_s
 
     @property
     def tpot_s(self) -> float | None:
-        """(E2EL - TTFT) / (output tokens - 1); None unless more than one output token."""
+        """(E2EL - TTFT) / (output tokens - 1), client clock; None unless more than one output token."""
         if not self.ok or self.output_tokens <= 1:
             return None
+        return (self.chunk_times_s[-1] - self.token_times[0]) / (self.output_tokens - 1)
+
+    @property
+    def itls_s(self) -> list[float]:
+        """Gaps between successive content chunks (vLLM's ITL; empty for a failed request)."""
+        times = self.chunk_times_s
+        return [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+
+    # ---- per token, client clock ---------------------------------------------------------
+
+    @property
+    def itls_per_token_s(self) -> list[float]:
+        """Chunk gaps spread over their tokens (module doc); empty when the chunks' token counts
+        are unknown beside engine token times."""
+        if not self.ok:
+            return []
+        if self.chunk_tokens is not None:
+            times = token_times_from_chunks(self.chunk_times_s, self.chunk_tokens)
+        elif self.timing_source != "engine":
+            times = self.token_times
+        else:
+            return []
+        return [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+
+    # ---- per token, engine clock ---------------------------------------------------------
+
+    @property
+    def engine_timed(self) -> bool:
+        return self.ok and self.timing_source == "engine"
+
+    @property
+    def engine_itls_s(self) -> list[float]:
+        """Gaps between the engine steps that made successive tokens ([] without engine times)."""
+        if not self.engine_timed:
+            return []
+        tt = self.token_times
+        return [b - a for a, b in zip(tt[:-1], tt[1:], strict=True)]
+
+    @property
+    def engine_tpot_s(self) -> float | None:
+        """Engine first-to-last token span / (output tokens - 1)."""
+        if not self.engine_timed or self.output_tokens <= 1:
+            return None
         return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
+
+    @property
+    def engine_e2el_s(self) -> float | None:
+        """Client TTFT + engine first-to-last token span: the latency had every token been sent the
+        moment the engine made it."""
+        return self.token_times[-1] - self.start_s if self.engine_timed else None
 
     @property
     def front_end_s(self) -> float | None:
@@ -154,14 +226,6 @@ class RequestRecord:
         if self.server_ttft_s is None or self.ttft_s is None:
             return None
         return self.ttft_s - self.server_ttft_s
-
-    @property
-    def itls_s(self) -> list[float]:
-        """Gaps between successive tokens (empty for a failed request)."""
-        if not self.ok:
-            return []
-        tt = self.token_times
-        return [b - a for a, b in zip(tt[:-1], tt[1:], strict=True)]
 
 
 def build_record(
@@ -186,6 +250,7 @@ def build_record(
     kv: dict[str, float] | None = None,
     timing_source: str = "chunks",
     chunk_itls_s: list[float] | None = None,
+    chunk_tokens: list[int] | None = None,
     server_ttft_s: float | None = None,
     server_e2el_s: float | None = None,
 ) -> RequestRecord:
@@ -195,6 +260,8 @@ def build_record(
     flag, group, session, turn). Rules every target shares: `prompt_tokens` falls back to the
     spec's `prompt_len` when not known (None or 0); `output_tokens` to one per token time; a
     request that received no token and has no error gets "no content chunk received".
+    `chunk_itls_s` / `chunk_tokens`: the chunk view (None: one chunk per distinct token time);
+    `token_times[0]` must be the first chunk's arrival.
     """
     if not error and not token_times:
         error = "no content chunk received"
@@ -224,6 +291,7 @@ def build_record(
         kv=kv,
         timing_source=timing_source,
         chunk_itls_s=chunk_itls_s,
+        chunk_tokens=chunk_tokens,
         server_ttft_s=server_ttft_s,
         server_e2el_s=server_e2el_s,
     )
@@ -250,11 +318,12 @@ def record_from_result(
     """
     chunk_times = [t - t0 for t in result.chunk_times]
     tokens = token_times_from_chunks(chunk_times, result.chunk_tokens)
-    source, chunk_itls = "chunks", None
+    source = "chunks"
+    # the chunk view, kept whatever the token times: vLLM's figures come from it
+    chunk_itls = [b - a for a, b in zip(chunk_times[:-1], chunk_times[1:], strict=True)] if tokens else None
     offsets = result.engine_token_offsets
     if offsets and tokens and not result.error and len(offsets) == len(tokens):
         source = "engine"
-        chunk_itls = [b - a for a, b in zip(chunk_times[:-1], chunk_times[1:], strict=True)]
         tokens = engine_token_times(tokens[0], offsets)
     return build_record(
         spec,
@@ -277,6 +346,7 @@ def record_from_result(
         kv=result.kv,
         timing_source=source,
         chunk_itls_s=chunk_itls,
+        chunk_tokens=list(result.chunk_tokens) if tokens else None,
         server_ttft_s=result.server_ttft_s,
         server_e2el_s=result.server_e2el_s,
     )

@@ -6,8 +6,9 @@ start, latencies in ms, empty cells where a value does not apply); `token_times`
 `itls_ms` are JSON list strings. `timing_source` says where the token times came from
 ("engine": engine step times, "chunks": chunk arrival); `server_ttft_ms` / `server_e2el_ms` are
 the engine's arrival->first / last token and `front_end_ms` the client TTFT minus the engine's
-(network + HTTP front end); `chunk_itls_ms` the gaps between content chunks when the token times
-are the engine's. `done_s` (response fully read) is one column beyond the
+(network + HTTP front end); `chunk_itls_ms` the gaps between content chunks on the client's clock
+(vLLM's ITL; `itls_ms` holds the same gaps, `ttft_ms` / `tpot_ms` / `e2el_ms` and `end_s` are
+vLLM's too) and `chunk_tokens` the output tokens of each chunk. `done_s` (response fully read) is one column beyond the
 shared schema: it lets a summary be recomputed from the file alone.
 """
 
@@ -29,7 +30,7 @@ REQUEST_COLUMNS = [
     "client_queue_ms", "lateness_ms", "ttft_ms", "tpot_ms", "e2el_ms", "prompt_tokens",
     "output_tokens", "finish_reason", "error", "server_queued_ms", "server_prefill_ms",
     "server_decode_ms", "token_times", "itls_ms", "group", "sent_prompt_tokens",
-    "timing_source", "server_ttft_ms", "server_e2el_ms", "front_end_ms", "chunk_itls_ms",
+    "timing_source", "server_ttft_ms", "server_e2el_ms", "front_end_ms", "chunk_itls_ms", "chunk_tokens",
 ]
 # External KV per request (engine targets with a kv_transfer connector; empty otherwise): prompt
 # tokens loaded from the store, bytes loaded / saved, ms waiting for loads, ms spent saving.
@@ -37,7 +38,9 @@ KV_COLUMNS = ["kv_external_tokens", "kv_bytes_loaded", "kv_bytes_saved", "kv_loa
 REQUEST_COLUMNS += KV_COLUMNS
 # Derived per step: spec_acceptance_rate = accepted / draft tokens; spec_mean_accepted_length =
 # 1 + accepted / requests verified with drafts (vLLM's mean acceptance length), empty without drafts.
-STEP_COLUMNS = [*StepStats.__struct_fields__, "kv_usage", "spec_acceptance_rate", "spec_mean_accepted_length"]
+# `members` (the requests of each step) goes to step_members.csv (workloads/step_members.py).
+STEP_COLUMNS = [*(f for f in StepStats.__struct_fields__ if f != "members"), "kv_usage", "spec_acceptance_rate",
+                "spec_mean_accepted_length"]  # fmt: skip
 # Speculative decoding per request (in-process targets; empty for the others).
 REQUEST_COLUMNS += ["spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_rate"]
 
@@ -67,6 +70,7 @@ def request_row(r: RequestRecord) -> dict[str, Any]:
         "server_ttft_ms": _ms(r.server_ttft_s), "server_e2el_ms": _ms(r.server_e2el_s),
         "front_end_ms": _ms(r.front_end_s),
         "chunk_itls_ms": "" if r.chunk_itls_s is None else json.dumps([g * 1000.0 for g in r.chunk_itls_s]),
+        "chunk_tokens": "" if r.chunk_tokens is None else json.dumps(r.chunk_tokens),
     }
 
 
@@ -160,6 +164,7 @@ def records_from_frame(df: pd.DataFrame) -> list[RequestRecord]:
             timing_source=str(row.get("timing_source") or "chunks"),
             server_ttft_s=_opt(row.get("server_ttft_ms")), server_e2el_s=_opt(row.get("server_e2el_ms")),
             chunk_itls_s=_ms_list(row.get("chunk_itls_ms")),
+            chunk_tokens=json.loads(row["chunk_tokens"]) if isinstance(row.get("chunk_tokens"), str) and row["chunk_tokens"] else None,
         ))
     return out
 

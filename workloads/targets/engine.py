@@ -2,7 +2,8 @@
 
 - `EngineTarget`: the in-process engine (AsyncLLM with its EngineCore in a thread of
   this process). Token times come from the engine (the end of the step that made each
-  token), not from chunk arrival, and each request carries the engine's queued /
+  token), not from chunk arrival; the tokens of one step form one chunk (so the per-chunk
+  figures are the engine's too), and each request carries the engine's queued /
   prefill / decode split. Every engine step's `StepStats` is kept.
 - `ServerTarget`: a server process (`engine.entrypoints.serve --config <file>`) the
   harness starts on a free local port and stops itself; requests go over HTTP through
@@ -39,6 +40,18 @@ SHUTDOWN_TIMEOUT_S = 120.0  # the profiled engine's last trace export
 
 def sampling_params_for(spec: RequestSpec) -> SamplingParams:
     return SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=spec.ignore_eos)
+
+
+def _step_chunks(times: list[float], offset: float) -> list[tuple[float, int]]:
+    """The tokens one engine step made as one chunk (as a server streams them): (time + offset,
+    tokens) per run of equal token times. Speculative decoding makes several tokens a step."""
+    chunks: list[tuple[float, int]] = []
+    for t in times:
+        if chunks and t + offset == chunks[-1][0]:
+            chunks[-1] = (chunks[-1][0], chunks[-1][1] + 1)
+        else:
+            chunks.append((t + offset, 1))
+    return chunks
 
 
 class EngineTarget:
@@ -83,12 +96,11 @@ class EngineTarget:
                                                priority=spec.priority):
                 comp = out.outputs[0]
                 times = out.metrics.token_times
-                for t in times[seen:]:
-                    t_perf = t + self._offset
+                for t_perf, k in _step_chunks(times[seen:], self._offset):
                     res.chunk_times.append(t_perf)
-                    res.chunk_tokens.append(1)
+                    res.chunk_tokens.append(k)
                     if on_token is not None:
-                        on_token(t_perf, 1)
+                        on_token(t_perf, k)
                 seen = len(times)
                 if out.finished:
                     self._finish(res, out, comp)

@@ -105,13 +105,16 @@ class ScriptedTarget:
         for spec in specs:
             script = self.script_for(spec)
             offsets, counts = script.chunks(spec.max_tokens)
-            times = token_times_from_chunks([spec.arrival_s + o for o in offsets], counts)
+            chunk_times = [spec.arrival_s + o for o in offsets]
+            times = token_times_from_chunks(chunk_times, counts)
             done = times[-1] if times else spec.arrival_s + script.ttft_s
+            gaps = [b - a for a, b in zip(chunk_times[:-1], chunk_times[1:], strict=True)]
             out.append(
                 build_record(
                     spec, scheduled_s=spec.arrival_s, start_s=spec.arrival_s, token_times=times, done_s=done,
                     prompt_tokens=script.prompt_tokens, output_tokens=sum(counts),
                     finish_reason="error" if script.error else "length", error=script.error,
+                    chunk_itls_s=gaps if times else None, chunk_tokens=counts if times else None,
                 )
             )
         return out
