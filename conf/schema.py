@@ -56,7 +56,8 @@ class EngineSections(EngineConfig):
             model.model = str(path)
         cfg = EngineConfig(model=model, cache=self.cache, scheduler=self.scheduler, attention=self.attention,
                            device=self.device, parallel=self.parallel,
-                           speculative_config=self.speculative_config, kv_transfer=self.kv_transfer)  # fmt: skip
+                           speculative_config=self.speculative_config, kv_transfer=self.kv_transfer,
+                           structured_outputs_config=self.structured_outputs_config)  # fmt: skip
         cfg.validate()
         return cfg
 

@@ -193,6 +193,27 @@ def _speculative_from(value: Any) -> SpeculativeConfig:
     return SpeculativeConfig(**value)
 
 
+@dataclass
+class StructuredOutputsConfig:
+    """Grammar compilation for constrained requests (vLLM's `structured_outputs_config`),
+    engine/structured_output/.
+
+    `grammar_cache_size`: compiled grammars kept, one per distinct spec; past it the least
+    recently used is dropped (its next request compiles it again). `compile_timeout_s`: a
+    compile still running this long after it started fails its requests (HTTP 400 naming the
+    timeout; offline an error result) while other constrained requests go on.
+    """
+
+    grammar_cache_size: int = 128
+    compile_timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        if not isinstance(self.grammar_cache_size, int) or self.grammar_cache_size < 1:
+            raise ValueError("structured_outputs_config.grammar_cache_size must be an integer >= 1")
+        if not self.compile_timeout_s > 0:
+            raise ValueError("structured_outputs_config.compile_timeout_s must be > 0")
+
+
 KV_CONNECTORS = ("CPUOffloadConnector", "MooncakeStoreConnector", "MooncakeTransferConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
@@ -248,6 +269,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     @classmethod
@@ -304,6 +326,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         self.speculative_config.validate()
+        self.structured_outputs_config.validate()
         if self.speculative_config.enabled and self.scheduler.async_scheduling:
             raise ValueError("speculative_config with async_scheduling=True is not supported yet; choose one of them")
         s, c = self.scheduler, self.cache

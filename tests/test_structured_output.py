@@ -232,13 +232,13 @@ def test_compiling_grammar_does_not_hold_others_back(llm: LLM, monkeypatch: pyte
     core = llm.engine_core
     manager = core.structured_output
     release = threading.Event()
-    original = manager._compile
+    original = manager.compiler
 
-    def slow_compile(params: StructuredOutputsParams) -> object:
+    def slow_compile(tokenizer: object, params: StructuredOutputsParams) -> object:
         assert release.wait(60), "test never released the compile"
-        return original(params)
+        return original(tokenizer, params)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(manager, "_compile", slow_compile)
+    monkeypatch.setattr(manager, "compiler", slow_compile)
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["n"], "additionalProperties": False, "title": "unique-for-this-test"}
     constrained = llm.processor.process("Give a number as JSON:", _params(StructuredOutputsParams(json=schema)))  # type: ignore[arg-type]
@@ -260,6 +260,46 @@ def test_compiling_grammar_does_not_hold_others_back(llm: LLM, monkeypatch: pyte
             tokens[out.request_id] += out.new_token_ids
     text = llm.tokenizer.decode(tokens["constrained"], skip_special_tokens=True)
     validate(json.loads(text), schema)
+
+
+def test_a_compile_past_its_timeout_fails_only_its_request(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A schema whose compile never ends (a slow compiler injected through the compile seam)
+    fails its request with an error naming the timeout, about `compile_timeout_s` after its
+    compile began, while a constrained request sent with it completes; offline the stuck
+    request's result is an error."""
+    core = llm.engine_core
+    manager = core.structured_output
+    release = threading.Event()
+    original = manager.compiler
+    stuck = {"type": "object", "properties": {"x": {"type": "integer"}}, "title": "never-compiles"}
+
+    def compiler(tokenizer: object, params: StructuredOutputsParams) -> object:
+        if "never-compiles" in params.key[1]:
+            assert release.wait(60), "test never released the compile"
+        return original(tokenizer, params)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(manager, "compiler", compiler)
+    monkeypatch.setattr(manager.cache, "timeout_s", 0.5)
+    try:
+        params = [_params(StructuredOutputsParams(json=stuck)),  # type: ignore[arg-type]
+                  _params(StructuredOutputsParams(choice=["red", "green"]))]  # fmt: skip
+        for rid, p in zip(("stuck", "fine"), params, strict=True):
+            core.add_request(fan_out(rid, llm.processor.process("Pick a colour:", p))[0])
+        errors: dict[str, str | None] = {}
+        tokens: dict[str, list[int]] = {"stuck": [], "fine": []}
+        while core.has_unfinished_requests():
+            for out in core.step().outputs:
+                tokens[out.request_id] += out.new_token_ids
+                if out.finish_reason is not None:
+                    errors[out.request_id] = out.error
+        assert errors["stuck"] is not None and not tokens["stuck"]
+        assert errors["stuck"].startswith("response_format: grammar compile timed out after 0.5 s"), errors
+        assert errors["fine"] is None
+        assert llm.tokenizer.decode(tokens["fine"], skip_special_tokens=True) in ("red", "green")
+        outs = llm.generate(["Pick one:"], [params[0]], use_tqdm=False)  # the cached failure, offline
+        assert outs[0].outputs[0].finish_reason == "error"
+    finally:
+        release.set()
 
 
 def test_grammar_compiled_once_per_schema(llm: LLM) -> None:

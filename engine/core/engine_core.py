@@ -95,7 +95,9 @@ class EngineCore:
         runner = getattr(executor, "model_runner", None)
         self._runner = runner
         # Grammars compile on the manager's thread; the tokenizer is loaded there on first use.
-        self.structured_output = StructuredOutputManager(lambda: _tokenizer_source(config))
+        self.structured_output = StructuredOutputManager(
+            lambda: _tokenizer_source(config), config.structured_outputs_config
+        )
         spec = config.speculative_config
         self.proposer: NgramProposer | None = NgramProposer(spec) if spec.enabled else None
 

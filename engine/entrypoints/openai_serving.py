@@ -26,6 +26,7 @@ from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from engine.outputs import CompletionOutput
 from engine.processor import ProcessedRequest
 from engine.sampling_params import SamplingParams
+from engine.structured_output.params import is_grammar_failure
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -170,7 +171,7 @@ class OpenAIServing:
                     if call.timing and out.finished:
                         timings[pi] = timing.timing_entry(pi, out.metrics)
         except (RequestFailedError, EngineDeadError) as exc:
-            raise ApiError(500, f"engine error: {exc}", code="engine_error") from None
+            raise _failure(call, exc) from None
         choices = [self._final_choice(call, idx, finals[idx]) for idx in sorted(finals)]
         completion = sum(len(c.token_ids) for c in finals.values())
         prompt = sum(len(j.prompt_ids) for j in call.jobs)
@@ -216,8 +217,18 @@ class OpenAIServing:
     # ---- streaming --------------------------------------------------------------------
 
     async def _stream(self, call: _Call, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        merged = self._outputs(call)
+        async with contextlib.aclosing(merged):
+            head = await _first_output(call, merged)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            return await self._stream_events(call, resp, head, merged)
+
+    async def _stream_events(
+        self, call: _Call, resp: web.StreamResponse, head: list[tuple[int, Any]], merged: Any
+    ) -> web.StreamResponse:
+        """The SSE events of a stream whose response has started (`head`: outputs already taken
+        from `merged`, which the caller closes)."""
         opts = call.body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
@@ -226,26 +237,24 @@ class OpenAIServing:
         prompt_tokens = sum(len(j.prompt_ids) for j in call.jobs)
         created = fmt.now_s()
         timings: dict[int, dict[str, Any]] = {}
-        merged = self._outputs(call)
         try:
-            async with contextlib.aclosing(merged):
-                async for pi, out in merged:
-                    cached[pi] = max(cached[pi], out.num_cached_tokens)
-                    if call.timing and out.finished:
-                        timings[pi] = timing.timing_entry(pi, out.metrics)
-                    for c in out.outputs:
-                        index = pi * call.params.n + c.index
-                        state = states.setdefault(index, ChoiceState())
-                        if self._hold(c, state):
-                            continue
-                        usage = None
-                        if continuous:
-                            done = sum(s.num_tokens for s in states.values()) - state.num_tokens
-                            usage = fmt.usage(prompt_tokens, done + len(c.token_ids), sum(cached))
-                        for chunk in self._chunks(call, index, c, state, usage, include_usage):
-                            await resp.write(self._event(call, created, chunk))
+            async for pi, out in _chain(head, merged):
+                cached[pi] = max(cached[pi], out.num_cached_tokens)
+                if call.timing and out.finished:
+                    timings[pi] = timing.timing_entry(pi, out.metrics)
+                for c in out.outputs:
+                    index = pi * call.params.n + c.index
+                    state = states.setdefault(index, ChoiceState())
+                    if self._hold(c, state):
+                        continue
+                    usage = None
+                    if continuous:
+                        done = sum(s.num_tokens for s in states.values()) - state.num_tokens
+                        usage = fmt.usage(prompt_tokens, done + len(c.token_ids), sum(cached))
+                    for chunk in self._chunks(call, index, c, state, usage, include_usage):
+                        await resp.write(self._event(call, created, chunk))
         except (RequestFailedError, EngineDeadError) as exc:
-            await resp.write(ApiError(500, f"engine error: {exc}", code="engine_error").sse())
+            await resp.write(_failure(call, exc).sse())
             await resp.write(DONE)
             return resp
         final: dict[str, Any] = {}
@@ -316,3 +325,34 @@ class OpenAIServing:
         lp = None if k is None else fmt.completion_logprobs(new_lps, k, self.token_text, offset)
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
+
+
+def _failure(call: _Call, exc: RequestFailedError | EngineDeadError) -> ApiError:
+    """A constrained request whose grammar failed in the engine (it does not compile, or its
+    compile timed out: the message names the field) is the client's error, a 400; any other
+    failure is the engine's, a 500."""
+    constrained = call.params.structured_outputs is not None
+    if isinstance(exc, RequestFailedError) and constrained and is_grammar_failure(str(exc)):
+        return from_value_error(ValueError(str(exc)))
+    return ApiError(500, f"engine error: {exc}", code="engine_error")
+
+
+async def _first_output(call: _Call, merged: Any) -> list[tuple[int, Any]]:
+    """A constrained stream's first output, taken before the response starts: its grammar
+    compiles first, so a grammar that fails (or times out) is still an HTTP error, not an
+    error event inside a 200. Unconstrained streams start at once (nothing taken)."""
+    if call.params.structured_outputs is None:
+        return []
+    try:
+        return [await anext(merged)]
+    except StopAsyncIteration:
+        return []
+    except (RequestFailedError, EngineDeadError) as exc:
+        raise _failure(call, exc) from None
+
+
+async def _chain(head: list[tuple[int, Any]], rest: Any) -> Any:
+    for item in head:
+        yield item
+    async for item in rest:
+        yield item

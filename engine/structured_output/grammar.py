@@ -12,7 +12,7 @@ grammar can spend its whole budget on spaces and newlines.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 import llguidance as llg
 
@@ -41,7 +41,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 
 def check(params: StructuredOutputsParams, tokenizer: llg.LLTokenizer | None = None) -> str:
     """The grammar text; ValueError "<field>: <why>" (one line) when it does not compile."""
-    field = _FIELD[params.key[0]]
+    field = params.field
     try:
         text = grammar_text(params)
         error = llg.LLMatcher.validate_grammar(text, tokenizer)
@@ -50,6 +50,21 @@ def check(params: StructuredOutputsParams, tokenizer: llg.LLTokenizer | None = N
     if error and not error.startswith("WARNING"):
         raise ValueError(f"{field}: invalid {params.key[0]} ({_one_line(error)})")
     return text
+
+
+class GrammarCompiler(Protocol):
+    """The compile seam of `StructuredOutputManager`: the matcher template of `params` in its
+    start state, or ValueError / RuntimeError (one line) when the grammar does not compile.
+    Runs on a compile thread; it cannot be interrupted, so one that overruns
+    `compile_timeout_s` is written off (engine/structured_output/grammar_cache.py). Tests
+    inject slow ones here."""
+
+    def __call__(self, tokenizer: llg.LLTokenizer, params: StructuredOutputsParams) -> llg.LLMatcher: ...
+
+
+def compile_grammar(tokenizer: llg.LLTokenizer, params: StructuredOutputsParams) -> llg.LLMatcher:
+    """llguidance's compile (`GrammarCompiler`): check against the vocabulary, then build."""
+    return compile_matcher(tokenizer, check(params, tokenizer))
 
 
 def make_tokenizer(tokenizer_json: str, eos_token_id: int | None) -> llg.LLTokenizer:
@@ -64,10 +79,6 @@ def compile_matcher(tokenizer: llg.LLTokenizer, text: str) -> llg.LLMatcher:
     if matcher.is_error():
         raise RuntimeError(_one_line(matcher.get_error()))
     return matcher
-
-
-_FIELD = {"json": "response_format", "json_object": "response_format", "regex": "guided_regex",
-          "choice": "guided_choice", "grammar": "guided_grammar"}
 
 
 def _lark_string(s: str) -> str:

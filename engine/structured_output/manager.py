@@ -4,12 +4,14 @@ Lifecycle of a constrained request (one whose `SamplingParams.structured_outputs
 
 1. `submit` (from `EngineCore.add_request`): its grammar is compiled on a background
    thread (llguidance drops the GIL while compiling), once per distinct spec: the compiled
-   matcher is a template, and each request gets a cheap `deep_copy`. The request is not
-   in the scheduler yet, so it holds no budget, no KV and no queue position that others
-   would wait behind.
+   matcher is a template kept in an LRU cache (`GrammarCache`, bounded by
+   `structured_outputs_config.grammar_cache_size`), and each request gets a cheap
+   `deep_copy`. The request is not in the scheduler yet, so it holds no budget, no KV and
+   no queue position that others would wait behind.
 2. `take_ready` (each step, before `schedule`): requests whose grammar is ready go to the
-   scheduler; a grammar that failed to compile fails its request (the HTTP layer checks
-   grammars before admission, so this is a last line of defence).
+   scheduler; a grammar that failed to compile, or is still compiling
+   `structured_outputs_config.compile_timeout_s` after its compile began, fails its request
+   with a message naming the field ("<field>: why"), which the HTTP layer answers with a 400.
 3. `fill_bitmask` (after `schedule`, before execute): one int32 bitmask row (bit `t` of
    word `t // 32`: token `t` is allowed) per constrained request that samples this step.
 4. `accept_tokens` (after `update_from_output`): each request's grammar consumes the tokens
@@ -22,21 +24,20 @@ Lifecycle of a constrained request (one whose `SamplingParams.structured_outputs
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import llguidance as llg
 import numpy as np
 
+from engine.config import StructuredOutputsConfig
 from engine.request import Request
 from engine.structured_output import grammar
-from engine.structured_output.params import StructuredOutputsParams
+from engine.structured_output.grammar_cache import CompileJob, GrammarCache
 
 logger = logging.getLogger(__name__)
 
-# Returns (tokenizer JSON, EOS id): run once, on the compile thread (loading the GGUF
+# Returns (tokenizer JSON, EOS id): run once, on a compile thread (loading the GGUF
 # vocabulary takes seconds).
 TokenizerSource = Callable[[], tuple[str, int | None]]
 
@@ -44,48 +45,52 @@ TokenizerSource = Callable[[], tuple[str, int | None]]
 @dataclass(slots=True)
 class _Awaiting:
     request: Request
-    template: Future[llg.LLMatcher]
+    job: CompileJob
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_source: TokenizerSource) -> None:
+    def __init__(
+        self, tokenizer_source: TokenizerSource, config: StructuredOutputsConfig | None = None,
+        compiler: grammar.GrammarCompiler = grammar.compile_grammar,
+    ) -> None:  # fmt: skip
+        """`compiler` is the compile seam (`grammar.GrammarCompiler`); `compiler` can also be
+        set later, before the compiles it should run."""
+        config = config or StructuredOutputsConfig()
         self._tokenizer_source = tokenizer_source
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
-        self._lock = threading.Lock()
-        self._tokenizer: llg.LLTokenizer | None = None
-        self._templates: dict[tuple[str, str], Future[llg.LLMatcher]] = {}
+        self.cache = GrammarCache(self._make_tokenizer, compiler, config.grammar_cache_size, config.compile_timeout_s)
         self._awaiting: dict[str, _Awaiting] = {}
         self._matchers: dict[str, llg.LLMatcher] = {}
         self.vocab_words = 0  # int32 words per bitmask row, known once the tokenizer is
-        self.num_compiles = 0  # distinct grammars compiled (cache misses)
 
     def set_tokenizer_source(self, source: TokenizerSource) -> None:
         """Use a tokenizer the caller already has (the offline LLM's), before the first compile."""
         self._tokenizer_source = source
+
+    @property
+    def compiler(self) -> grammar.GrammarCompiler:
+        return self.cache.compiler
+
+    @compiler.setter
+    def compiler(self, compiler: grammar.GrammarCompiler) -> None:
+        self.cache.compiler = compiler
+
+    @property
+    def num_compiles(self) -> int:
+        """Distinct grammars compiled (cache misses)."""
+        return self.cache.num_compiles
 
     # ---- admission ---------------------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Start (or reuse) the compile of `request`'s grammar; the request waits here."""
         params = request.sampling_params.structured_outputs
         assert params is not None
-        key = params.key
-        future = self._templates.get(key)
-        if future is None:
-            future = self._pool.submit(self._compile, params)
-            self._templates[key] = future
-        self._awaiting[request.request_id] = _Awaiting(request, future)
+        self._awaiting[request.request_id] = _Awaiting(request, self.cache.get(params))
 
-    def _compile(self, params: StructuredOutputsParams) -> llg.LLMatcher:
-        with self._lock:
-            tok = self._tokenizer
-            if tok is None:
-                tokenizer_json, eos = self._tokenizer_source()
-                tok = grammar.make_tokenizer(tokenizer_json, eos)
-                self.vocab_words = (tok.vocab_size + 31) // 32
-                self._tokenizer = tok
-        text = grammar.check(params, tok)
-        self.num_compiles += 1
-        return grammar.compile_matcher(tok, text)
+    def _make_tokenizer(self) -> llg.LLTokenizer:
+        tokenizer_json, eos = self._tokenizer_source()
+        tok = grammar.make_tokenizer(tokenizer_json, eos)
+        self.vocab_words = (tok.vocab_size + 31) // 32
+        return tok
 
     @property
     def num_awaiting(self) -> int:
@@ -93,27 +98,27 @@ class StructuredOutputManager:
 
     def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
         """Requests whose grammar is ready (each now has its own matcher), and requests
-        whose grammar failed, with a one-line reason."""
+        whose grammar failed or timed out, with a one-line reason."""
+        self.cache.expire()
         ready: list[Request] = []
         failed: list[tuple[Request, str]] = []
         for rid, entry in list(self._awaiting.items()):
-            if not entry.template.done():
+            job = entry.job
+            if not job.done.is_set():
                 continue
             del self._awaiting[rid]
-            exc = entry.template.exception()
-            if exc is not None:
-                failed.append((entry.request, str(exc) or type(exc).__name__))
+            if job.matcher is None:
+                failed.append((entry.request, job.error or "grammar compile failed"))
                 continue
-            self._matchers[rid] = entry.template.result().deep_copy()
+            self._matchers[rid] = job.matcher.deep_copy()
             ready.append(entry.request)
         return ready, failed
 
     def wait_for_any(self, timeout: float) -> None:
-        """Block up to `timeout` s until some awaited grammar is ready (only when the engine
-        has nothing else to do)."""
-        pending = {e.template for e in self._awaiting.values()}
-        if pending:
-            wait(pending, timeout=timeout, return_when="FIRST_COMPLETED")
+        """Block up to `timeout` s until some grammar is ready or a compile's deadline passes
+        (only when the engine has nothing else to do)."""
+        if self._awaiting:
+            self.cache.wait(timeout)
 
     def abort(self, req_ids: list[str]) -> list[Request]:
         """Forget these requests; returns those that were still waiting for their grammar."""
@@ -160,7 +165,7 @@ class StructuredOutputManager:
             logger.warning("request %s: grammar rejected tokens %s (%s)", req_id, token_ids, matcher.get_error())
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.cache.shutdown()
 
 
 def _only(token_id: int | None, words: int) -> np.ndarray:

@@ -36,6 +36,11 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs: choice must be a non-empty list of strings")
 
     @property
+    def field(self) -> str:
+        """The request field an error about this constraint names (`response_format`, ...)."""
+        return FIELDS[self.key[0]]
+
+    @property
     def key(self) -> tuple[str, str]:
         """Cache key: (kind, spec text). Equal keys compile to the same grammar."""
         if self.json is not None:
@@ -47,6 +52,18 @@ class StructuredOutputsParams:
         if self.grammar is not None:
             return ("grammar", self.grammar)
         return ("json_object", "")
+
+
+# The request field each kind of constraint comes from, as errors name it.
+FIELDS = {"json": "response_format", "json_object": "response_format", "regex": "guided_regex",
+          "choice": "guided_choice", "grammar": "guided_grammar"}  # fmt: skip
+
+
+def is_grammar_failure(message: str) -> bool:
+    """Whether an engine error message is a constrained request's own grammar failing (it does
+    not compile, or its compile timed out): those name the field first ("<field>: why"), so the
+    HTTP layer answers them as the client's error (400), not the engine's."""
+    return message.partition(":")[0] in FIELDS.values()
 
 
 def from_request_fields(
