@@ -76,7 +76,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _compare_runs(args: argparse.Namespace) -> int:
     """--runs N: run the configuration(s) N times each, then a repeatability table or a comparison."""
-    from reports import compare_runs
+    from workloads import compare_runs
 
     out = Path(args.out) if args.out else compare_runs.default_out()
     sides = compare_runs.run_configurations(compare_runs.configurations(args.a, args.b), args.runs, out)

@@ -77,8 +77,11 @@ def paired_difference(
 
 
 def read_overrides(arg: str) -> list[str]:
-    path = Path(arg)
-    text = path.read_text() if path.is_file() else arg
+    try:
+        is_file = Path(arg).is_file()
+    except OSError:  # overrides longer than a file name can be
+        is_file = False
+    text = Path(arg).read_text() if is_file else arg
     out = []
     for line in text.splitlines():
         line = line.split("#", 1)[0].strip()

@@ -7,7 +7,8 @@ processes: a process's placement luck stays with that run) writing `<out>/a/run_
 machine's load falls on both. With one configuration the table is its repeatability: per
 summary metric the mean over the runs, the standard deviation, the coefficient of variation
 and Student's t interval of the mean (`workloads.stats.mean_interval`), as vLLM's sweeps and
-AIPerf's multi-run mode report them. With two, the runs are compared (`reports.compare`).
+AIPerf's multi-run mode report them. With two, the runs are compared (`reports.compare`). It
+lives in `workloads` because it runs experiments; `reports` only reads the folders.
 """
 
 from __future__ import annotations
