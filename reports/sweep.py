@@ -20,6 +20,7 @@ import yaml
 
 import conf
 from reports.page import Section, guarded, html_table, new_figure, render, render_page
+from reports.pareto import sweep_section as pareto
 from reports.run_data import RunFolderError, load_run
 
 REPORT_CONFIG = Path(conf.__file__).parent / "report" / "default.yaml"
@@ -192,6 +193,7 @@ def build_sweep_report(sweep_dir: str | Path, config: dict[str, Any] | None = No
         (curves, "throughput-latency", "Throughput vs latency"),
         (backends, "attention-backends", "Attention backends side by side"),
         (best, "best-config", "Best configuration under the SLOs"),
+        (pareto, "pareto", "Pareto front: speed per user against throughput per instance"),
         (targets, "targets", "Engines side by side"),
         (failed_jobs, "failed-jobs", "Failed jobs"))]  # fmt: skip
     return render_page(

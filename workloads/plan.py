@@ -49,7 +49,7 @@ from engine.sim.executor import SimulatedExecutor
 from engine.sim.hardware import HardwareProfile
 from engine.sim.model_counts import load_arch
 from workloads.factory import resolve_path
-from workloads.plan_output import render, write
+from workloads.plan_output import pareto, render, render_pareto, write
 from workloads.rate_search import SLO, find_max_rate, replicas_for_rate
 from workloads.simulate import simulate, trace_token_specs
 from workloads.spec import RequestSpec
@@ -345,10 +345,12 @@ def plan(cfg: PlanConfig) -> dict[str, Any]:
         "args": settings_of(cfg),
         "slo": {"max": dict(planner.slo.max), "min": dict(planner.slo.min)},
         "rows": rows, "best": best, "searches": searches, "wall_s": time.perf_counter() - t0,
+        "pareto": pareto(rows, cfg.sim_parallel()[0]),
     }  # fmt: skip
     if p.target_rate is not None:
         out["replicas"] = replicas_for_rate(p.target_rate, best["rate"]) if best else None
     render(rows, best, p.plain)
+    render_pareto(out["pareto"])
     if p.target_rate is not None:
         msg = (
             f"{out['replicas']} replica(s) of the best configuration serve {p.target_rate:.4g} req/s"

@@ -69,6 +69,48 @@ def render(rows: Sequence[dict[str, Any]], best: dict[str, Any] | None, plain: b
               f"p99 TTFT {best['p99_ttft_ms']:.1f} ms, p99 TPOT {best['p99_tpot_ms']:.2f} ms)")  # fmt: skip
 
 
+def pareto(rows: Sequence[dict[str, Any]], devices: int | None) -> list[dict[str, Any]]:
+    """reports.pareto's points for the plan's runs: one per configuration and rate, labelled
+    `budget B, seqs S @ R/s`; per device over the simulated tensor-parallel ranks."""
+    import pandas as pd
+
+    from reports.pareto import pareto_points
+
+    if not rows:
+        return []
+    labels = [f"budget {r['max_num_batched_tokens']}, seqs {r['max_num_seqs']} @ {r['rate']:.4g}/s" for r in rows]
+    df = pd.DataFrame(list(rows), columns=COLUMNS)
+    points = pareto_points(df, labels, [devices] * len(rows) if devices else None)
+    return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in p.items()}
+            for p in points.to_dict("records")]  # fmt: skip
+
+
+def render_pareto(points: Sequence[dict[str, Any]]) -> None:
+    """The front's points, fastest per user first (the console's short form of plan.html's)."""
+    front = sorted((p for p in points if p["on_front"]), key=lambda p: -(p["output_tok_s_per_user"] or 0))
+    print(f"pareto front ({len(front)} of {len(points)} runs): output tok/s per user / per instance")
+    for p in front:
+        print(f"  {p['config']}: {p['output_tok_s_per_user']:.1f} / {p['output_tok_s_per_instance']:.0f}")
+
+
+def _pareto_html(points: Sequence[dict[str, Any]]) -> str:
+    """The Pareto section of plan.html: the labelled plot (inline PNG) and the table."""
+    if not points:
+        return ""
+    import pandas as pd
+
+    from reports.page import render as render_png
+    from reports.pareto import plot
+
+    df = pd.DataFrame(list(points))
+    fig = render_png(plot(df, "output tok/s per user against per instance"), "Pareto front", "")
+    table = df.sort_values(["on_front", "output_tok_s_per_instance"], ascending=[False, False]).to_html(
+        index=False, float_format=lambda v: f"{v:.4g}")
+    return (f"<h2>Pareto front</h2><p>{int(df['on_front'].sum())} of {len(df)} runs on the front "
+            "(per user: 1000 / mean TPOT).</p>"
+            f"<img alt='Pareto front' src='data:image/png;base64,{fig.png_b64}'/>{table}")  # fmt: skip
+
+
 def write(folder: Path, rows: Sequence[dict[str, Any]], out: dict[str, Any]) -> None:
     import pandas as pd
 
@@ -146,6 +188,7 @@ def report_html(rows: Sequence[dict[str, Any]], out: dict[str, Any]) -> str:
             "<style>body{font-family:sans-serif;margin:2em} table{border-collapse:collapse;font-size:12px}"
             "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}</style></head><body>"
             f"<h1>{html.escape(title)}</h1><p>{html.escape(best_line)}</p>"
-            f"<p>SLO: {html.escape(json.dumps(out['slo']))}</p>{curves}{table}</body></html>")  # fmt: skip
+            f"<p>SLO: {html.escape(json.dumps(out['slo']))}</p>{curves}{table}"
+            f"{_pareto_html(out.get('pareto') or [])}</body></html>")  # fmt: skip
 
 
