@@ -333,6 +333,11 @@ class EngineConfig:
         self.kv_transfer.validate()
         if self.kv_transfer.kv_connector is not None and s.async_scheduling:
             raise ValueError("kv_transfer with async_scheduling=True is not supported yet; choose one of them")
+        tp = self.parallel.tensor_parallel_size
+        if self.kv_transfer.kv_connector is not None and tp > 1:  # a connector moves one rank's KV cache
+            raise ValueError(f"kv_transfer.kv_connector={self.kv_transfer.kv_connector} with "
+                             f"parallel.tensor_parallel_size={tp} is not supported yet; use tensor_parallel_size=1 "
+                             f"or no connector")
         if s.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if s.max_num_seqs < 1:

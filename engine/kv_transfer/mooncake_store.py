@@ -1,8 +1,8 @@
 """MooncakeStoreConnector: KV blocks in Mooncake's distributed store, shared by engines.
 
 Each full block is one object, keyed `<key_prefix><block hash hex>`; the prefix names the model,
-its weights' identity and the block layout, so two engines share blocks only when their KV is
-interchangeable. The producer side puts every block a step fills (after the forward); the
+a digest of its weights' content and the KV layout (engine/kv_transfer/keys.py), so two engines
+share blocks only when their KV is interchangeable. The producer side puts every block a step fills (after the forward); the
 consumer side asks `batch_is_exist` for the blocks past its local hit and gets them into its
 device blocks before admitting the request. Engines in one process share one store client.
 
@@ -24,13 +24,13 @@ import logging
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from engine.kv_transfer.base import BlockStoreConnector, KVConnectorRole, checked_extra_config
+from engine.kv_transfer.keys import default_key_prefix
 from engine.kv_transfer.metadata import BlockTransfer
 
 if TYPE_CHECKING:
@@ -104,16 +104,6 @@ def _close_client(key: tuple[str, str, str], healthy: bool) -> None:
 
 
 _ORPHANS: list[Any] = []
-
-
-def default_key_prefix(config: EngineConfig) -> str:
-    """Objects are interchangeable only between engines with the same weights and KV layout."""
-    m, c = config.model, config.cache
-    weights = Path(m.model).name
-    if m.load_format == "dummy":
-        weights += f"-dummy-seed{m.seed}"
-    layers = "" if m.num_layers_override is None else f"-L{m.num_layers_override}"
-    return f"servelab/{weights}{layers}/{m.dtype}-{c.cache_dtype}/bs{c.block_size}/"
 
 
 class MooncakeStoreConnector(BlockStoreConnector):

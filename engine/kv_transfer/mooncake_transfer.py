@@ -49,6 +49,7 @@ from engine.kv_transfer.base import (
     assign_save_slots,
     checked_extra_config,
 )
+from engine.kv_transfer.keys import default_key_prefix
 from engine.kv_transfer.metadata import BlockTransfer
 
 if TYPE_CHECKING:
@@ -159,6 +160,8 @@ class MooncakeTransferConnector(BlockStoreConnector):
                              "(kv_both: use MooncakeStoreConnector)")
         self.extra = extra
         self.stride = HEADER + bytes_per_block
+        # Weights and KV layout (keys.py): a producer of another model is refused even when its slots fit.
+        self.layout = default_key_prefix(config)
         self.retry_after_s = float(extra.get("retry_after_s", 10.0))
         self._timeout_s = float(extra.get("lookup_timeout_s", 1.0))
         addresses = extra.get("producer_directories") or []
@@ -236,7 +239,8 @@ class MooncakeTransferConnector(BlockStoreConnector):
         if rc != 0:
             raise RuntimeError(f"MooncakeTransferConnector: register_memory returned {rc}")
         if self.transfer_config.is_producer:
-            hello = {"session": self._session, "base": int(self._buffer.ctypes.data), "stride": self.stride}
+            hello = {"session": self._session, "base": int(self._buffer.ctypes.data), "stride": self.stride,
+                     "layout": self.layout}
             self._directory = _Directory(str(self.extra["directory_address"]), hello, self._lookup_slots)
 
     def _lookup_slots(self, hashes: list[bytes]) -> list[int]:
@@ -276,6 +280,9 @@ class MooncakeTransferConnector(BlockStoreConnector):
             if int(hello["stride"]) != self.stride:
                 raise RuntimeError(f"producer {self._addresses[index]} has {hello['stride']}-byte slots, "
                                    f"this engine {self.stride} (a different model or KV layout)")
+            if hello.get("layout") != self.layout:
+                raise RuntimeError(f"producer {self._addresses[index]} holds KV of {hello.get('layout')!r}, "
+                                   f"this engine {self.layout!r} (a different model or KV layout)")
             self._remote[index] = (str(hello["session"]), int(hello["base"]), int(hello["stride"]))
         return self._remote[index]
 
