@@ -230,6 +230,8 @@ class RunSection:
     output_dir: str = "runs"
     max_duration_s: float = 1800.0
     time_reference: bool = True  # measure a fixed CPU/GPU reference to normalise time metrics
+    # Open loop: stop the run once in-flight requests and TTFT keep rising (workloads/saturation.py).
+    stop_when_saturated: bool = False
 
 
 @dataclass

@@ -25,7 +25,8 @@ from reports.run_data import RunFolderError, load_run
 
 REPORT_CONFIG = Path(conf.__file__).parent / "report" / "default.yaml"
 SUMMARY_RE = (r"^(completed|failed|duration|total_.*|request_.*|output_throughput|max_.*|mean_.*|median_.*|std_.*"
-              r"|p\d+_.*|driver_bottleneck|num_.*|prefix_cache_hit_rate|time_reference_s|reference_ratio_.*)$")  # fmt: skip
+              r"|p\d+_.*|driver_bottleneck|num_.*|prefix_cache_hit_rate|time_reference_s|reference_ratio_.*"
+              r"|saturat.*|steady_.*)$")  # fmt: skip
 
 
 NOT_SWEPT = {"job", "run_dir", "target", "error", "stop_reason", "simulation_wall_s"}

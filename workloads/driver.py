@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from engine.outputs import StepStats
 from workloads.record import RequestRecord, TargetResult, record_from_result
+from workloads.saturation import SaturationMonitor
 from workloads.send_schedule import Send, SendSchedule
 from workloads.spec import RequestSpec
 from workloads.targets.base import Target
@@ -81,9 +82,13 @@ class Driver:
         self, target: Target, *, closed_loop: bool = False, concurrency: int | None = None,
         max_duration_s: float | None = None, progress: bool = False, on_progress: ProgressFn | None = None,
         scrape_interval_s: float | None = None, on_record: Callable[[RequestRecord], None] | None = None,
+        saturation: SaturationMonitor | None = None,
     ) -> None:
         """`on_record` sees each request's record as soon as it is complete (the run folder's
-        journal, so an interrupted or killed harness keeps every finished request)."""
+        journal, so an interrupted or killed harness keeps every finished request).
+        `saturation`: stop the run (stop_reason "saturated") once the monitor finds that the
+        target no longer keeps up (workloads/saturation.py; open loop only)."""
+        self.saturation = saturation
         self.schedule = SendSchedule(closed_loop=closed_loop, concurrency=concurrency)
         self.on_record = on_record
         self.target = target
@@ -121,11 +126,15 @@ class Driver:
         first = self.schedule.first(specs)
         main = asyncio.ensure_future(self._closed(first) if self.schedule.closed_loop else self._open(first))
         scraper = asyncio.ensure_future(self._scrape()) if self.scrape_interval_s else None
+        watch = asyncio.ensure_future(self._watch_saturation()) if self.saturation else None
         stop_reason = ""
         try:
-            done, _ = await asyncio.wait({main}, timeout=self.max_duration_s)
+            done, _ = await asyncio.wait({main, *([watch] if watch else [])}, timeout=self.max_duration_s,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             if not done:
                 stop_reason = "max_duration"
+            elif main not in done:
+                stop_reason = "saturated"
             else:
                 main.result()
                 if scraper is not None and self.metrics_error is None:
@@ -133,16 +142,16 @@ class Driver:
         except asyncio.CancelledError:
             stop_reason = "cancelled"
         finally:
-            await self._shutdown(main, scraper)
+            await self._shutdown(main, scraper, watch)
         return RunResult(
             records=sorted(self.records, key=lambda r: (r.scheduled_s, r.request_id)),
             t0_wall=t0_wall, wall_s=self.now(), stop_reason=stop_reason,
             steps=self.target.step_stats(), scraped=self._scraped, metrics_error=self.metrics_error,
         )
 
-    async def _shutdown(self, main: asyncio.Future, scraper: asyncio.Future | None) -> None:
+    async def _shutdown(self, main: asyncio.Future, *helpers: asyncio.Future | None) -> None:
         self._stopping = True
-        pending = [main, *self._tasks] + ([scraper] if scraper is not None else [])
+        pending = [main, *self._tasks, *(h for h in helpers if h is not None)]
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -196,6 +205,8 @@ class Driver:
             ready = max(scheduled, self.now())
         partial = _Partial()
         start = self.now()
+        if self.saturation is not None:
+            self.saturation.sent(partial, start)
         try:
             result = await self.target.send(spec, partial.add)
         except asyncio.CancelledError:
@@ -208,6 +219,8 @@ class Driver:
         finally:
             if self._sem is not None:
                 self._sem.release()
+            if self.saturation is not None:
+                self.saturation.done(partial, self.now())
         return self._store(spec, result, scheduled, start, start - ready)
 
     def _after(self, send: Send, record: RequestRecord) -> Send | None:
@@ -248,6 +261,12 @@ class Driver:
             await asyncio.sleep(delay - _TIMER_SLACK_S)
         while self.now() < t_rel:
             await asyncio.sleep(0)
+
+    async def _watch_saturation(self) -> None:
+        """Returns once the monitor says the target no longer keeps up."""
+        assert self.saturation is not None
+        while not self.saturation.check(self.now()):
+            await asyncio.sleep(self.saturation.check_interval_s)
 
     async def _scrape(self) -> None:
         while await self._scrape_once():

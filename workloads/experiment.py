@@ -238,13 +238,15 @@ def _hooks_factory(cfg: RunConfig, run_dir: Path):
 
 def _drive(cfg: RunConfig, target: Any, specs: list, run_dir: Path) -> RunResult:
     from profiling.telemetry import TelemetrySampler
+    from workloads.saturation import SaturationMonitor
 
     closed_loop, concurrency = send_limits(cfg)
     scrape = cfg.target.metrics_interval_s if cfg.target.kind in ("server", "openai", "pd", "vllm", "llamacpp") else None
     journal = runfolder.RequestJournal(run_dir)
+    monitor = SaturationMonitor() if cfg.run.stop_when_saturated and not closed_loop else None
     driver = Driver(target, closed_loop=closed_loop, concurrency=concurrency,
                     max_duration_s=cfg.run.max_duration_s, progress=True, scrape_interval_s=scrape,
-                    on_record=journal)
+                    on_record=journal, saturation=monitor)
 
     sigint = _SigintWatch()
 

@@ -51,6 +51,7 @@ from engine.sim.model_counts import load_arch
 from workloads.factory import resolve_path
 from workloads.plan_output import pareto, render, render_pareto, write
 from workloads.rate_search import SLO, find_max_rate, replicas_for_rate
+from workloads.saturation import saturation_summary
 from workloads.simulate import simulate, trace_token_specs
 from workloads.spec import RequestSpec
 from workloads.traces import TraceRow, fit_to_context, load_trace, scale_time, slice_rows
@@ -244,6 +245,9 @@ class Planner:
         done = summ["completed"]
         summ["completed_fraction"] = done / len(specs) if specs else 0.0
         bad = self.slo.violations(_filled(summ))
+        saturated = saturation_summary(res.records)["saturated"]
+        if saturated:
+            bad.append("saturated")
         row = {
             "max_num_batched_tokens": budget, "max_num_seqs": seqs, "rate": rate,
             "time_scale": None if workload.synthetic else k, "requests": len(specs), "completed": done,
@@ -256,7 +260,7 @@ class Planner:
             "mean_kv_usage": float(np.mean(usage)) if usage else 0.0,
             "max_kv_usage": float(np.max(usage)) if usage else 0.0,
             "num_preemptions": summ["num_preemptions"], "sim_s": res.sim_s, "wall_s": res.wall_s,
-            "meets_slo": not bad, "violations": "; ".join(bad),
+            "saturated": saturated, "meets_slo": not bad, "violations": "; ".join(bad),
         }  # fmt: skip
         self.rows.append(row)
         print(f"  budget {budget:>6} seqs {seqs:>4} rate {rate:>9.4g} req/s: "
@@ -337,8 +341,9 @@ def plan(cfg: PlanConfig) -> dict[str, Any]:
                 rates_here = [k * natural for k in scales or []]
             else:
                 rates_here = rates
-            for rate in rates_here:
-                planner.run(budget, seqs, rate)
+            for rate in sorted(rates_here):
+                if planner.run(budget, seqs, rate)["saturated"]:
+                    break  # a higher rate only queues faster: stop climbing at the first saturated one
     rows = sorted(planner.rows, key=lambda r: (r["max_num_batched_tokens"], r["max_num_seqs"], r["rate"]))
     best = best_row(rows)
     out: dict[str, Any] = {

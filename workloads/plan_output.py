@@ -16,7 +16,7 @@ COLUMNS = [
     "max_num_batched_tokens", "max_num_seqs", "rate", "time_scale", "requests", "completed",
     "request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
     "p99_tpot_ms", "request_goodput", "goodput_fraction", "mean_kv_usage", "max_kv_usage",
-    "num_preemptions", "sim_s", "wall_s", "meets_slo", "violations",
+    "num_preemptions", "sim_s", "wall_s", "saturated", "meets_slo", "violations",
 ]  # fmt: skip
 
 

@@ -70,12 +70,16 @@ def find_max_rate(
     """Highest rate in (0, rate_limit] meeting `slo`, to within `rel_tol` (relative).
 
     Calls `run` at most `max_evals` times. If `start` fails, the search halves downwards.
+    A summary with `saturated` true fails whatever its latencies: the doubling never climbs past
+    the first saturated rate.
     """
     evals: list[Evaluation] = []
 
     def check(rate: float) -> bool:
         summary = run(rate)
         bad = slo.violations(summary)
+        if summary.get("saturated"):  # the queue grows: a longer run would break any latency SLO
+            bad.append("saturated (the target no longer keeps up: workloads/saturation.py)")
         evals.append(Evaluation(rate, not bad, bad, summary))
         return not bad
 

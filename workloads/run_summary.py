@@ -13,6 +13,7 @@ from conf.schema import RunConfig
 from workloads import runfolder
 from workloads.driver import RunResult
 from workloads.metrics import summarize
+from workloads.saturation import run_health
 from workloads.time_reference import reference_cores
 
 # targets that run this engine on this machine (the others are HTTP servers of any kind)
@@ -60,6 +61,7 @@ def write_results(
         summary["time_reference_s"] = reference
         summary["time_reference_cores"] = reference_cores(cfg)
     summary["target"] = cfg.target.kind
+    summary.update(run_health(cfg, result.records))  # saturated? (workloads/saturation.py)
     if result.metrics_error:
         summary["server_metrics"] = f"unavailable: {result.metrics_error}"
     if cfg.target.kind != "simulated":  # the dtype that ran ("auto" resolved, engine/platform.py)
