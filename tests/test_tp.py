@@ -87,6 +87,15 @@ def test_unsplittable_model_is_a_one_line_config_error(tmp_path) -> None:
     assert "\n" not in str(err.value)
 
 
+def test_a_context_the_kv_cache_cannot_hold_is_a_one_line_error_with_ranks(tmp_path) -> None:
+    from engine.llm import LLM
+
+    model = _tiny_shape(tmp_path)  # 64 positions; 2 blocks of 16 hold 32
+    with pytest.raises(ValueError, match=r"max_model_len=64 is more than the KV cache holds \(32 tokens") as err:
+        LLM(model=model, dtype="float32", tensor_parallel_size=2, num_blocks=2, block_size=16, max_model_len=64)
+    assert "\n" not in str(err.value)
+
+
 # ---- TP=2 against the oracle -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tp_llm():

@@ -23,7 +23,7 @@ import sys
 import msgspec
 import zmq
 
-from engine.config import EngineConfig
+from engine.config import ConfigLimitError, EngineConfig
 from engine.distributed import wire
 from engine.step_io import SchedulerOutput, step_decoder, step_encoder
 
@@ -75,8 +75,13 @@ def serve(rank: int, local_rank: int, executor_addr: str, watch_parent: bool) ->
                 if rank == 0:
                     sock.send_multipart((wire.OUTPUT, encoder.encode(out)))
     except Exception as exc:
-        logger.exception("worker rank %d failed", rank)
-        sock.send_multipart((wire.ERROR, encoder.encode(f"{type(exc).__name__}: {exc}")))
+        if isinstance(exc, ConfigLimitError):  # a setting to change, not a bug: one line, no traceback
+            logger.error("worker rank %d: %s", rank, exc)
+            name = "ValueError"  # the executor re-raises a start-up ValueError as the user's error
+        else:
+            logger.exception("worker rank %d failed", rank)
+            name = type(exc).__name__
+        sock.send_multipart((wire.ERROR, encoder.encode(f"{name}: {exc}")))
         return 1
     finally:
         # No destroy_process_group: with a peer already gone it can wait; the process exit frees the group.

@@ -160,7 +160,7 @@ class MultiprocExecutor(Executor):
     def _check_alive(self) -> None:
         for rank, proc in self.procs.items():
             code = proc.poll()
-            if code is not None:
+            if code is not None and not self._sock.poll(0):  # a rank's last message (its ERROR) is read first
                 self._fail(f"worker rank {rank} (pid {proc.pid}) died with exit code {code}")
 
     def _fail(self, reason: str) -> None:
