@@ -232,6 +232,7 @@ class RunSection:
     time_reference: bool = True  # measure a fixed CPU/GPU reference to normalise time metrics
     # Open loop: stop the run once in-flight requests and TTFT keep rising (workloads/saturation.py).
     stop_when_saturated: bool = False
+    time_slice_s: float | None = None  # the report's time slices (null: about ten per run)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from reports import sections_engine as eng
 from reports import sections_kv as kv
+from reports import sections_load as load
 from reports import sections_requests as rq
 from reports import sections_slo as slo
 from reports.page import Section, guarded, render_page
@@ -19,6 +20,7 @@ SECTIONS = (
     (rq.summary_table, "summary", "Summary"),
     (rq.distributions, "latency-distributions", "Latency distributions"),
     (rq.over_time, "over-time", "Latency and throughput over time"),
+    (load.load_phases, "steady-state", "Steady state and time slices"),
     (eng.kv_and_batch, "kv-batch", "KV-cache utilization and batch composition"),
     (eng.preemption_prefix, "preemption-prefix", "Preemptions and prefix-cache hit rate"),
     (kv.kv_connector, "kv-connector", "External KV (connector)"),

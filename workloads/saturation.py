@@ -154,8 +154,15 @@ class SaturationMonitor:
 
 
 def run_health(cfg: Any, records: Sequence[RequestRecord]) -> dict[str, Any]:
-    """The figures workloads/run_summary.py adds to summary.json: saturation (open loop only)."""
+    """The figures workloads/run_summary.py adds to summary.json: saturation (open loop only)
+    and the steady-state window's figures (workloads/steady_state.py; none when saturated)."""
     from workloads.experiment import send_limits  # (experiment imports run_summary, which imports this)
+    from workloads.steady_state import steady_summary
 
     closed_loop, _ = send_limits(cfg)
-    return saturation_summary(records, open_loop=not closed_loop)
+    out = saturation_summary(records, open_loop=not closed_loop)
+    if out["saturated"]:
+        out["steady_state"] = "saturated: the queue never settles"
+    else:
+        out.update(steady_summary(records))
+    return out
