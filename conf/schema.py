@@ -283,6 +283,7 @@ class PlanSection:
     search_max: float = 1e6  # highest rate the search may try, req/s
     target_rate: float | None = None  # total rate to serve: replicas of the best configuration
     slo_stat: str = "p99"  # the statistic of TTFT / TPOT held to slo.*: p99 | p95 | p90 | median | mean
+    verify: int = 0  # run the K best picks for real on `target` and compare (workloads/plan_verify.py)
     out: str | None = None  # folder for plan.csv, plan.json, plan.html
     plain: bool = False  # plain-text table (no rich)
     progress: bool = False  # a progress bar per simulated run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -208,3 +209,31 @@ def test_table_without_rich_falls_back_to_plain_text() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "best: max_num_batched_tokens=256" in out.stdout
+
+
+def test_verify_runs_the_best_picks_on_the_target_and_reports_the_error(tmp_path, capsys) -> None:
+    """plan.verify=2 on the simulated target (the real-engine runs take minutes; the wiring is the
+    same): the same model and hardware measure what the planner simulated, so the errors are small
+    (the run sends the traffic recipe again: text prompts, its own Poisson draw)."""
+    out = tmp_path / "plan"
+    argv = ["model=smollm2", "sim.hardware=h100", "plan.plain=true", "workload.num_requests=24",
+            "workload.prompt_len.value=96", "workload.output_len.value=16", "plan.rates=[2,4,2000]",
+            "plan.max_num_batched_tokens=[64,512]", "plan.max_num_seqs=[4]", "slo.ttft_ms=50", "slo.tpot_ms=50",
+            "plan.verify=2", "target.kind=simulated", "run.time_reference=false", "report.html=false",
+            f"plan.out={out}"]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "verify budget" in text and "measured" in text
+    plan = json.loads((out / "plan.json").read_text())
+    results = plan["verify"]
+    assert len(results) == 2 and all(not r["error"] for r in results)
+    # the two best picks: the highest rate meeting the SLOs, for each budget
+    assert {(r["max_num_batched_tokens"], r["rate"]) for r in results} == {(64, 4), (512, 4)}
+    for r in results:
+        summary = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
+        assert summary["completed"] == 24
+        for m in ("mean_ttft_ms", "mean_tpot_ms", "output_throughput"):
+            assert r["measured"][m] == summary[m]
+            assert r["relative_error"][m] == pytest.approx((r["simulated"][m] - r["measured"][m]) / r["measured"][m])
+        assert abs(r["relative_error"]["mean_tpot_ms"]) < 0.25, r
+    assert "<h2>Verified picks</h2>" in (out / "plan.html").read_text()

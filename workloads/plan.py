@@ -50,6 +50,7 @@ from engine.sim.hardware import HardwareProfile
 from engine.sim.model_counts import load_arch
 from workloads.factory import resolve_path
 from workloads.plan_output import pareto, render, render_pareto, write
+from workloads.plan_verify import render_verify, verify
 from workloads.rate_search import SLO, find_max_rate, replicas_for_rate
 from workloads.saturation import saturation_summary
 from workloads.simulate import simulate, trace_token_specs
@@ -297,16 +298,13 @@ def settings_of(cfg: PlanConfig) -> dict[str, Any]:
         "seed": w.seed, "slo_ttft_ms": cfg.slo.ttft_ms, "slo_tpot_ms": cfg.slo.tpot_ms,
         **{k: getattr(p, k) for k in (
             "max_num_batched_tokens", "max_num_seqs", "rates", "time_scales", "search", "search_start",
-            "search_tol", "search_max", "target_rate", "slo_stat", "out")},
+            "search_tol", "search_max", "target_rate", "slo_stat", "out", "verify")},
     }  # fmt: skip
 
 
-def plan(cfg: PlanConfig) -> dict[str, Any]:
-    """Run every candidate; returns the plan.json dict."""
+def check_plan_args(cfg: PlanConfig) -> None:
+    """One load option, an SLO for a search, valid search bounds, target rate and verify count."""
     p = cfg.plan
-    budgets = positive(p.max_num_batched_tokens or [cfg.scheduler.max_num_batched_tokens],
-                       "plan.max_num_batched_tokens")  # fmt: skip
-    seqs_list = positive(p.max_num_seqs or [cfg.scheduler.max_num_seqs], "plan.max_num_seqs")
     if sum(bool(x) for x in (p.rates, p.time_scales, p.search)) != 1:
         raise PlanError("give exactly one of plan.rates, plan.time_scales, plan.search=true "
                         "(--rates, --time-scales, --search)")  # fmt: skip
@@ -316,6 +314,17 @@ def plan(cfg: PlanConfig) -> dict[str, Any]:
         check_search_args(p)
     if p.target_rate is not None and p.target_rate <= 0:
         raise PlanError("plan.target_rate must be > 0")
+    if p.verify < 0:
+        raise PlanError(f"plan.verify: the number of picks to run for real, >= 0, got {p.verify}")
+
+
+def plan(cfg: PlanConfig) -> dict[str, Any]:
+    """Run every candidate; returns the plan.json dict."""
+    p = cfg.plan
+    budgets = positive(p.max_num_batched_tokens or [cfg.scheduler.max_num_batched_tokens],
+                       "plan.max_num_batched_tokens")  # fmt: skip
+    seqs_list = positive(p.max_num_seqs or [cfg.scheduler.max_num_seqs], "plan.max_num_seqs")
+    check_plan_args(cfg)
     rates = positive(p.rates, "plan.rates") if p.rates else None
     scales = positive(p.time_scales, "plan.time_scales") if p.time_scales else None
     planner = Planner(cfg)
@@ -363,6 +372,9 @@ def plan(cfg: PlanConfig) -> dict[str, Any]:
             else "no replica count: no configuration met the SLOs"
         )
         print(f"replicas: {msg}")
+    if p.verify:
+        out["verify"] = verify(cfg, rows, p.verify)
+        render_verify(out["verify"])
     if p.out is not None:
         write(Path(p.out), rows, out)
         print(f"wrote plan.csv, plan.json and plan.html to {p.out}")

@@ -164,10 +164,13 @@ def _svg_curve(rows: Sequence[dict[str, Any]], key: str, title: str, limit: floa
 
 
 def report_html(rows: Sequence[dict[str, Any]], out: dict[str, Any]) -> str:
-    """A self-contained page: the search curves and the table of every run."""
+    """A self-contained page: the search curves, the table of every run, the Pareto front and
+    the verified picks."""
     import html
 
     import pandas as pd
+
+    from workloads.plan_verify import verify_html
 
     args, stat = out["args"], out["args"]["slo_stat"]
     curves = "".join(
@@ -189,6 +192,6 @@ def report_html(rows: Sequence[dict[str, Any]], out: dict[str, Any]) -> str:
             "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}</style></head><body>"
             f"<h1>{html.escape(title)}</h1><p>{html.escape(best_line)}</p>"
             f"<p>SLO: {html.escape(json.dumps(out['slo']))}</p>{curves}{table}"
-            f"{_pareto_html(out.get('pareto') or [])}</body></html>")  # fmt: skip
+            f"{_pareto_html(out.get('pareto') or [])}{verify_html(out.get('verify') or [])}</body></html>")  # fmt: skip
 
 
