@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from conf.schema import RunConfig, check_overrides, compose_typed, register_schemas
@@ -29,11 +31,16 @@ _FAILED: list[str] = []  # run folders whose experiment failed (Hydra drops the 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="run")
 def _main(cfg: DictConfig) -> int:
     from workloads.experiment import run_experiment
-    from workloads.sweep import write_job_overrides
+    from workloads.sweep import saturated_below, write_job_overrides
 
     hc = HydraConfig.get()
     run_dir = hc.runtime.output_dir
     write_job_overrides(run_dir, list(hc.overrides.task))
+    skip = saturated_below(run_dir, list(hc.overrides.task)) if hc.mode == RunMode.MULTIRUN else None
+    if skip:  # a rate sweep stops climbing past its first saturated rate
+        Path(run_dir, "error.txt").write_text(skip + "\n")
+        print(f"servelab-run: {skip}")
+        return 0
     run_cfg = OmegaConf.to_object(cfg)
     assert isinstance(run_cfg, RunConfig)
     outcome = run_experiment(run_cfg, run_dir)

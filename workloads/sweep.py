@@ -26,6 +26,34 @@ def write_job_overrides(run_dir: str | Path, overrides: list[str]) -> None:
     (path / "overrides.json").write_text(json.dumps(overrides))
 
 
+def saturated_below(job_dir: str | Path, overrides: list[str]) -> str | None:
+    """Why this sweep job need not run: a finished sibling job with the same overrides but a lower
+    request rate (an override whose key ends in `rate`) was saturated (workloads/saturation.py),
+    so a higher rate only queues faster. None: run it. Sees the jobs finished so far (all of
+    them with the sequential basic launcher; a parallel launcher may run a job it could skip)."""
+    mine = _override_values(overrides)
+    rate_key = next((k for k in mine if k.endswith("rate")), None)
+    if rate_key is None:
+        return None
+    try:
+        rate = float(mine[rate_key])
+    except ValueError:
+        return None
+    for job in sorted(Path(job_dir).parent.iterdir()):
+        other_path, summary_path = job / "overrides.json", job / "summary.json"
+        if job == Path(job_dir) or not (other_path.exists() and summary_path.exists()):
+            continue
+        other = _override_values(json.loads(other_path.read_text()))
+        same = {k: v for k, v in other.items() if k != rate_key} == {k: v for k, v in mine.items() if k != rate_key}
+        try:
+            lower = float(other.get(rate_key, "nan")) < rate
+        except ValueError:
+            continue
+        if same and lower and json.loads(summary_path.read_text()).get("saturated") is True:
+            return f"skipped: {rate_key}={other[rate_key]} was already saturated ({job.name})"
+    return None
+
+
 def _override_values(overrides: list[str]) -> dict[str, str]:
     out = {}
     for o in overrides:
