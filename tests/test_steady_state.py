@@ -87,3 +87,11 @@ def test_summary_and_report_carry_the_steady_state(tmp_path: Path) -> None:
         and "slices of 0.5 s" in page
         and "could not render" not in page
     )
+
+
+def test_an_older_requests_csv_without_token_times_or_errors_still_has_a_window() -> None:
+    recs = _run()
+    old = pd.DataFrame({"start_s": [r.start_s for r in recs], "done_s": [r.done_s for r in recs],
+                        "ttft_ms": [100.0] * len(recs)})  # fmt: skip
+    frame = csv_frame(old)
+    assert frame["ok"].all() and steady_window(frame) == steady_window(request_frame(recs))

@@ -55,12 +55,17 @@ def csv_frame(requests: pd.DataFrame) -> pd.DataFrame:
     req = requests
     if "is_warmup" in req:
         req = req[~req["is_warmup"].astype(str).str.lower().isin(("true", "1"))]
-    err = req["error"].astype(object).fillna("").astype(str).str.len() > 0 if "error" in req else False
-    ends = req["done_s"] if "done_s" in req else req["end_s"]
+    err = (req["error"].astype(object).fillna("").astype(str).str.len() > 0 if "error" in req
+           else pd.Series(False, index=req.index))  # fmt: skip
+    ends = req["done_s"] if "done_s" in req else req.get("end_s", req["start_s"])
+    col = lambda name: req[name] if name in req else pd.Series(np.nan, index=req.index)  # noqa: E731
+    ttft = col("ttft_ms")
     return pd.DataFrame({
-        "start_s": req["start_s"].astype(float), "end_s": ends.astype(float).where(ends > 0, req["end_s"]),
-        "ttft_ms": req["ttft_ms"], "tpot_ms": req["tpot_ms"], "e2el_ms": req["e2el_ms"],
-        "ok": ~err & req["ttft_ms"].notna(), "token_times": [json_list(c) for c in req["token_times"]],
+        "start_s": req["start_s"].astype(float),
+        "end_s": ends.astype(float).where(ends > 0, col("end_s")),
+        "ttft_ms": ttft, "tpot_ms": col("tpot_ms"), "e2el_ms": col("e2el_ms"),
+        "ok": ~err & ttft.notna(),
+        "token_times": [json_list(c) for c in req["token_times"]] if "token_times" in req else [[]] * len(req),
     })  # fmt: skip
 
 
