@@ -157,3 +157,22 @@ def test_synthesize_refuses_nonsense() -> None:
         synthesize_trace([TraceRow(0, 1, 1)], 0)
     with pytest.raises(ValueError):
         synthesize_trace([TraceRow(0, 1, 1)], 5, rate_scale=0)
+
+
+def test_burstgpt_whole_second_arrivals_leave_zero_gaps_out_of_the_fit(tmp_path: Path) -> None:
+    path = tmp_path / "burst.csv"
+    lines = ["Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"]
+    rng = np.random.default_rng(3)
+    t = np.floor(np.cumsum(rng.exponential(2.0, 400)))  # whole seconds: some requests share one
+    lines += [
+        f"{int(x)},ChatGPT,{100 + i % 50},{0 if i % 40 == 0 else 20},0,Conversation log"
+        for i, x in enumerate(t)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "a.json"
+    assert trace_main(["analyze", str(path), "--out", str(out), "--window-s", "100"]) == 0
+    a = json.loads(out.read_text())
+    assert a["rows"] == 390  # failed requests (0 response tokens) dropped by the loader
+    assert a["arrivals"]["zero_gaps"] > 0 and np.isfinite(a["arrivals"]["gamma_shape"])
+    assert a["output_tokens"]["min"] == 20 and "prefix_cache" not in a
+    assert len(a["arrivals"]["rate_per_window"]) == int(a["arrivals"]["span_s"] // 100) + 1
