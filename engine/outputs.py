@@ -33,6 +33,21 @@ def finish_reason_str(value: int | None) -> str | None:
 TokenLogprobs = tuple[int, float, list[tuple[int, float]]]
 
 
+class StepMember(msgspec.Struct, array_like=True, frozen=True):
+    """One request's part in a step (step_members.csv; SLO attribution, workloads/attribution.py).
+
+    `kind`: "decode" (exactly its next token, its prompt computed), "recompute" (a request
+    back from preemption recomputing what it had: its first step after resuming and every
+    chunk until it samples), "prefill" otherwise. `num_computed` is its tokens in KV before
+    the step; `num_prefix_hit` the tokens its admission found cached (0 on later steps)."""
+
+    request_id: str
+    num_tokens: int  # scheduled this step (drafts included)
+    kind: str
+    num_computed: int = 0
+    num_prefix_hit: int = 0
+
+
 class StepStats(msgspec.Struct, omit_defaults=False):
     """Engine state after one step: what the workbench records into steps.csv."""
 
@@ -84,6 +99,7 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     kv_save_time: float = 0.0
     kv_external_hit_tokens: int = 0
     kv_load_failures: int = 0
+    members: list[StepMember] = []  # the requests this step ran (not a steps.csv column)
 
     @property
     def kv_usage(self) -> float:

@@ -1,7 +1,14 @@
 """The SLO-miss section: why requests missed, and the worst ones drawn against the batch.
 
-Recomputed from requests.csv and steps.csv (workloads/attribution.py), so a report rebuilt
-from an old run folder gets it too.
+Recomputed from requests.csv, steps.csv and step_members.csv (workloads/attribution.py), so a
+report rebuilt from an old run folder gets it too. Each component, as the page's note says:
+queueing (engine arrival -> first scheduled), preemption (out of the batch after its first
+scheduling + the steps that recomputed it), prefill_interference (its steps' time x other
+requests' prefill tokens / the step's tokens; prefix hits are nobody's), prefill / decode (its own
+compute; decode up to a one-row decode step), batch_size (decode time above a one-row step; never
+the cause when the batch never varied), front_end (client minus engine time), harness_lateness
+(TTFT and E2EL only). Without step_members.csv (HTTP targets) the request's client-time windows
+are laid on the steps instead.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from reports.page import Section, html_table, new_figure, render
 from reports.run_data import RunData
 from workloads.attribution import CAUSES, attribute, attribution_frame, miss_summary
 from workloads.runfolder import read_requests, records_from_frame
+from workloads.step_members import read_members
 
 WORST = 6
 _COLORS = {"queued": "#9e9e9e", "prefill": "#ff7f0e", "decode": "#1f77b4"}
@@ -19,8 +27,13 @@ _COLORS = {"queued": "#9e9e9e", "prefill": "#ff7f0e", "decode": "#1f77b4"}
 
 def slo_misses(run: RunData) -> Section:
     s = Section("slo-misses", "SLO misses by cause",
-                intro="Each request missing a TTFT, TPOT or E2EL SLO, with the component that cost it most "
-                      "(engine timestamps joined to the engine's steps; see workloads/attribution.py).")  # fmt: skip
+                intro="Each request missing a TTFT, TPOT or E2EL SLO, with the component that cost it most, "
+                      "measured on the request's own engine steps against its cost alone: queueing (arrival -> "
+                      "first scheduled), preemption (time out of the batch + its recompute), prefill_interference "
+                      "(its steps' share of other requests' prefill tokens), prefill / decode (its own compute at "
+                      "one row), batch_size (decode above one row; not a cause when the batch never varied), "
+                      "front_end (client minus engine), harness_lateness (TTFT and E2EL only). See "
+                      "workloads/attribution.py.")  # fmt: skip
     slo = run.slo()
     if not slo:
         s.missing = "No SLO set for this run (slo.ttft_ms / slo.tpot_ms / slo.e2el_ms)."
@@ -31,7 +44,8 @@ def slo_misses(run: RunData) -> Section:
     steps = run.steps if run.steps is not None and "step_time" in run.steps else None
     frame = read_requests(run.path)  # text columns as '' (not NaN)
     records = records_from_frame(frame[frame["ttft_ms"].notna()])  # failed requests never miss an SLO
-    found = attribute(records, steps, dict(slo))
+    members = read_members(run.path) if steps is not None else None
+    found = attribute(records, steps, dict(slo), members)
     if not found:
         s.notes.append("Every completed request met the SLOs.")
         return s
@@ -45,6 +59,9 @@ def slo_misses(run: RunData) -> Section:
     if steps is None:
         s.notes.append("No per-step engine records (an HTTP target without engine stats): causes inside the "
                        "engine cannot be told apart.")  # fmt: skip
+    elif members is None:
+        s.notes.append("No step_members.csv (an HTTP target, or an older run): each request's client-time "
+                       "windows were laid on the run's steps, which cannot tell its own steps from others'.")  # fmt: skip
     frame = attribution_frame(found)
     worst = _worst(run.requests, frame)
     if steps is not None and not worst.empty:

@@ -1,27 +1,38 @@
-"""SLO misses attributed to a cause: each missing request joined to the engine's steps.
+"""SLO misses attributed to a cause, per request, against what the request costs alone.
 
-For every completed request that misses a TTFT, TPOT or E2EL SLO, the time it lost is split
-into components, in ms, and the largest names the cause:
+For every completed request that misses a TTFT, TPOT or E2EL SLO, the time it took is split into
+components, in ms, and the largest names the cause (`unknown` when none is above zero). The
+request's own compute at no contention (`prefill` for TTFT, `decode` for TPOT, both for E2EL) is
+the baseline: it competes only when it alone exceeds the SLO (the request would miss on an idle
+engine); otherwise the cause is what the request paid above it.
 
-TTFT (request start -> first token):
-- `queueing`: arrival -> first scheduled (engine timestamps): waited for a batch slot or KV;
-- `prefill_interference`: the part of its prefill window (first scheduled -> first token)
-  spent on other requests' tokens: the window's duration times the share of the tokens
-  scheduled in its steps that were not its own prompt;
-- `prefill`: the rest of that window (its own prompt's compute, chunked or not);
-- `front_end`: TTFT minus the engine's queue and prefill time (HTTP, tokenization,
-  detokenization, network).
-TPOT (first token -> last token, per output token) and the decode part of E2EL:
-- `prefill_interference`: in steps that also ran prefill tokens, the step time above what a
-  decode-only step of the same batch takes (a line fitted to the run's decode-only steps:
-  step_time = a + c * decode requests);
-- `batch_size`: in every step, what the decode-only line adds above a batch of one;
-- `preemption`: steps in its decode window beyond its output tokens (it sat out while
-  preempted and recomputed), when the window saw a preemption, times the mean step time;
-- `front_end`: client decode window minus the engine's decode time.
-Every miss also has `harness_lateness` (driver lateness + client-side queue): it wins only
-when the harness, not the server, is the problem. Without engine timings (a server that
-does not report them) and without steps, the cause is `unknown`.
+From the request's own steps (step_members.csv: each step's requests and their tokens, recorded
+by the engine; in-process, offline and simulated runs). Its first-token step is its first
+non-decode step that reaches its prompt length; steps up to it are its TTFT part, the later ones
+its decode part (TPOT; E2EL takes both).
+- `queueing`: engine arrival -> first scheduled (the engine's queue time; TTFT only).
+- `preemption`: the time it was out of the running batch after its first scheduling (from the
+  end of its step before a resume to the start of the resuming step) plus the whole time of the
+  steps that recomputed it (members of kind `recompute`).
+- `prefill_interference`: in each of its other steps, step time x (other requests' prefill and
+  recompute tokens / the step's scheduled tokens). Scheduled tokens exclude prefix hits, so a hit
+  is nobody's work. Steps it sat out without a preemption (budget taken) count here when they ran
+  prefill tokens, under `batch_size` otherwise.
+- `prefill`: the rest of its prefill steps (its own prompt, chunked or not).
+- `batch_size`: in each decode step of k requests, what a decode-only step of k takes above one of
+  a single request (medians of the run's decode-only steps per batch size; a line fitted to them
+  for sizes without one-request steps). Reported always, but never the cause when the run's
+  decode-only steps never varied in batch (every request paid it alike: it is the load).
+- `decode`: the rest of its decode steps (its own token, and a busy machine's noise).
+- `front_end`: client time minus engine time (TTFT: client TTFT - engine arrival -> first token;
+  decode: client first -> last token minus the engine's): HTTP, tokenization, network.
+- `harness_lateness` (TTFT and E2EL only: it cannot change TPOT): the part of the client-side
+  TTFT gap the harness's own lag explains, min(front-end gap, driver lateness + client queue). A
+  late send alone does not lengthen a TTFT measured from the send; a pinned driver also reads late.
+
+Without step members for a request (HTTP targets; older run folders) its windows are placed on
+the client's token times instead (workloads/attribution_fallback.py). Without engine timings
+and steps, the cause is `unknown` unless the harness lagged.
 """
 
 from __future__ import annotations
@@ -34,38 +45,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from workloads.attribution_fallback import DecodeLine, decode_components, fit_decode_line, ttft_components
 from workloads.record import RequestRecord
 
-CAUSES = ("queueing", "prefill_interference", "prefill", "preemption", "batch_size", "front_end",
+__all__ = ["CAUSES", "METRICS", "Attribution", "DecodeLine", "RunSteps", "attribute", "attribution_frame",
+           "fit_decode_line", "miss_summary", "own_components", "prepare_steps"]  # fmt: skip
+
+CAUSES = ("queueing", "prefill_interference", "prefill", "decode", "preemption", "batch_size", "front_end",
           "harness_lateness", "unknown")  # fmt: skip
 METRICS = ("ttft", "tpot", "e2el")
-
-
-@dataclass(frozen=True)
-class DecodeLine:
-    """Decode-only step time (s) against the number of decoding requests: a + c * n."""
-
-    a: float
-    c: float
-
-    def at(self, n: float) -> float:
-        return self.a + self.c * max(n, 1.0)
-
-
-def fit_decode_line(steps: pd.DataFrame) -> DecodeLine | None:
-    """Least squares over decode-only steps; a flat line when their batch never varies."""
-    need = {"num_prefill_tokens", "num_decode_reqs", "step_time"}
-    if steps is None or steps.empty or not need <= set(steps.columns):
-        return None
-    d = steps[(steps["num_prefill_tokens"] == 0) & (steps["num_decode_reqs"] > 0)]
-    if d.empty:
-        return DecodeLine(float(steps["step_time"].median()), 0.0)
-    n, t = d["num_decode_reqs"].to_numpy(float), d["step_time"].to_numpy(float)
-    if len(d) >= 3 and np.unique(n).size >= 2:
-        c, a = np.polyfit(n, t, 1)
-        if c >= 0:
-            return DecodeLine(float(a), float(c))
-    return DecodeLine(float(np.median(t)), 0.0)
+_PREFILL_KINDS = ("prefill", "recompute")
 
 
 @dataclass
@@ -75,60 +64,115 @@ class Attribution:
     causes: dict[str, str]  # metric -> cause
     ttft_ms: dict[str, float] = field(default_factory=dict)  # component -> ms
     decode_ms: dict[str, float] = field(default_factory=dict)  # component -> ms over the decode window
+    source: str = "members"  # "members" (its own steps) | "windows" (fallback)
 
 
-def _window(steps: pd.DataFrame, start: float, end: float) -> pd.DataFrame:
-    t = steps["time"]
-    return steps[(t > start) & (t <= end + 1e-9)]
+@dataclass
+class RunSteps:
+    """A run's steps prepared for attribution: each request's own steps with their times and the
+    step's token totals, the one-row decode baseline, and whether the decode batch ever varied."""
+
+    own: dict[str, pd.DataFrame]
+    prefill_by_step: pd.Series  # step -> prefill + recompute tokens scheduled
+    batch_extra_s: dict[int, float]  # requests in a decode-only step -> its median time above one request's
+    batch_varied: bool
+
+    def extra(self, rows: int) -> float:
+        """What a decode step of `rows` requests takes above one of a single request (s)."""
+        if rows <= 1 or not self.batch_extra_s:
+            return 0.0
+        if rows in self.batch_extra_s:
+            return self.batch_extra_s[rows]
+        return self.batch_extra_s.get(0, 0.0) * (rows - 1)  # key 0: the fitted per-request slope
 
 
-def ttft_components(r: RequestRecord, steps: pd.DataFrame | None) -> dict[str, float]:
-    ttft = (r.ttft_s or 0.0) * 1000.0
-    comps = {"harness_lateness": (r.lateness_s + r.client_queue_s) * 1000.0}
-    if r.server_queued_s is None or r.server_prefill_s is None:
-        return comps
-    queued, prefill = r.server_queued_s * 1000.0, r.server_prefill_s * 1000.0
-    comps["queueing"] = queued
-    share = 0.0
-    if steps is not None and not steps.empty and r.first_token_s is not None:
-        w = _window(steps, r.first_token_s - prefill / 1000.0, r.first_token_s)
-        total = float((w["num_prefill_tokens"] + w["num_decode_tokens"]).sum()) if not w.empty else 0.0
-        if total > 0:
-            share = max(0.0, 1.0 - r.prompt_tokens / total)
-    comps["prefill_interference"] = prefill * share
-    comps["prefill"] = prefill * (1.0 - share)
-    comps["front_end"] = max(0.0, ttft - queued - prefill)
-    return comps
+def prepare_steps(steps: pd.DataFrame, members: pd.DataFrame) -> RunSteps:
+    """Join members to their steps (start = time - step_time, end = time)."""
+    m = members.copy()
+    m["pf"] = np.where(m["kind"].isin(_PREFILL_KINDS), m["num_tokens"], 0)
+    per = m.groupby("step").agg(total=("num_tokens", "sum"), prefill=("pf", "sum"), rows=("num_tokens", "size"))
+    times = steps.set_index("step")[["time", "step_time"]]
+    joined = m.join(per, on="step").join(times, on="step", how="inner")
+    joined["start"] = joined["time"] - joined["step_time"]
+    own = {rid: g.sort_values("step") for rid, g in joined.groupby("request_id", sort=False)}
+    decode_only = per[per["prefill"] == 0].join(times, how="inner")
+    varied = decode_only["rows"].nunique() >= 2
+    extra: dict[int, float] = {}
+    if varied:  # medians per batch size: one slow step (a busy machine) moves no baseline
+        medians = decode_only.groupby("rows")["step_time"].median()
+        line = fit_decode_line(steps)
+        slope = line.c if line is not None else 0.0
+        one = float(medians.loc[1]) if 1 in medians.index else None
+        for rows, t in medians.items():
+            extra[int(rows)] = max(0.0, float(t) - one) if one is not None else slope * (int(rows) - 1)
+        extra[0] = slope
+    return RunSteps(own, per["prefill"], extra, bool(varied))
 
 
-def decode_components(r: RequestRecord, steps: pd.DataFrame | None, line: DecodeLine | None) -> dict[str, float]:
-    """Components over the whole decode window, in ms (divide by output_tokens - 1 for TPOT)."""
-    comps: dict[str, float] = {}
-    if r.first_token_s is None or r.end_s is None:
-        return comps
-    client_ms = (r.end_s - r.first_token_s) * 1000.0
-    if r.server_decode_s is not None:
-        comps["front_end"] = max(0.0, client_ms - r.server_decode_s * 1000.0)
-    if steps is None or steps.empty or line is None:
-        return comps
-    w = _window(steps, r.first_token_s, r.end_s)
-    if w.empty:
-        return comps
-    n = w["num_decode_reqs"].to_numpy(float)
-    t = w["step_time"].to_numpy(float)
-    pred = line.a + line.c * np.maximum(n, 1.0)
-    has_prefill = w["num_prefill_tokens"].to_numpy() > 0
-    comps["prefill_interference"] = float(np.clip(t - pred, 0.0, None)[has_prefill].sum()) * 1000.0
-    comps["batch_size"] = float(np.clip(pred - line.at(1.0), 0.0, None).sum()) * 1000.0
-    extra = len(w) - max(r.output_tokens - 1, 0)
-    if extra > 0 and "num_preemptions" in w and int(w["num_preemptions"].sum()) > 0:
-        comps["preemption"] = extra * float(t.mean()) * 1000.0
-    return comps
+def _first_token_index(kinds: np.ndarray, reach: np.ndarray, prompt: int) -> int:
+    """Its first-token step: the first non-decode step that reaches the prompt's length."""
+    done = np.flatnonzero((kinds != "decode") & (reach >= prompt))
+    if done.size:
+        return int(done[0])
+    decodes = np.flatnonzero(kinds == "decode")
+    return max(int(decodes[0]) - 1, 0) if decodes.size else len(kinds) - 1
 
 
-def _dominant(comps: dict[str, float]) -> str:
-    best = max(comps.items(), key=lambda kv: kv[1], default=("unknown", 0.0))
-    return best[0] if best[1] > 0 else "unknown"
+def own_components(r: RequestRecord, own: pd.DataFrame, run: RunSteps) -> tuple[dict[str, float], dict[str, float]]:
+    """(TTFT components, decode-window components) in ms, from the request's own steps."""
+    kinds = own["kind"].to_numpy(str)
+    n, step = own["num_tokens"].to_numpy(float), own["step"].to_numpy(int)
+    t, start, end = own["step_time"].to_numpy(float), own["start"].to_numpy(float), own["time"].to_numpy(float)
+    total, prefill, rows = own["total"].to_numpy(float), own["prefill"].to_numpy(float), own["rows"].to_numpy(int)
+    ft = _first_token_index(kinds, own["num_computed"].to_numpy(float) + n, r.prompt_tokens)
+    ttft: Counter[str] = Counter()
+    dec: Counter[str] = Counter()
+    for i in range(len(own)):
+        part = ttft if i <= ft else dec
+        if i > 0:
+            gap = max(0.0, start[i] - end[i - 1])
+            if kinds[i] == "recompute" and kinds[i - 1] != "recompute":
+                part["preemption"] += gap  # out of the running batch until this resume
+            elif step[i] - step[i - 1] > 1:
+                skipped = run.prefill_by_step.loc[step[i - 1] + 1 : step[i] - 1].sum()
+                part["prefill_interference" if skipped > 0 else "batch_size"] += gap
+        if kinds[i] == "recompute":
+            part["preemption"] += t[i]
+            continue
+        others = prefill[i] - (n[i] if kinds[i] != "decode" else 0.0)
+        interference = t[i] * others / total[i] if total[i] > 0 else 0.0
+        part["prefill_interference"] += interference
+        rest = t[i] - interference
+        if kinds[i] == "decode":
+            batch = min(rest, run.extra(int(rows[i])))
+            part["decode"] += rest - batch
+            part["batch_size"] += batch
+        else:
+            part["prefill"] += rest
+    queued = r.server_queued_s
+    if queued is not None:
+        ttft["queueing"] += queued
+    engine_ttft = r.server_ttft_s if r.server_ttft_s is not None else (queued or 0.0) + end[ft] - start[0]
+    gap = max(0.0, (r.ttft_s or 0.0) - engine_ttft)
+    ttft["harness_lateness"] = min(gap, r.lateness_s + r.client_queue_s)
+    ttft["front_end"] = gap - ttft["harness_lateness"]
+    if r.first_token_s is not None and r.end_s is not None:
+        engine_decode = r.server_decode_s if r.server_decode_s is not None else end[-1] - end[ft]
+        dec["front_end"] = max(0.0, (r.end_s - r.first_token_s) - engine_decode)
+    return ({k: v * 1000.0 for k, v in ttft.items()}, {k: v * 1000.0 for k, v in dec.items()})
+
+
+_OWN = {"ttft": ("prefill",), "tpot": ("decode",), "e2el": ("prefill", "decode")}
+
+
+def _cause(metric: str, comps: dict[str, float], per: int, slo_ms: float, keep_out: tuple[str, ...]) -> str:
+    """The largest component (`keep_out` aside; `unknown` when none is above 0), the request's own
+    compute competing only when it alone exceeds the SLO. `per`: what the metric divides the
+    components by (TPOT: output tokens - 1)."""
+    own = sum(comps.get(k, 0.0) for k in _OWN[metric]) / per
+    skip = keep_out if own >= slo_ms else (*keep_out, *_OWN[metric])
+    rest = [(k, v) for k, v in comps.items() if k not in skip and v > 0]
+    return max(rest, key=lambda kv: kv[1])[0] if rest else "unknown"
 
 
 def missed_metrics(r: RequestRecord, slo: dict[str, float | None]) -> list[str]:
@@ -138,14 +182,22 @@ def missed_metrics(r: RequestRecord, slo: dict[str, float | None]) -> list[str]:
 
 
 def attribute(
-    records: Sequence[RequestRecord], steps: pd.DataFrame | None, slo: dict[str, float | None] | None
+    records: Sequence[RequestRecord], steps: pd.DataFrame | None, slo: dict[str, float | None] | None,
+    members: pd.DataFrame | None = None,
 ) -> list[Attribution]:
-    """One Attribution per measured, completed request that misses a given SLO."""
+    """One Attribution per measured, completed request that misses a given SLO.
+
+    `steps`: steps.csv's frame (engine steps; scraped /metrics rows carry no composition and are
+    ignored); `members`: step_members.csv's (None: every request takes the fallback)."""
     if not slo or all(v is None for v in slo.values()):
         return []
     if steps is not None and ("time" not in steps or "step_time" not in steps):
         steps = None  # scraped /metrics rows: no per-step composition
+    run = prepare_steps(steps, members) if steps is not None and members is not None and not members.empty else None
     line = fit_decode_line(steps) if steps is not None else None
+    # batch_size competes only where the batch varied (with members: their decode-only steps).
+    varied = run.batch_varied if run is not None else line is not None and line.c > 0
+    keep_out = () if varied else ("batch_size",)
     out = []
     for r in records:
         if r.is_warmup or not r.ok:
@@ -153,19 +205,18 @@ def attribute(
         missed = missed_metrics(r, slo)
         if not missed:
             continue
-        ttft = ttft_components(r, steps)
-        decode = decode_components(r, steps, line)
-        causes = {}
-        for m in missed:
-            if m == "ttft":
-                causes[m] = _dominant(ttft)
-            elif m == "tpot":
-                causes[m] = _dominant({**decode, "harness_lateness": ttft["harness_lateness"]})
-            else:
-                merged = Counter(ttft)
-                merged.update(decode)
-                causes[m] = _dominant(dict(merged))
-        out.append(Attribution(r.request_id, missed, causes, ttft, decode))
+        own = run.own.get(r.request_id) if run is not None else None
+        if own is not None and not own.empty:
+            ttft, decode = own_components(r, own, run)  # type: ignore[arg-type]
+            source = "members"
+        else:
+            ttft, decode = ttft_components(r, steps), decode_components(r, steps, line)
+            source = "windows"
+        merged = Counter(ttft)
+        merged.update(decode)
+        parts = {"ttft": (ttft, 1), "tpot": (decode, max(r.output_tokens - 1, 1)), "e2el": (dict(merged), 1)}
+        causes = {m: _cause(m, *parts[m], slo[f"{m}_ms"], keep_out) for m in missed}  # type: ignore[arg-type]
+        out.append(Attribution(r.request_id, missed, causes, ttft, decode, source))
     return out
 
 
@@ -185,7 +236,7 @@ def attribution_frame(attributions: Sequence[Attribution]) -> pd.DataFrame:
     """One row per missing request: the missed metrics, each metric's cause, every component."""
     rows = []
     for a in attributions:
-        row: dict[str, Any] = {"request_id": a.request_id, "missed": ",".join(a.missed)}
+        row: dict[str, Any] = {"request_id": a.request_id, "missed": ",".join(a.missed), "source": a.source}
         row |= {f"cause_{m}": a.causes.get(m, "") for m in METRICS}
         row |= {f"ttft_{k}_ms": v for k, v in a.ttft_ms.items()}
         row |= {f"decode_{k}_ms": v for k, v in a.decode_ms.items()}

@@ -1,5 +1,5 @@
-"""A run's results into its folder: requests.csv, steps.csv and summary.json (with what ran: the
-dtype and linear kernels an engine chose, external-KV totals, compile time, a partial run's
+"""A run's results into its folder: requests.csv, steps.csv, step_members.csv and summary.json (with
+what ran: the dtype and linear kernels an engine chose, external-KV totals, compile time, a partial run's
 reason), whichever target produced them (workloads/experiment.py runs it).
 """
 
@@ -14,6 +14,7 @@ from workloads import runfolder
 from workloads.driver import RunResult
 from workloads.metrics import summarize
 from workloads.saturation import run_health
+from workloads.step_members import members_frame, write_members
 from workloads.time_reference import reference_cores
 
 # targets that run this engine on this machine (the others are HTTP servers of any kind)
@@ -57,6 +58,12 @@ def write_results(
     if steps_df is not None:
         runfolder.write_steps(run_dir, steps_df)
     summary = summarize(result.records, slo=slo_of(cfg), steps=steps_df)
+    members = members_frame(result.steps or [])
+    if write_members(run_dir, members) is not None and "slo_misses" in summary:
+        from workloads.attribution import attribute, miss_summary
+
+        # attributed again from each request's own steps (summarize saw no members)
+        summary.update(miss_summary(attribute(result.records, steps_df, slo_of(cfg), members)))
     if reference is not None:
         summary["time_reference_s"] = reference
         summary["time_reference_cores"] = reference_cores(cfg)

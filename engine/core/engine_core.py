@@ -30,13 +30,13 @@ import msgspec
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sched.scheduler import Scheduler
 from engine.core.sched.stats import SchedulerStats
-from engine.core.step_stats import async_step_stats, step_stats
+from engine.core.step_stats import async_step_stats, step_members, step_stats
 from engine.executor import make_executor
 from engine.executor.base import Executor
 from engine.hooks import NULL_HOOKS, StepHooks, observe_attention
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
-from engine.outputs import EngineCoreOutputs
+from engine.outputs import EngineCoreOutputs, StepMember
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.proposer import NgramProposer
@@ -72,6 +72,7 @@ class _InFlightStep:
     sched_stats: SchedulerStats  # the scheduler's counters right after this step's schedule()
     schedule_time: float
     depth: int  # steps in flight once this one was submitted (itself included)
+    members: list[StepMember]  # its requests, taken at its schedule()
 
 
 class EngineCore:
@@ -183,6 +184,7 @@ class EngineCore:
         with self.hooks.phase("schedule"):
             so = self.scheduler.schedule()
             so.grammar_bitmask = self.structured_output.fill_bitmask(so.num_scheduled_tokens, self.scheduler.requests)
+            members = step_members(so, self.scheduler.requests)
         t1 = time.perf_counter()
         if so.total_num_scheduled_tokens > 0 or so.finished_req_ids or so.has_connector_work:
             try:
@@ -206,7 +208,7 @@ class EngineCore:
         t4 = time.perf_counter()
         now = self.clock()
         stats = step_stats(step, now, runner_out, self.scheduler.make_stats(), schedule_time=t1 - t0,
-                           update_time=t3 - t2, step_time=t4 - t0)
+                           update_time=t3 - t2, step_time=t4 - t0, members=members)
         stats.step_time = now - c0  # on the executor's clock: simulated runs report simulated steps
         self.hooks.step_end()
         self.step_index += 1  # every step with stats has its own index (steps.csv, kernels.csv join on it)
@@ -276,7 +278,7 @@ class EngineCore:
         now = self.clock()
         stats = async_step_stats(entry.step, entry.sched_stats, self.scheduler.make_stats(), now, runner_out,
                                  outputs, schedule_time=entry.schedule_time, update_time=t3 - t2,
-                                 depth=entry.depth)
+                                 depth=entry.depth, members=entry.members)
         stats.step_time = now - c0
         self.hooks.step_end()
         return EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=now)
@@ -286,7 +288,8 @@ class EngineCore:
         sched_stats = self.scheduler.make_stats()
         future = self.executor.submit_model(so)
         depth = len(self.batch_queue) + 1
-        self.batch_queue.append(_InFlightStep(self.step_index, so, future, sched_stats, schedule_time, depth))
+        members = step_members(so, self.scheduler.requests)
+        self.batch_queue.append(_InFlightStep(self.step_index, so, future, sched_stats, schedule_time, depth, members))
         self.step_index += 1
 
     def _drop_in_flight(self, failed: _InFlightStep) -> None:
