@@ -10,12 +10,14 @@
 `EngineCore.step()`: it adds every request, then steps until all have finished, so
 requests join and leave the running batch at every step (continuous batching),
 exactly as the online server does. Input goes through the same admission path as
-`AsyncLLM` (`InputProcessor.process`, then `fan_out` for n > 1).
+`AsyncLLM` (`InputProcessor.process`, then `fan_out` for n > 1). A step whose executor
+raises ends that step's requests with `finish_reason` "error"; the others go on.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,11 +28,13 @@ from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.core.engine_core import EngineCore, EngineCoreRequest
 from engine.inputs import PromptType, parse_prompts
 from engine.output_processor import OutputProcessor
-from engine.outputs import CompletionOutput, RequestOutput, StepStats
+from engine.outputs import CompletionOutput, EngineCoreOutputs, RequestOutput, StepStats
 from engine.processor import InputProcessor, ProcessedRequest, fan_out
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import get_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -121,7 +125,7 @@ class LLM:
         bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while self.engine_core.has_unfinished_requests():
-                core_out = self.engine_core.step()
+                core_out = self._step()
                 st = core_out.stats
                 if st is not None and (st.num_prefill_tokens + st.num_decode_tokens or st.kv_blocks_loaded
                                        or st.kv_load_failures):  # fmt: skip
@@ -142,6 +146,20 @@ class LLM:
         finally:
             bar.close()
         return [_merge(p.request_id, [finished[c.request_id] for c in p.children]) for p in reqs]
+
+    def _step(self) -> EngineCoreOutputs:
+        """One engine step. When it fails, its requests' outputs (`finish_reason` "error") stand
+        for it and the others go on; a fatal failure (a lost rank), or one that ended no request
+        (it would fail forever), is raised."""
+        core = self.engine_core
+        try:
+            return core.step()
+        except Exception as exc:
+            failed = core.take_failed_outputs()
+            if getattr(exc, "fatal", False) or not failed.outputs:
+                raise
+            logger.warning("LLM: a step failed (%s: %s); its requests end with an error", type(exc).__name__, exc)
+            return failed
 
 
 def _merge(parent_id: str, children: list[RequestOutput]) -> RequestOutput:

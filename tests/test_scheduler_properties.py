@@ -5,7 +5,8 @@ prefixes, priorities, output lengths), steps whose fake model samples EOS at ran
 aborts at any point (between steps and while a step is in flight), failed steps, and
 a cache small enough that preemption happens. After every operation the block books
 must balance; after draining, `assert_idle` (no request, every block free, ref counts 0)
-and the free queue must be a consistent doubly linked list.
+and the free queue must be a consistent doubly linked list. Every block in the prefix cache
+must hold KV that completed steps wrote (`WrittenKV`): a failed step writes nothing.
 
 Profiles: `ci` (the default, well under a minute) and `soak` (`make soak`,
 HYPOTHESIS_PROFILE=soak: thousands of examples, 10,000+ requests).
@@ -26,8 +27,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from sched_utils import EOS, SAMPLED, make_request, make_scheduler  # noqa: E402
 
 from engine.core.sched.scheduler import Scheduler  # noqa: E402
-from engine.request import RequestStatus  # noqa: E402
-from engine.step_io import ModelRunnerOutput  # noqa: E402
+from engine.request import Request, RequestStatus  # noqa: E402
+from engine.step_io import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 
 settings.register_profile(
     "ci", max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -72,12 +73,63 @@ def check_books(sched: Scheduler) -> None:
     assert len(sched.running) <= sched.config.max_num_seqs
 
 
+# What a KV slot holds, as the model would compute it: the hash of the block before it (or the
+# chain's root and the request's salt) and the block's tokens up to and including the slot.
+SlotContent = tuple[object, tuple[int, ...]]
+
+
+class WrittenKV:
+    """The KV every completed step wrote, slot by slot, to check that every block in the prefix
+    cache holds what its hash says (issue 36: a failed step's blocks were left hashed)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: dict[int, dict[int, SlotContent]] = {}  # block id -> offset -> content
+        self.pending: dict[int, list[tuple[int, int, SlotContent]]] = {}  # per output not yet answered
+        self.requests: list[Request] = []
+
+    def scheduled(self, sched: Scheduler, out: SchedulerOutput) -> None:
+        """Right after schedule(): the slots this step will write."""
+        bs, kv = self.block_size, sched.kv_cache_manager
+        writes: list[tuple[int, int, SlotContent]] = []
+        self.pending[id(out)] = writes
+        if not kv.enable_caching:
+            return  # nothing is ever hashed (and requests carry no block hashes)
+        for rid, n in out.num_scheduled_tokens.items():
+            request = sched.requests[rid]
+            blocks = kv.req_to_blocks[rid]
+            for pos in range(request.num_computed_tokens - n, request.num_computed_tokens):
+                i = pos // bs
+                content = (self._parent(request, i), tuple(request.all_token_ids[i * bs : pos + 1]))
+                writes.append((blocks[i].block_id, pos % bs, content))
+
+    def completed(self, out: SchedulerOutput) -> None:
+        for block_id, offset, content in self.pending.pop(id(out)):
+            self.slots.setdefault(block_id, {})[offset] = content
+
+    def failed(self, out: SchedulerOutput) -> None:
+        del self.pending[id(out)]
+
+    @staticmethod
+    def _parent(request: Request, i: int) -> object:
+        return request.block_hashes[i - 1] if i else ("root", request.cache_salt)
+
+    def check(self, sched: Scheduler) -> None:
+        """Every block holding a hash was written, every slot, by steps that completed."""
+        parents = {h: self._parent(r, i) for r in self.requests for i, h in enumerate(r.block_hashes)}
+        for block_hash, block in sched.kv_cache_manager.block_pool.cached_block_hash_to_block.items():
+            assert block.token_ids is not None
+            want = {j: (parents[block_hash], block.token_ids[: j + 1]) for j in range(self.block_size)}
+            assert self.slots.get(block.block_id) == want, f"{block} is hashed but its KV was never written"
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.sched: Scheduler | None = None
         self.next_id = 0
         self.eos_rate = 0.0
+        self.kv: WrittenKV | None = None
 
     @initialize(
         num_blocks=st.one_of(st.integers(4, 12), st.integers(13, 40)),
@@ -100,6 +152,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             long_prefill_token_threshold=long_prefill, policy=policy, enable_prefix_caching=caching,
         )
         self.eos_rate = eos_rate
+        self.kv = WrittenKV(block_size)
         COUNTS["machines"] += 1
 
     # ---- operations -------------------------------------------------------------------
@@ -118,7 +171,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = CORPUS[:prefix] + CORPUS[start : start + tail]
         if not prompt:
             prompt = [CORPUS[start]]
-        self.sched.add_request(make_request(rid, prompt=prompt, max_tokens=max_tokens, priority=priority))
+        request = make_request(rid, prompt=prompt, max_tokens=max_tokens, priority=priority)
+        self.sched.add_request(request)
+        assert self.kv is not None
+        self.kv.requests.append(request)
         COUNTS["requests"] += 1
 
     @rule(data=st.data(), n=st.integers(1, 8))
@@ -152,6 +208,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched is not None
         out = self._schedule()
         self.sched.fail_step(out, "injected fault")
+        assert self.kv is not None
+        self.kv.failed(out)
         COUNTS["failed_steps"] += 1
 
     # ---- helpers ----------------------------------------------------------------------
@@ -164,6 +222,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         COUNTS["steps"] += 1
         COUNTS["preemptions"] += self.sched.make_stats().num_preemptions
+        assert self.kv is not None
+        self.kv.scheduled(self.sched, out)
         return out
 
     def _answer(self, out, data: st.DataObject) -> None:  # noqa: ANN001
@@ -176,12 +236,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             eos = self.eos_rate > 0 and data.draw(st.floats(0, 1)) < self.eos_rate
             req_ids.append(rid)
             sampled.append([EOS if eos else SAMPLED] if done else [])
+        assert self.kv is not None
+        self.kv.completed(out)  # the runner wrote the step's KV before sampling
         self.sched.update_from_output(out, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled))
 
     @invariant()
     def books_balance(self) -> None:
         if self.sched is not None:
             check_books(self.sched)
+
+    @invariant()
+    def every_hashed_block_was_written(self) -> None:
+        if self.sched is not None and self.kv is not None:
+            self.kv.check(self.sched)
 
     def teardown(self) -> None:
         sched = self.sched
@@ -191,6 +258,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not sched.has_unfinished_requests():
                 break
             out = self._schedule()
+            assert self.kv is not None
+            self.kv.completed(out)
             req_ids = list(out.num_scheduled_tokens)
             sampled = [
                 [SAMPLED] if (r := sched.requests.get(rid)) and r.num_computed_tokens >= r.num_tokens else []

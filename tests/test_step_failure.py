@@ -8,6 +8,7 @@ for the failed step: the KV cache leaked every block of every scheduled request.
 from __future__ import annotations
 
 import pytest
+from sched_utils import fake_runner_output, make_request, make_scheduler
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore, EngineCoreRequest
@@ -106,3 +107,89 @@ def test_every_step_has_its_own_index() -> None:
     indices.append(core.step().stats.step)
     assert indices == sorted(set(indices)), indices
     core.scheduler.assert_idle()
+
+
+# ---- issue 36, item 1: a failed step's prefix-cache entries --------------------------------
+# Blocks are registered in the prefix cache when allocated (the step writes them before any
+# later step reads them) and schedule() counts the step's tokens as computed before it runs.
+# A step that never ran must take its registrations back, or a later prompt sharing the
+# prefix hits blocks whose KV was never written.
+
+P = list(range(300, 400))  # 100 tokens: 6 full blocks of 16 (96 tokens) and a tail
+
+
+def test_a_failed_step_leaves_no_prefix_cache_entry_it_never_wrote() -> None:
+    sched = make_scheduler(num_blocks=32, block_size=16)
+    sched.add_request(make_request("a", prompt=P, max_tokens=4))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 100}
+    errors = sched.fail_step(out, "injected device fault")
+    assert [(o.request_id, o.error) for o in errors] == [("a", "injected device fault")]
+    sched.add_request(make_request("b", prompt=P, max_tokens=4))
+    out = sched.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0, "a prefix hit on KV never written"
+    sched.update_from_output(out, fake_runner_output(sched, out))
+
+
+def test_requests_holding_a_failed_steps_blocks_fail_with_it() -> None:
+    """Two steps in flight (async scheduling): the second admits a prompt on a prefix hit of
+    blocks the first registered; when the first fails, the second's request fails too (it
+    would compute on KV that is not there), and so does the first step's own request."""
+    sched = make_scheduler(num_blocks=32, block_size=16, max_num_batched_tokens=64)
+    sched.async_scheduling = True
+    sched.add_request(make_request("a", prompt=P[:70], max_tokens=4))
+    first = sched.schedule()  # a: tokens 0..63, 4 blocks registered
+    sched.add_request(make_request("b", prompt=P[:64] + [7, 7, 7], max_tokens=4))
+    second = sched.schedule()  # a: the rest of its prompt; b: a 64-token hit on a's blocks
+    assert second.scheduled_new_reqs[0].num_computed_tokens == 64
+    errors = sched.fail_step(first, "injected device fault")
+    assert sorted(o.request_id for o in errors) == ["a", "b"]
+    assert not sched.kv_cache_manager.block_pool.cached_block_hash_to_block
+    assert sched.fail_step(second, "injected device fault") == []
+    sched.schedule()
+    sched.assert_idle()
+
+
+class FailOnce:
+    """Patches a model runner: the first forward after `arm()` raises, before any KV is written
+    (the runner has taken the step's requests in, as a device fault mid-step leaves it)."""
+
+    def __init__(self, runner) -> None:  # noqa: ANN001
+        self.armed = False
+        forward = runner._forward
+
+        def failing_forward(inp):  # noqa: ANN001, ANN202
+            if self.armed:
+                self.armed = False
+                raise RuntimeError("injected device fault")
+            return forward(inp)
+
+        runner._forward = failing_forward
+
+    def arm(self) -> None:
+        self.armed = True
+
+
+@pytest.mark.parametrize(
+    "async_scheduling,budget", [(False, 512), (True, 64)], ids=["sync", "batch-queue-two-steps-in-flight"]
+)
+def test_after_a_failed_prefill_the_prompt_gives_a_fresh_engines_tokens(async_scheduling: bool, budget: int) -> None:
+    """The real default model, greedy, prefix caching on: the step prefilling P raises (with the
+    batch queue, P's prefill spans both steps in flight). P then gives the tokens P gives with
+    no prefix cache at all; the failed request ended with an error and the engine went on."""
+    from engine.llm import LLM
+
+    llm = LLM(model="smollm2", enable_prefix_caching=True, block_size=16, num_blocks=64, max_num_seqs=4,
+              max_num_batched_tokens=budget, async_scheduling=async_scheduling)  # fmt: skip
+    core = llm.engine_core
+    fail = FailOnce(core._runner)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    fail.arm()
+    failed = llm.generate([P], params, use_tqdm=False)[0].outputs[0]
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    after = llm.generate([P], params, use_tqdm=False)[0]
+    core.scheduler.assert_idle()
+    assert llm.engine_core.reset_prefix_cache()
+    fresh = llm.generate([P], params, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0
+    assert after.outputs[0].token_ids == fresh.outputs[0].token_ids, (after.num_cached_tokens, "tokens differ")

@@ -36,7 +36,7 @@ from engine.executor.base import Executor
 from engine.hooks import NULL_HOOKS, StepHooks, observe_attention
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
-from engine.outputs import EngineCoreOutputs, StepMember
+from engine.outputs import EngineCoreOutput, EngineCoreOutputs, StepMember
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.proposer import NgramProposer
@@ -93,6 +93,7 @@ class EngineCore:
         self.hooks: StepHooks = NULL_HOOKS
         self.step_index = 0
         self.batch_queue: deque[_InFlightStep] | None = deque() if config.scheduler.async_scheduling else None
+        self._failed_outputs: list[EngineCoreOutput] = []  # of the requests the last failed step ended
         runner = getattr(executor, "model_runner", None)
         self._runner = runner
         # Grammars compile on the manager's thread; the tokenizer is loaded there on first use.
@@ -191,8 +192,10 @@ class EngineCore:
                 runner_out = self.executor.execute_model(so)
             except Exception as exc:
                 # The scheduler must not wait for an answer to this step: its requests fail
-                # and the blocks it held back are freed (the caller fails the others).
-                self.scheduler.fail_step(so, f"engine step failed: {type(exc).__name__}: {exc}")
+                # (`take_failed_outputs`), the prefix-cache entries it never wrote are dropped,
+                # and the blocks it held back are freed. The caller decides about the others
+                # (the offline LLM goes on; the server fails its in-flight ones).
+                self._failed_outputs = self.scheduler.fail_step(so, _failure_text(exc))
                 self.hooks.step_end()
                 raise
         else:
@@ -213,6 +216,12 @@ class EngineCore:
         self.hooks.step_end()
         self.step_index += 1  # every step with stats has its own index (steps.csv, kernels.csv join on it)
         return EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=now)
+
+    def take_failed_outputs(self) -> EngineCoreOutputs:
+        """After `step()` raised: the final outputs (FINISHED_ERROR) of the requests the failed
+        step ended; each is handed out once."""
+        outputs, self._failed_outputs = self._failed_outputs, []
+        return EngineCoreOutputs(outputs=outputs, stats=None, timestamp=self.clock())
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar is ready (fail those whose grammar failed). With
@@ -265,8 +274,8 @@ class EngineCore:
         entry = queue.popleft()
         try:
             runner_out = entry.future.result()
-        except BaseException:
-            self._drop_in_flight(entry)
+        except BaseException as exc:
+            self._drop_in_flight(entry, _failure_text(exc))
             raise
         t2 = time.perf_counter()
         with self.hooks.phase("update"):
@@ -292,16 +301,19 @@ class EngineCore:
         self.batch_queue.append(_InFlightStep(self.step_index, so, future, sched_stats, schedule_time, depth, members))
         self.step_index += 1
 
-    def _drop_in_flight(self, failed: _InFlightStep) -> None:
-        """A step failed: wait for the steps behind it and release every step's hold on
-        its requests' blocks (their outputs are lost; the caller fails the requests)."""
+    def _drop_in_flight(self, failed: _InFlightStep, error: str) -> None:
+        """A step failed: wait for the steps behind it and fail every one of them in order (the
+        step behind read the failed step's KV, so its outputs are lost too): their requests
+        finish with `error`, their unwritten prefix-cache entries are dropped, their holds on
+        blocks are released."""
         assert self.batch_queue is not None
         entries = [failed, *self.batch_queue]
         self.batch_queue.clear()
+        self._failed_outputs = []
         for entry in entries:
             with contextlib.suppress(BaseException):  # the first failure is the one raised
                 entry.future.result()
-            self.scheduler.fail_step(entry.scheduler_output, "engine step failed")
+            self._failed_outputs += self.scheduler.fail_step(entry.scheduler_output, error)
 
     def reconfigure(
         self,
@@ -349,6 +361,10 @@ class EngineCore:
         self.executor.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+
+
+def _failure_text(exc: BaseException) -> str:
+    return f"engine step failed: {type(exc).__name__}: {exc}"
 
 
 def _tokenizer_source(config: EngineConfig) -> tuple[str, int | None]:

@@ -6,6 +6,11 @@ registered in the prefix cache as soon as an allocation covers them completely:
 their KV is written by the step being scheduled, before any later step reads it,
 and a request scheduled in the same step reads them after the layer's KV write,
 so two identical prompts admitted together share full blocks.
+
+Registering ahead of the write is a promise the step must keep: the manager journals
+every block it registers for a step (`take_registered`), and a step that never ran
+takes its registrations back (`evict_unwritten`), so no later hit reads KV that was
+never written.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.core.kv_cache.block_pool import BlockPool, KVCacheBlock
-from engine.request import Request
+from engine.request import BlockHash, Request
+
+# A block registered in the prefix cache and the hash it got.
+Registration = tuple[KVCacheBlock, BlockHash]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +48,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Leading blocks of each request already offered to the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # Blocks registered for the step being scheduled, whose KV that step writes.
+        self._registered: list[Registration] = []
         # Cumulative prefix-cache counters, in tokens, counted once per admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -155,10 +165,13 @@ class KVCacheManager:
         external load filled them)."""
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is not None:
-            self._cache_full_blocks(request, blocks, num_tokens)
+            self._cache_full_blocks(request, blocks, num_tokens, journal=False)  # written already
 
-    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
-        """Offer the request's blocks that `num_tokens` fills (and that have a hash) to the prefix cache."""
+    def _cache_full_blocks(
+        self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int, journal: bool = True
+    ) -> None:
+        """Offer the request's blocks that `num_tokens` fills (and that have a hash) to the prefix
+        cache; `journal`: their KV is still to be written by the step being scheduled."""
         if not self.enable_caching:
             return
         bs = self.block_size
@@ -167,10 +180,30 @@ class KVCacheManager:
         end = min(num_tokens // bs, len(request.block_hashes))
         if end <= start:
             return
-        hashes, tokens, pool = request.block_hashes, request.all_token_ids, self.block_pool
+        hashes, tokens, pool, registered = request.block_hashes, request.all_token_ids, self.block_pool, self._registered
         for i in range(start, end):
-            pool.cache_block(req_blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs])
+            if pool.cache_block(req_blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs]) and journal:
+                registered.append((req_blocks[i], hashes[i]))
         self._num_cached_blocks[rid] = end
+
+    def take_registered(self) -> list[Registration]:
+        """The blocks registered since the last call, by allocations for the step being scheduled
+        (not by `cache_blocks`); the journal starts empty again."""
+        registered, self._registered = self._registered, []
+        return registered
+
+    def evict_unwritten(self, registered: list[Registration]) -> set[str]:
+        """The step that registered these blocks never ran: take each block that still holds the
+        hash it got out of the prefix cache, held or not. Returns the ids of the requests that
+        hold any of them (their KV there is missing: the caller must not let them run on it)."""
+        unwritten: set[int] = set()
+        for block, block_hash in registered:
+            if block.block_hash == block_hash:
+                self.block_pool.evict_hash(block)
+                unwritten.add(block.block_id)
+        if not unwritten:
+            return set()
+        return {rid for rid, blocks in self.req_to_blocks.items() if any(b.block_id in unwritten for b in blocks)}
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so its prefix is evicted last).

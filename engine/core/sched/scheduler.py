@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache.hashing import make_block_hasher
-from engine.core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from engine.core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager, Registration
 from engine.core.sched import placeholders
 from engine.core.sched.budget import TokenBudget
 from engine.core.sched.output import make_output
@@ -101,6 +101,9 @@ class Scheduler:
         # blocks until none is left.
         self._inflight: Counter[str] = Counter()
         self._deferred_free: dict[str, Request] = {}
+        # Per step not yet answered (keyed by its output's id): the blocks it registered in the
+        # prefix cache before writing them; a failed step takes them back (fail_step).
+        self._unwritten: dict[int, tuple[SchedulerOutput, list[Registration]]] = {}
         # Finished requests whose connector saves are still running: freed on finished_sending.
         self._saving: set[str] = set()
         self._step = SchedulerStats()
@@ -212,6 +215,9 @@ class Scheduler:
             inflight[rid] += 1
             if with_placeholders:
                 placeholders.add_placeholder_if_sampling(request)
+        registered = self.kv_cache_manager.take_registered()
+        if registered and out.total_num_scheduled_tokens:
+            self._unwritten[id(out)] = (out, registered)
         self._record_step(out)
         self._step.num_kv_tokens_read = kv_read
         if self.connector is not None:
@@ -325,6 +331,8 @@ class Scheduler:
         are their logprobs.
         """
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._unwritten:
+            self._unwritten.pop(id(scheduler_output), None)  # the step ran: its blocks hold their KV
         if model_runner_output.kv_connector_output is not None:
             self._apply_connector_output(model_runner_output.kv_connector_output)
         now = self.clock()
@@ -399,13 +407,18 @@ class Scheduler:
     def fail_step(self, scheduler_output: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
         """The step `scheduler_output` planned never ran (the executor raised).
 
-        Every request it scheduled that is still live finishes with FINISHED_ERROR (its
-        `num_computed_tokens` counted KV that was never written), and the step is answered,
-        so blocks held back for it (aborted requests) are freed now rather than by an
-        `update_from_output` that will never come. Returns the failed requests' outputs.
+        The blocks it registered in the prefix cache lose their hashes (their KV was never
+        written: a later hit would read garbage). Every live request it scheduled, and every
+        live request holding one of those blocks (a hit on them by a step behind it, a load
+        waiting on top of them), finishes with FINISHED_ERROR: its `num_computed_tokens`
+        counts KV that is not there. The step is answered, so blocks held back for it (aborted
+        requests) are freed now rather than by an update that never comes. Returns the failed
+        requests' final outputs (the caller delivers them).
         """
-        live = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self.requests]
-        outputs = self.finish_requests(live, RequestStatus.FINISHED_ERROR, error)
+        entry = self._unwritten.pop(id(scheduler_output), None)
+        holders = self.kv_cache_manager.evict_unwritten(entry[1]) if entry else set()
+        live = [rid for rid in (*scheduler_output.num_scheduled_tokens, *sorted(holders)) if rid in self.requests]
+        outputs = self.finish_requests(dict.fromkeys(live), RequestStatus.FINISHED_ERROR, error)
         self._release_inflight(scheduler_output)
         return outputs
 
