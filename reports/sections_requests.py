@@ -6,6 +6,8 @@ whose `missing` text says which file is absent.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import yaml
@@ -37,22 +39,37 @@ def workload_config(run: RunData) -> Section:
 
 
 def summary_table(run: RunData) -> Section:
-    s = Section("summary", "Summary", intro="Aggregates from summary.json (vLLM benchmark definitions).")
+    s = Section("summary", "Summary", intro="Aggregates from summary.json: vLLM-named keys with vLLM's "
+                "definitions (client clock, per chunk); per-token and engine figures on lines of their own.")
     if run.summary is None:
         s.missing = _no("summary.json", run)
         return s
     sm = run.summary
+    # vLLM's keys (client clock, per chunk), then the per-token and engine figures on lines of their own
     keys = ["completed", "failed", "duration", "request_throughput", "output_throughput",
-            "total_token_throughput", "request_goodput", "max_output_tokens_per_s", "max_concurrent_requests",
-            "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "mean_e2el_ms",
-            "p99_e2el_ms", "num_steps", "mean_tokens_per_step", "num_preemptions", "prefix_cache_hit_rate"]  # fmt: skip
-    rows = [(k, sm[k], (sm.get("definitions") or {}).get(k, "")) for k in keys if k in sm]
+            "total_token_throughput", "request_goodput", "max_output_tokens_per_s", "peak_output_tokens_per_s",
+            "max_concurrent_requests", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+            "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms",
+            "median_itl_per_token_ms", "p99_itl_per_token_ms", "engine_median_itl_ms", "engine_p99_itl_ms",
+            "engine_median_tpot_ms", "engine_median_e2el_ms", "num_steps", "mean_tokens_per_step",
+            "num_preemptions", "prefix_cache_hit_rate"]  # fmt: skip
+    defs = sm.get("definitions") or {}
+    rows = [(k, sm[k], definition_of(k, defs)) for k in keys if k in sm]
     s.tables.append(html_table(pd.DataFrame(rows, columns=["metric", "value", "definition"])))
     return s
 
 
+def definition_of(key: str, definitions: dict[str, str]) -> str:
+    """The definition of a summary key: its own entry, else its family's (`engine_p99_itl_ms` ->
+    `engine_itl`, `median_itl_per_token_ms` -> `itl_per_token`)."""
+    if key in definitions:
+        return definitions[key]
+    m = re.fullmatch(r"(engine_)?(?:mean|median|std|p\d+)_(\w+)_ms", key)
+    return definitions.get(f"{m[1] or ''}{m[2]}", "") if m else ""
+
+
 def _latency_values(req: pd.DataFrame, key: str) -> np.ndarray:
-    if key == "itl_ms":  # ITL pooled over all per-token gaps
+    if key == "itl_ms":  # vLLM's ITL: every gap between content chunks, pooled
         gaps = [g for cell in req.get("itls_ms", pd.Series(dtype=object)) for g in json_list(cell)]
         return np.asarray(gaps, dtype=float)
     if key not in req:
@@ -62,7 +79,8 @@ def _latency_values(req: pd.DataFrame, key: str) -> np.ndarray:
 
 def distributions(run: RunData) -> Section:
     s = Section("latency-distributions", "Latency distributions (TTFT, TPOT, ITL, E2EL)",
-                intro="Completed, non-warm-up requests; ITL pooled over all per-token gaps.")  # fmt: skip
+                intro="Completed, non-warm-up requests; vLLM's definitions (client clock): ITL pooled over "
+                      "all gaps between content chunks (per chunk, not per token).")  # fmt: skip
     req = run.completed_requests()
     if req is None:
         s.missing = _no("requests.csv", run)

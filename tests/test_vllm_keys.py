@@ -148,3 +148,15 @@ def test_definitions_name_each_family() -> None:
     assert "per chunk" in d["itl"] and "client" in d["itl"]
     assert "spread" in d["itl_per_token"] and "engine" in d["engine_itl"]
     assert "itl_chunk" not in d
+
+
+def test_report_summary_has_lines_of_their_own_with_definitions(tmp_path) -> None:
+    from reports.run_data import RunData
+    from reports.sections_requests import summary_table
+
+    recs, _ = _records()
+    html = summary_table(RunData(path=tmp_path, summary=summarize(recs))).tables[0]
+    for key in ("median_itl_ms", "median_itl_per_token_ms", "engine_median_itl_ms", "engine_median_tpot_ms",
+                "engine_median_e2el_ms"):
+        assert key in html, key
+    assert "spread evenly" in html and "engine steps" in html and "per chunk" in html

