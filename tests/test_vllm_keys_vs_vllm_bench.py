@@ -1,13 +1,15 @@
 """The workbench's vLLM-named figures against `vllm bench serve`'s, on one server under one load
 (issue 35 item 3).
 
-One servelab-serve (the default small model, its engine on one core); the same text prompts and
-per-prompt `max_tokens` (16 to 46) with EOS ignored, greedy sampling and a concurrency of 4 with every request ready at the start, sent
-in ABBA order by `vllm bench serve` (vLLM's CPU build in the side venv `make peers` makes; see
+One servelab-serve (the default small model, its engine on one core); the same text prompts,
+per-prompt `max_tokens` (16 to 46) with EOS ignored, the same sampling fields (greedy,
+repetition_penalty 1.0) and a concurrency of 4 with every request ready at the start, sent in
+ABBA order by `vllm bench serve` (vLLM's CPU build in the side venv `make peers` makes; see
 benchmarks/peers.py) and by the workbench's driver and `openai` target (no servelab timing
-extension: vLLM's client does not ask for it). Five rounds each (single rounds spread by about
-±10% on 2 shared cores); the median of the rounds of each figure must agree within 5%. Skips, naming what is missing, where the side venv or its
-model folder is absent.
+extension: vLLM's client does not ask for it). Five rounds each: single rounds spread by up to
+1.5x when other work shares the 2 cores, and a median of 3 did not ride out one such round. The
+median of the rounds of each figure must agree within 5%. Skips, naming what is missing, where
+the side venv or its model folder is absent.
 """
 
 from __future__ import annotations
