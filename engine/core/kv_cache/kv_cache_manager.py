@@ -160,6 +160,13 @@ class KVCacheManager:
         self._cache_full_blocks(request, req_blocks, cached_tokens)
         return KVCacheBlocks(tuple(new_blocks))
 
+    def count_admission(self, request: Request, num_hit: int) -> None:
+        """Count the prefix-cache query of an admission on blocks the request already holds (a
+        finished external load, allocated without counting one): `num_hit` tokens hit."""
+        if self.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks full within its first `num_tokens` tokens (after an
         external load filled them)."""

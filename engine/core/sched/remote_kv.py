@@ -6,14 +6,17 @@ on as usual. With some, the scheduler allocates blocks for local + external toke
 blocks' hashes are registered only once their KV is loaded), the request leaves the queue for
 WAITING_FOR_REMOTE_KVS holding those blocks, and the connector records the load.
 
-When the worker reports the load, the request gives its blocks back and returns to the queue
-head: a successful load has registered the loaded blocks in the prefix cache first, so the
-admission that follows (next step) takes them as an ordinary local hit; a failed load
-registered nothing, and the request is admitted with its local hit only and never asks the
-store again (the normal steps recompute the rest: never wrong tokens). Giving the blocks back
-matters: a waiting request that held blocks could leave the preempted requests ahead of it
-without room, with nothing running to free any. An answer of "not known yet" parks the request
-for this step so the requests behind it go ahead.
+When the worker reports the load, the request keeps its blocks (as vLLM's does): a successful
+load registers the loaded blocks in the prefix cache and counts them as computed; a failed load
+registered nothing, and only the local hit counts (the normal steps recompute the rest into the
+same blocks: never wrong tokens; the request never asks the store again). The request is then
+`ready`: the scheduler admits ready requests ahead of the waiting queue, on the blocks they hold
+(`num_computed_tokens` = the tokens loaded), so KV pressure can no longer evict a load before
+its request runs and have it fetched again. Holding blocks while waiting could leave the
+requests behind without room with nothing running to free any; so when a ready request cannot
+get its remaining blocks and nothing runs, the other ready requests give theirs back
+(`release_others`: their loaded blocks stay cached, they rejoin the queue). An answer of "not
+known yet" parks the request for this step so the requests behind it go ahead.
 
 A load may take many steps (the worker runs it off the engine loop); the scheduler only learns
 of it in the worker's report. Until then the engine counts as busy (`has_loads_in_flight`), so it
@@ -46,6 +49,8 @@ class RemoteKVWaits:
         self._no_lookup: set[str] = set()
         # Finished while their load was in flight: freed when it reports.
         self._free_after_load: dict[str, Request] = {}
+        # Loads reported, blocks held: admitted before the waiting queue, in report order.
+        self.ready: list[Request] = []
         # Step counters, and the same since start (the engine's own counters).
         self.external_hit_tokens = 0
         self.load_failures = 0
@@ -80,9 +85,8 @@ class RemoteKVWaits:
         self._num_external[rid] = num_external
         return True
 
-    def apply_output(self, output: KVConnectorOutput) -> list[Request]:
-        """Apply the worker's report; returns requests to put back at the queue head."""
-        back: list[Request] = []
+    def apply_output(self, output: KVConnectorOutput) -> None:
+        """Apply the worker's report: finished loads become `ready`, holding their blocks."""
         for rid in output.finished_recving:
             request = self.waiting_for_remote.pop(rid, None)
             num_local = self._local_hit.pop(rid, 0)
@@ -106,16 +110,25 @@ class RemoteKVWaits:
                 self.external_hit_tokens += num_external
                 self.total_external_hit_tokens += num_external
                 self.kv.cache_blocks(request, request.num_computed_tokens)
-            self.kv.free(request)  # the loaded blocks stay cached: the admission hits them
-            request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
-            back.append(request)
-        return back
+            self.ready.append(request)
+
+    def release_others(self, keep: Request) -> list[Request]:
+        """Ready requests other than `keep` give their blocks back (the loaded ones stay cached,
+        so their admission may still hit them); returns them, to rejoin the waiting queue."""
+        released = [r for r in self.ready if r is not keep]
+        self.ready = [keep] if keep in self.ready else []
+        for request in released:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+        return released
 
     def finish(self, request: Request) -> bool:
         """`request` finished; True when it was waiting for a load (blocks freed later)."""
         rid = request.request_id
         self._no_lookup.discard(rid)
+        if request in self.ready:
+            self.ready.remove(request)
         if self.waiting_for_remote.pop(rid, None) is None:
             return False
         self._free_after_load[rid] = request
@@ -123,7 +136,7 @@ class RemoteKVWaits:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting_for_remote)
+        return len(self.waiting_for_remote) + len(self.ready)
 
     @property
     def has_loads_in_flight(self) -> bool:
@@ -131,5 +144,6 @@ class RemoteKVWaits:
         return bool(self.waiting_for_remote) or bool(self._free_after_load)
 
     def assert_idle(self) -> None:
+        assert not self.ready, f"loaded requests not admitted: {[r.request_id for r in self.ready]}"
         assert not self.waiting_for_remote, f"requests waiting for KV: {sorted(self.waiting_for_remote)}"
         assert not self._free_after_load, f"blocks awaiting a load: {sorted(self._free_after_load)}"

@@ -21,8 +21,9 @@ One step (`schedule`):
 
 With a KV connector (`kv_connector`, engine/kv_transfer/), admission also asks the
 connector's store for the prompt's blocks past the local hit (`remote_kv.RemoteKVWaits`:
-WAITING_FOR_REMOTE_KVS while they load), and every SchedulerOutput carries the step's
-loads and saves (`build_connector_meta`).
+WAITING_FOR_REMOTE_KVS while they load, holding their blocks; once loaded they are admitted
+ahead of the queue on those blocks), and every SchedulerOutput carries the step's loads and
+saves (`build_connector_meta`).
 
 `update_from_output` appends sampled tokens, checks stops (`stop_checker`) and
 frees finished requests. The caller alternates `schedule` and
@@ -284,7 +285,30 @@ class Scheduler:
         self.waiting.prepend(request)
         self._step.num_preemptions += 1
 
+    def _schedule_ready_loads(self, budget: TokenBudget, plan: StepPlan) -> bool:
+        """Admit requests whose external load finished, on the blocks they hold (remote_kv.py).
+        True when none is left waiting (the queue may go next)."""
+        assert self.remote_kv is not None
+        ready = self.remote_kv.ready
+        while ready and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
+            request = ready[0]
+            num_hit = request.num_computed_tokens
+            n = self._grant(budget, request.num_tokens - num_hit)
+            if not n or self.kv_cache_manager.allocate_slots(request, n) is None:
+                if n and not self.running:  # only other holders could make room: they give it back
+                    for released in reversed(self.remote_kv.release_others(request)):
+                        self.waiting.prepend(released)
+                return False
+            ready.pop(0)
+            self.kv_cache_manager.count_admission(request, num_hit)
+            self._admit(request, num_hit)
+            plan.add_new(request, n)
+            budget.spend(n)
+        return not ready
+
     def _schedule_waiting(self, budget: TokenBudget, plan: StepPlan) -> None:
+        if self.remote_kv is not None and self.remote_kv.ready and not self._schedule_ready_loads(budget, plan):
+            return  # a loaded request waits for room: nothing behind it overtakes
         while self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -373,8 +397,7 @@ class Scheduler:
         """Loads that ended rejoin the queue head; saves are credited to their requests."""
         assert self.remote_kv is not None and self.connector is not None
         self.connector.update_connector_output(output)
-        for ready in reversed(self.remote_kv.apply_output(output)):
-            self.waiting.prepend(ready)
+        self.remote_kv.apply_output(output)
         for rid, nbytes in output.bytes_saved.items():
             saver = self.requests.get(rid)
             if saver is not None:
