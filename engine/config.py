@@ -57,6 +57,12 @@ class ModelConfig:
     # (amx_linear.QUANT_MAX_ROWS, by block kind) read its Q4_1 / Q8_0 matrices as stored and multiply the
     # checkpoint's own (unrounded) weights, summed in float32 (a third of the bytes).
     quantized_decode: bool = True
+    # vLLM's VLLM_BATCH_INVARIANT, as a setting: every step size multiplies the same weights in the
+    # same order, so a row's logits (and a greedy request's tokens) do not depend on which other
+    # rows share its step; the quant blocks are not read (engine/model/forward_plan.py). bfloat16,
+    # eager, one rank, the torch attention backend on a CPU with AMX or AVX512-BF16; else a
+    # start-up error.
+    batch_invariant: bool = False
 
 
 @dataclass

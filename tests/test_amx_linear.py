@@ -89,3 +89,20 @@ def test_next_weight_prefetch_changes_no_result(m) -> None:  # type: ignore[no-u
         assert torch.equal(ops.amx_linear(xi, down, 576, nxt), ops.amx_linear(xi, down, 576, None))
     with pytest.raises(RuntimeError, match="an amx_pack or quant_pack result"):
         ops.amx_linear(x, qkv, 960, torch.zeros(4, 4))
+
+
+def test_each_row_is_the_one_row_calls_bits() -> None:
+    """model.batch_invariant's premise (engine/model/batch_invariance.py): row i of an M-row call
+    is bit for bit the 1-row call on that row, for M 1..64 and past DECODE_MAX_ROWS (the
+    batch-invariant plan runs every step size here): linear, fused silu * up, fused argmax."""
+    torch.manual_seed(7)
+    ops, inter = amx_linear.amx_ops(), 128
+    w, gu, head = torch.randn(96, 576).bfloat16(), torch.randn(2 * inter, 576).bfloat16(), torch.randn(500, 576).bfloat16()
+    pw, pgu, ph = amx_linear.pack(w), amx_linear.pack(gu, inter), amx_linear.pack(head)
+    x = torch.randn(200, 576).bfloat16()
+    calls = [lambda a: ops.amx_linear(a, pw, 96), lambda a: ops.amx_linear_silu_mul(a, pgu, inter),
+             lambda a: ops.amx_linear_argmax(a, ph, 500)]  # fmt: skip
+    alone = [torch.cat([f(x[i : i + 1]) for i in range(200)]) for f in calls]
+    for m in [*range(1, 65), 129, 200]:
+        for f, want in zip(calls, alone, strict=True):
+            assert torch.equal(f(x[:m]), want[:m]), m

@@ -139,9 +139,13 @@ def test_engine_tokens_on_the_blocks_are_float32s_choices() -> None:
     prompts = ["The lighthouse keeper found", "List three prime numbers:", "Paris is"]
     off = LLM(dtype="bfloat16", quantized_decode=False, num_blocks=64).engine_core.executor.worker.model
     assert not off.model.plan.quant and off.quant_lm_head is None
+    assert off.step_weights() == {"all": "bfloat16 (loader-rounded)"}
     llm = LLM(dtype="bfloat16", quantized_decode=True, num_blocks=64)
     model = llm.engine_core.executor.worker.model
     assert model.model.plan.quant and model.quant_lm_head is not None
+    assert model.step_weights() == {"rows<=2": "layers: gguf Q4_1 blocks; LM head: gguf Q8_0 blocks",
+                                    "rows 3-6": "layers: gguf Q4_1 blocks; LM head: bfloat16 (loader-rounded)",
+                                    "rows>6": "bfloat16 (loader-rounded)"}  # fmt: skip
     outs = llm.generate(prompts, sp, use_tqdm=False) + [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
     top1 = total = 0
     for out in outs:

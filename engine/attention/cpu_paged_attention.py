@@ -7,7 +7,8 @@ prompts of 128 tokens), and the backend sends such steps' prefill rows here
 (`torch_backend.prefill_on_paged_op`; benchmarks/cpu_paged_attention.py).
 
     torch.ops.servelab.paged_attention(Tensor q, Tensor kv_cache, Tensor block_table,
-                                       Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor
+                                       Tensor query_start_loc, Tensor seq_lens, float scale,
+                                       bool batch_invariant=False) -> Tensor
 
 q: [T, Hq, D] (any row / head strides, unit stride within a head); kv_cache: [2, num_blocks,
 block_size, Hkv, D] contiguous, q's dtype; block_table: [B, max_blocks] int (request b's blocks);
@@ -15,6 +16,9 @@ query_start_loc: [B + 1] int (request b's query rows are q[qsl[b]:qsl[b+1]]); se
 (request b's context length, this step's tokens included and already written to the cache).
 Query row i of request b sits at position seq_len - q_len + (i - qsl[b]) and attends to
 positions 0 .. its own (causal with offset); returns [T, Hq, D] contiguous, q's dtype.
+`batch_invariant`: the path and the work split ignore how many rows the call has, so a row's
+result is its own query's and context's alone, bit for bit, whatever shares the call
+(`model.batch_invariant`; tests/test_batch_invariant.py).
 
 Design: one work item per query row (all Hq heads together), so each key / value row, which
 holds all Hkv heads contiguously, is read once per query row in cache order and converted to
@@ -52,7 +56,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("servelab::paged_attention")
     def _(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
-          seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+          seq_lens: torch.Tensor, scale: float, batch_invariant: bool = False) -> torch.Tensor:
         return q.new_empty(q.shape)
 
 

@@ -31,6 +31,11 @@ attends, so a layer costs a handful of torch ops whatever the batch holds):
   benchmarks/cpu_paged_attention.py). Chosen by the CPU's flags, never by a timing probe, so two
   runs on one machine always run the same kernels. float32 stays on SDPA (0.87-1.03x there).
 - Grouped-query attention goes through SDPA's `enable_gqa`, never `repeat_interleave`.
+- `batch_invariant` (set by the loader for `model.batch_invariant`): every row of every step,
+  prefill or decode, through ONE call of the C++ paged-attention op with its split fixed, so a
+  row's output is its own query's and context's alone: the same whether its prompt came in one
+  chunk or several, alone or beside others (the prefill paths above attend a prompt's rows in
+  16-row blocks and differ from the decode path in their sums).
 
 This backend is the correctness oracle for the Triton and FlashAttention backends.
 """
@@ -155,11 +160,18 @@ class TorchAttentionBackend(AttentionBackend):
         self._prefills: list[_PrefillGroup] = []
         self._prefill_rows: _PrefillRows | None = None
         self._step_rows: _StepRows | None = None
+        self.batch_invariant = False  # module note; engine/model/batch_invariance.py sets it
 
     # ---- per-step plan -----------------------------------------------------------------
     def begin_step(self, metadata: AttentionMetadata) -> None:
         qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
         seq_lens = np.asarray(metadata.seq_lens_cpu, dtype=np.int64)
+        if self.batch_invariant:  # every row through the paged op (module note)
+            self._decode, self._prefills, self._prefill_rows = None, [], None
+            nblk = -(-int(seq_lens.max()) // metadata.block_size)
+            self._step_rows = _StepRows(int(qsl[-1]), metadata.block_table[: len(seq_lens), :nblk].long().contiguous(),
+                                        torch.from_numpy(qsl), torch.from_numpy(seq_lens))
+            return
         q_lens = qsl[1:] - qsl[:-1]
         is_decode = q_lens == 1
         self._decode = self._plan_decode(metadata, np.nonzero(is_decode)[0], seq_lens) if is_decode.any() else None
@@ -243,6 +255,10 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, metadata.slot_mapping)
+        if self.batch_invariant:
+            sr, op = self._step_rows, _cpu_op(q, kv_cache)
+            assert sr is not None and op is not None, "batch_invariant: the C++ paged-attention op (CPU, bfloat16)"
+            return op(q, kv_cache, sr.table, sr.query_start_loc, sr.seq_lens, scale, True)
         dec = self._decode
         pr = self._prefill_rows
         if pr is not None and q.dtype == torch.bfloat16 and kv_cache.dtype == q.dtype and q.stride(-1) == 1:

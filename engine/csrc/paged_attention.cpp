@@ -120,8 +120,12 @@ bool paged_prefill_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor 
 #endif
 }
 
+// batch_invariant: the path and the work split chosen without regard to the number of rows (one
+// kv head per item; AMX wherever an item fits), so each row's result depends on its own query and
+// context only (model.batch_invariant).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
-                              torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale) {
+                              torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
+                              bool batch_invariant) {
   check_cpu(q, "q");
   TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type() && kv_cache.is_contiguous() && kv_cache.dim() == 5,
               "kv_cache: contiguous [2, blocks, block_size, Hkv, D] of q's dtype");
@@ -137,17 +141,17 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   // AMX: bfloat16, head_dim 64 or 128, blocks of whole 16-token tiles, at most 16 query heads per item.
   const int64_t G = q.size(1) / kv_cache.size(3);
-  const bool one_item_fits = G <= 16 && (q.size(1) <= 16 || q.size(0) < 4 * at::get_num_threads());
+  const bool one_item_fits = G <= 16 && (q.size(1) <= 16 || batch_invariant || q.size(0) < 4 * at::get_num_threads());
   if (q.scalar_type() == torch::kBFloat16 && kv_cache.size(2) % 16 == 0 && one_item_fits && g_amx_enabled &&
       amx_tiles_granted()) {
     if (q.size(2) == 64) {
       paged_attention_amx<4>(q, kv_cache, bt.data_ptr<int64_t>(), bt.size(1), qsl.data_ptr<int64_t>(),
-                             sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out);
+                             sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out, batch_invariant);
       return out;
     }
     if (q.size(2) == 128) {
       paged_attention_amx<8>(q, kv_cache, bt.data_ptr<int64_t>(), bt.size(1), qsl.data_ptr<int64_t>(),
-                             sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out);
+                             sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out, batch_invariant);
       return out;
     }
   }
@@ -156,12 +160,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
 #if defined(__AVX512F__)
     if (q.size(2) == 64) {
       paged_attention_avx512<scalar_t, 4>(q, kv_cache, bt.data_ptr<int64_t>(), bt.size(1), qsl.data_ptr<int64_t>(),
-                                          sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out);
+                                          sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out, batch_invariant);
       return;
     }
     if (q.size(2) == 128) {
       paged_attention_avx512<scalar_t, 8>(q, kv_cache, bt.data_ptr<int64_t>(), bt.size(1), qsl.data_ptr<int64_t>(),
-                                          sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out);
+                                          sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out, batch_invariant);
       return;
     }
 #endif
@@ -216,7 +220,7 @@ void write_kv_(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::
 
 TORCH_LIBRARY_FRAGMENT(servelab, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor query_start_loc, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, bool batch_invariant=False) -> Tensor");
   m.def("write_kv_(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def("set_amx_attention(bool enabled) -> bool", &servelab::set_amx_attention);
   m.def("paged_prefill_attention_(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, "

@@ -59,7 +59,7 @@ static inline void scores_streamed(const bf16* a, int64_t stride_bytes, const ui
 template <int C>
 static void paged_attention_amx(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp,
                                 int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
-                                float scale, torch::Tensor& out) {
+                                float scale, torch::Tensor& out, bool fixed_items = false) {
   constexpr int64_t D = 16 * C;
   constexpr int64_t PF = 2;  // cache blocks prefetched ahead of the one being read (as tuned on AMX)
   const PagedView<bf16> v(q, kv_cache, qslp, B, out);
@@ -69,7 +69,7 @@ static void paged_attention_amx(const torch::Tensor& q, const torch::Tensor& kv_
   bf16* op = v.op;
   const std::vector<int64_t>& req_of = v.req_of;
   // Work items as in the AVX-512 path (the caller checks that an item has at most 16 query heads).
-  const int64_t hpi = Tn >= 4 * at::get_num_threads() ? Hkv : 1;
+  const int64_t hpi = heads_per_item(Tn, Hkv, fixed_items);
   const int64_t parts = Hkv / hpi, nh = hpi * G, span = hpi * D, chunks = span / 32;
   const int64_t stride_bytes = row * static_cast<int64_t>(sizeof(bf16));
   const int64_t pf_bytes = span * static_cast<int64_t>(sizeof(bf16));

@@ -210,7 +210,7 @@ static inline void values_heads_pairs(const bf16* vb, int64_t n, int64_t row, in
 template <typename T, int C>
 static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp,
                                    int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
-                                   float scale, torch::Tensor& out) {
+                                   float scale, torch::Tensor& out, bool fixed_items = false) {
   constexpr int64_t D = 16 * C;
   // Cache blocks prefetched ahead of the one being read, into L2: on a 2-core AMD EPYC Zen 4, cold
   // decode at SmolLM2's shape (benchmarks/cpu_paged_attention.py --layers 30 --threads 2) took 1.26 ms
@@ -223,10 +223,10 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
   const T *qp = v.qp, *kp = v.kp, *vp = v.vp;
   T* op = v.op;
   const std::vector<int64_t>& req_of = v.req_of;
-  // A work item is a query row and a range of kv heads: all of them when there are rows enough
-  // to keep every thread busy (then each cache block is one contiguous read of BS * Hkv * D
-  // elements, which the prefetcher streams), else one kv head each (batch-1 decode).
-  const int64_t hpi = Tn >= 4 * at::get_num_threads() ? Hkv : 1;
+  // A work item is a query row and a range of kv heads (heads_per_item): all of them when there
+  // are rows enough to keep every thread busy (then each cache block is one contiguous read of
+  // BS * Hkv * D elements, which the prefetcher streams), else one kv head each (batch-1 decode).
+  const int64_t hpi = heads_per_item(Tn, Hkv, fixed_items);
   const int64_t parts = Hkv / hpi, nh = hpi * G, span = hpi * D;
   at::parallel_for(0, Tn * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(nh * D), inv(nh);

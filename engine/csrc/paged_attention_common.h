@@ -22,6 +22,14 @@ static std::atomic<bool> g_amx_enabled{[] {
   return !(e && e[0] == '0');
 }()};
 
+// Query heads per work item, as kv heads (hpi): all of them when the call has rows enough to keep
+// every thread busy (each cache block then one contiguous read), else one (batch-1 decode). With
+// `fixed` (model.batch_invariant) always one, so that how a row is split does not follow how many
+// other rows share the call.
+static inline int64_t heads_per_item(int64_t Tn, int64_t Hkv, bool fixed) {
+  return !fixed && Tn >= 4 * static_cast<int64_t>(at::get_num_threads()) ? Hkv : 1;
+}
+
 // Sizes, pointers and the request of each query row: what both paths read from the arguments.
 template <typename T>
 struct PagedView {

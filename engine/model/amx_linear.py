@@ -156,9 +156,14 @@ GGUF_BLOCK_KINDS = ("Q4_1", "Q8_0")
 _TILE_KINDS = {640: "Q4_1", 1088: "Q8_0"}
 
 
+def block_kind(packed: torch.Tensor) -> str:
+    """The GGUF block kind ("Q4_1", "Q8_0") of a quant_pack result."""
+    return _TILE_KINDS[int(packed.shape[-1])]
+
+
 def quant_max_rows(packed: torch.Tensor) -> int:
     """Up to how many rows a step reads this quant_pack result instead of the bfloat16 pack."""
-    return QUANT_MAX_ROWS[_TILE_KINDS[int(packed.shape[-1])]]
+    return QUANT_MAX_ROWS[block_kind(packed)]
 
 
 def quant_available() -> bool:

@@ -6,7 +6,9 @@ Same ops in the same order as the modules' forward (so the same numbers, bit for
 layers, ~45 ms) that Python costs a few milliseconds. Per step it picks the linears' kernels by
 row count: the AMX / AVX512-BF16 decode kernels up to `amx_linear.DECODE_MAX_ROWS` rows (each
 call naming the next one's weight, so its threads prefetch it), the GEMV for a few float32 rows,
-else oneDNN's prepacked kernels at padded row counts (`cpu_linear.padded_rows`).
+else oneDNN's prepacked kernels at padded row counts (`cpu_linear.padded_rows`). A
+batch-invariant plan (`model.batch_invariant`) runs the decode kernels' bfloat16 packs at every
+row count instead (engine/model/batch_invariance.py).
 
 `LlamaModel.build_plan` makes one after the weights are packed; `LlamaModel.forward` runs it
 for CPU inference in the plan's dtype; `on_huge_pages` moves the decode kernels' matrices into
@@ -86,16 +88,20 @@ class ForwardPlan:
     sizes: tuple[int, int, int] = (0, 0, 0)  # qkv width, hidden size, intermediate size
     gemv_ops: Any = None  # torch.ops.servelab with the GEMV (cpu_gemv), for steps of a few rows
     quant_max_rows: int = 0  # every layer's AmxPacks has its quant packs: steps up to this many rows read them
+    # model.batch_invariant: the decode kernels' bfloat16 packs at every step size, never the quant
+    # packs, the GEMV or oneDNN (engine/model/batch_invariance.py)
+    batch_invariant: bool = False
 
     @property
     def quant(self) -> bool:
         return self.quant_max_rows > 0
 
 
-def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None) -> ForwardPlan | None:
+def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None, batch_invariant: bool = False) -> ForwardPlan | None:
     """The plan of `model`'s forward where every layer is dense, its linears prepacked, and the
     fused kernels are built; None otherwise. `blocks`: the checkpoint's quantized matrices
-    (gguf_loader.load_gguf_blocks) for the decode kernels that read them as stored."""
+    (gguf_loader.load_gguf_blocks) for the decode kernels that read them as stored (ignored with
+    `batch_invariant`)."""
     ops = kernels()
     layers = []
     inter = 0
@@ -132,7 +138,8 @@ def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None) -> ForwardPl
                      default=0)
     return ForwardPlan(model.embed_tokens.weight.dtype, ops, model.norm.eps, tuple(layers),
                        model.norm.weight.detach(), amx_linear.amx_ops() if with_amx else None, sizes,
-                       cpu_gemv.gemv_ops() if with_gemv else None, quant_rows)  # fmt: skip
+                       cpu_gemv.gemv_ops() if with_gemv and not batch_invariant else None,
+                       0 if batch_invariant else quant_rows, batch_invariant)  # fmt: skip
 
 
 def _amx_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | None, ...] | None) -> AmxPacks | None:
@@ -193,7 +200,8 @@ def planned_forward(
     """The layers and the final norm on the embedded tokens x [T, H] -> [T, H]."""
     ops, eps = plan.ops, plan.eps
     t = x.shape[0]
-    amx = plan.amx_ops if t <= amx_linear.DECODE_MAX_ROWS else None  # decode-sized steps: AMX kernels
+    # decode-sized steps (every step, batch-invariant): AMX kernels
+    amx = plan.amx_ops if t <= amx_linear.DECODE_MAX_ROWS or plan.batch_invariant else None
     quant = amx is not None and t <= plan.quant_max_rows  # a few rows: the checkpoint's blocks
     gemv = plan.gemv_ops is not None and t <= cpu_gemv.max_rows(plan.dtype)  # a few rows: packed_linear's GEMV
     rows = t if amx is not None or gemv else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
@@ -247,6 +255,8 @@ def warm_up_linears(plan: ForwardPlan, max_rows: int) -> float:
     hidden = plan.sizes[1]
     q_size = lp.attn.q_size
     low = amx_linear.DECODE_MAX_ROWS + 1 if plan.amx_ops is not None else 1
+    if plan.batch_invariant:  # no step runs oneDNN's linears
+        return 0.0
     for rows in sorted({padded_rows(r) for r in range(low, max(max_rows, low) + 1)}):
         x = torch.zeros(rows, hidden, dtype=plan.dtype)
         packed_linear(x, lp.qkv)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.model import amx_linear
+from engine.model import amx_linear, batch_invariance
 from engine.model.arch import ModelArch
 from engine.model.cpu_kernels import kernels
 from engine.model.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
@@ -117,9 +117,9 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
         self.plan: ForwardPlan | None = None  # set by build_plan() once the weights are packed
 
-    def build_plan(self, blocks: GgufBlocks | None = None) -> bool:
+    def build_plan(self, blocks: GgufBlocks | None = None, batch_invariant: bool = False) -> bool:
         """Plan the eager CPU forward (engine/model/forward_plan.py); returns whether a plan was made."""
-        self.plan = build_plan(self, blocks)
+        self.plan = build_plan(self, blocks, batch_invariant)
         return self.plan is not None
 
     def warm_up_linears(self, max_rows: int) -> float:
@@ -174,6 +174,7 @@ class LlamaForCausalLM(nn.Module):
         self.amx_lm_head: torch.Tensor | None = None  # the LM head for the AMX kernels, set by prepack()
         self.quant_lm_head: torch.Tensor | None = None  # the same from the checkpoint's blocks (quant_pack)
         self.gguf_path: Path | None = None  # the GGUF file the weights came from (loader.load_model)
+        self.batch_invariant = False  # model.batch_invariant (loader.load_model; engine/model/batch_invariance.py)
 
     def forward(
         self,
@@ -263,7 +264,8 @@ class LlamaForCausalLM(nn.Module):
         plan = self.model.plan
         if (
             self.amx_lm_head is None or plan is None or plan.amx_ops is None or hidden.dtype != torch.bfloat16
-            or hidden.shape[0] > amx_linear.DECODE_MAX_ROWS or hidden.device.type != "cpu" or torch.compiler.is_compiling()
+            or (hidden.shape[0] > amx_linear.DECODE_MAX_ROWS and not plan.batch_invariant)
+            or hidden.device.type != "cpu" or torch.compiler.is_compiling()
         ):  # fmt: skip
             return None
         return plan.amx_ops
@@ -271,12 +273,12 @@ class LlamaForCausalLM(nn.Module):
     def prepack(self, quantized_decode: bool = True) -> int:
         """Prepack the linear weights and the LM head for oneDNN where that applies
         (engine/model/cpu_linear.py), and for the decode kernels (amx_linear; with
-        `quantized_decode`, also from the GGUF checkpoint's own blocks); returns how many
-        matrices were packed for oneDNN."""
+        `quantized_decode`, also from the GGUF checkpoint's own blocks, unless `batch_invariant`);
+        returns how many matrices were packed for oneDNN."""
         n = prepack_linears(self)
-        blocks = self._gguf_blocks() if quantized_decode and n else None
+        blocks = self._gguf_blocks() if quantized_decode and n and not self.batch_invariant else None
         if n:
-            self.model.build_plan(blocks)
+            self.model.build_plan(blocks, self.batch_invariant)
         if self.lm_head is not None:  # an untied LM head is one of the linears just packed
             self.packed_lm_head = self.lm_head.__dict__.get("packed_weight")
         elif n and prepack_supported(self.model.embed_tokens.weight):
@@ -291,18 +293,14 @@ class LlamaForCausalLM(nn.Module):
                 self.quant_lm_head = amx_linear.quant_pack(found[1], found[0], head)
         if plan is not None and plan.amx_ops is not None:  # forward_plan.on_huge_pages: why
             self.model.plan, self.amx_lm_head = on_huge_pages(plan, self.amx_lm_head)
-        plan = self.model.plan
-        if plan is not None and plan.quant:
-            quant = [t for lp in plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant]
-            bf16 = [t for lp in plan.layers if lp.amx for t in lp.amx.matrices(False)]
-            heads = [(self.quant_lm_head, self.amx_lm_head)] if self.quant_lm_head is not None else []
-            rows = min([plan.quant_max_rows] + [amx_linear.quant_max_rows(q) for q, _ in heads])
-            logger.info("decode steps of up to %d rows read the checkpoint's own blocks: %.1f MB a step, not %.1f MB "
-                        "of bfloat16 (the LM head %s; the layers up to %d rows)", rows,
-                        sum(t.nbytes for t in quant + [q for q, _ in heads]) / 1e6,
-                        sum(t.nbytes for t in bf16 + [b for _, b in heads if b is not None]) / 1e6,
-                        "too" if heads else "in bfloat16", plan.quant_max_rows)  # fmt: skip
+        if self.batch_invariant:
+            batch_invariance.check_plan(self)
+        batch_invariance.log_step_weights(self)
         return n
+
+    def step_weights(self) -> dict[str, str]:
+        """Which weights the linears multiply, by step size (batch_invariance.step_weights)."""
+        return batch_invariance.step_weights(self)
 
     def _gguf_blocks(self) -> GgufBlocks | None:
         """The checkpoint's Q4_1 / Q8_0 matrices for the quant decode kernels, where they can

@@ -30,6 +30,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
 from engine.dtypes import torch_dtype
+from engine.model import batch_invariance
 from engine.model.arch import ModelArch
 from engine.model.dummy import init_dummy_weights
 from engine.model.gguf_loader import load_gguf_state_dict, open_gguf
@@ -216,8 +217,11 @@ def load_model(
     device = torch.device(device)
     source = resolve_source(model_config.model)
     dtype = _dtype(model_config.dtype, source, device)
+    if model_config.batch_invariant:  # refused before the weights load, where it cannot hold
+        batch_invariance.require(model_config, device, dtype, attn_backend)
     with build_on_meta():
         model = LlamaForCausalLM(arch, attn_backend)
+    model.batch_invariant = model_config.batch_invariant
     model = materialize(model, device, dtype)
     model.model.rotary_emb.rebuild(device, dtype)
     if weights_fn is None:

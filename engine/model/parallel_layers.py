@@ -169,6 +169,8 @@ def load_parallel_model(
     """
     from engine.model.loader import _dtype, build_on_meta, materialize, resolve_model, resolve_source
 
+    if model_config.batch_invariant:  # the decode kernels need the whole matrices (prepack: why)
+        raise ValueError("model.batch_invariant: one rank only (tensor_parallel_size 1)")
     arch, weights_fn, _ = resolve_model(model_config)
     plan = plan_for(arch)
     dtype = _dtype(model_config.dtype, resolve_source(model_config.model), device)

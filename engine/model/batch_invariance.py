@@ -1,0 +1,111 @@
+"""`model.batch_invariant`: each row's logits independent of the other rows of its step, and
+which weights each step size multiplies (`step_weights`, in the start-up log).
+
+Why it is a switch. On a CPU with AVX512-BF16 and a GGUF checkpoint the engine picks kernels by
+how many rows a step has: up to `amx_linear.QUANT_MAX_ROWS` rows (6 for Q4_1, 2 for Q8_0) the
+linears multiply the checkpoint's own blocks, past that the loader's bfloat16 rounding of them
+(the decode kernels up to `DECODE_MAX_ROWS`, then oneDNN's, whose sums run in an order of its
+own choosing per shape); attention takes prefill paths for a prompt's rows (16-row query
+blocks) and a decode path for one-row queries, and splits its work by the step's row count. So
+a greedy request's tokens changed with the load beside it: 10 of 20 prompts came out different
+alone than in a batch of 16 (SmolLM2, bfloat16, AMX; tests/test_batch_invariant.py).
+
+What the switch fixes (vLLM's VLLM_BATCH_INVARIANT does the same on a GPU):
+- linears and the LM head: the decode kernels' bfloat16 packs at every step size
+  (forward_plan.ForwardPlan.batch_invariant); each row sums its own products over the
+  reduction in one order whatever rows share its tile or register group (AMX tile rows,
+  vdpbf16ps accumulators per row: tests/test_amx_linear.py holds row i of an M-row call to the
+  1-row call's bits for M up to 64), greedy steps' argmax fused as before; the quant blocks are
+  not read;
+- attention: every row, prefill or decode, through one call of the paged op per layer with its
+  work split fixed (torch_backend.TorchAttentionBackend.batch_invariant), so how a prompt is
+  chunked under a shared token budget does not change its rows either;
+- norms, rotary, SiLU: per-row kernels already (engine/csrc/layer_ops.cpp).
+The cost: no quant blocks at small batches, per-row attention for prompts, and the decode
+kernels for prefill-sized steps (docs/configuration.md gives the measured figures).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.config import ModelConfig
+from engine.model import amx_linear
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def require(config: ModelConfig, device: torch.device, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    """Before loading: ValueError naming the first thing `model.batch_invariant` needs that this
+    configuration lacks; marks the attention backend batch-invariant otherwise."""
+    from engine.attention.cpu_paged_attention import paged_attention_op
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    why = None
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        why = f"bfloat16 on a CPU, not {str(dtype).removeprefix('torch.')} on {device.type}"
+    elif not config.enforce_eager:
+        why = "enforce_eager (the compiled forward runs inductor's kernels)"
+    elif not config.prepack_weights:
+        why = "prepack_weights (the decode kernels' packs)"
+    elif not isinstance(backend, TorchAttentionBackend) or paged_attention_op() is None:
+        why = "the torch attention backend with its C++ paged-attention op"
+    elif not amx_linear.available():
+        why = "a CPU with AMX or AVX512-BF16 for the decode kernels (amx_linear.kind() is 'onednn' here)"
+    if why is not None:
+        raise ValueError(f"model.batch_invariant: needs {why}")
+    assert isinstance(backend, TorchAttentionBackend)
+    backend.batch_invariant = True
+
+
+def check_plan(model: LlamaForCausalLM) -> None:
+    """After packing: ValueError unless every linear and the LM head run the decode kernels."""
+    plan = model.model.plan
+    if plan is None or not plan.batch_invariant or plan.amx_ops is None or model.amx_lm_head is None:
+        raise ValueError("model.batch_invariant: a dense model whose every linear and LM head the decode "
+                         "kernels take (amx_linear.supports: K a multiple of 32)")
+
+
+def step_weights(model: LlamaForCausalLM) -> dict[str, str]:
+    """Which weights the linears multiply, by step size (rows): e.g. {"rows<=2": ..., "rows 3-6":
+    ..., "rows>6": "bfloat16 (loader-rounded)"}, or {"all": ...} (batch-invariant, no quant packs)."""
+    weight = model._lm_head_weight()
+    name = str(weight.dtype).removeprefix("torch.")
+    base = f"{name} (loader-rounded)" if model.gguf_path is not None and weight.dtype != torch.float32 else name
+    plan = model.model.plan
+    if plan is None or not plan.quant:
+        return {"all": base}
+    kinds = sorted({amx_linear.block_kind(t) for lp in plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant})
+    head = model.quant_lm_head
+    layer_rows, head_rows = plan.quant_max_rows, amx_linear.quant_max_rows(head) if head is not None else 0
+    out, lo = {}, 1
+    for hi in sorted({layer_rows, head_rows} - {0}):
+        layers = f"gguf {'/'.join(kinds)} blocks" if hi <= layer_rows else base
+        lm_head = f"gguf {amx_linear.block_kind(head)} blocks" if head is not None and hi <= head_rows else base
+        out[f"rows<={hi}" if lo == 1 else f"rows {lo}-{hi}"] = (
+            layers if layers == lm_head else f"layers: {layers}; LM head: {lm_head}")
+        lo = hi + 1
+    out[f"rows>{lo - 1}"] = base
+    return out
+
+
+def log_step_weights(model: LlamaForCausalLM) -> None:
+    """The start-up log line of `step_weights`, with a step's weight bytes where quant packs exist."""
+    plan = model.model.plan
+    line = f"linear weights by step size: {step_weights(model)}"
+    if plan is not None and plan.batch_invariant:
+        line += " (model.batch_invariant: the same weights and sums at every step size)"
+    elif plan is not None and plan.quant:
+        quant = [t for lp in plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant]
+        bf16 = [t for lp in plan.layers if lp.amx for t in lp.amx.matrices(False)]
+        heads = [(model.quant_lm_head, model.amx_lm_head)] if model.quant_lm_head is not None else []
+        line += (f"; a step on the blocks reads {sum(t.nbytes for t in quant + [q for q, _ in heads]) / 1e6:.1f} MB, "
+                 f"not {sum(t.nbytes for t in bf16 + [b for _, b in heads if b is not None]) / 1e6:.1f} MB of bfloat16")
+    logger.info(line)
