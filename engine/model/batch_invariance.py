@@ -106,6 +106,9 @@ def log_step_weights(model: LlamaForCausalLM) -> None:
         quant = [t for lp in plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant]
         bf16 = [t for lp in plan.layers if lp.amx for t in lp.amx.matrices(False)]
         heads = [(model.quant_lm_head, model.amx_lm_head)] if model.quant_lm_head is not None else []
-        line += (f"; a step on the blocks reads {sum(t.nbytes for t in quant + [q for q, _ in heads]) / 1e6:.1f} MB, "
-                 f"not {sum(t.nbytes for t in bf16 + [b for _, b in heads if b is not None]) / 1e6:.1f} MB of bfloat16")
+        read = sum(t.nbytes for t in quant + [q for q, _ in heads]) / 1e6
+        full = sum(t.nbytes for t in bf16 + [b for _, b in heads if b is not None]) / 1e6
+        # benchmarks read "read the checkpoint's own blocks: X MB a step" from this line
+        line += (f"; steps of up to {plan.quant_max_rows} rows read the checkpoint's own blocks: {read:.1f} MB a step, "
+                 f"not {full:.1f} MB of bfloat16")
     logger.info(line)
