@@ -15,7 +15,9 @@ One step (`schedule`):
  2. then, only if nobody was preempted, waiting requests in queue order
     (`request_queue`) while budget, `max_num_seqs` and blocks allow; a prefix-cache
     hit (`KVCacheManager.get_computed_blocks`) counts as already computed. Without
-    chunked prefill a request must fit whole, and the queue head blocks the rest;
+    chunked prefill a request must fit whole, and the queue head blocks the rest.
+    Under the priority policy a head short of blocks or of a seat displaces a running
+    request of lower priority (`preemption.displacement_victim`);
  3. the plan (`step_plan.StepPlan`) becomes a `SchedulerOutput`, then every
     scheduled request's `num_computed_tokens` advances by its scheduled tokens.
 
@@ -53,7 +55,7 @@ from engine.core.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager,
 from engine.core.sched import placeholders
 from engine.core.sched.budget import TokenBudget
 from engine.core.sched.output import make_output
-from engine.core.sched.preemption import pick_victim
+from engine.core.sched.preemption import displacement_victim, pick_victim
 from engine.core.sched.remote_kv import RemoteKVWaits
 from engine.core.sched.request_queue import create_request_queue
 from engine.core.sched.stats import SchedulerStats
@@ -309,8 +311,14 @@ class Scheduler:
     def _schedule_waiting(self, budget: TokenBudget, plan: StepPlan) -> None:
         if self.remote_kv is not None and self.remote_kv.ready and not self._schedule_ready_loads(budget, plan):
             return  # a loaded request waits for room: nothing behind it overtakes
-        while self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and not budget.exhausted:
             request = self.waiting.peek()
+            if request in plan.preempted:
+                return  # displaced this step for a higher priority: not back before the next
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._displace_for(request, budget, plan):
+                    continue
+                return
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             if self.remote_kv is not None:
                 num_external = self.remote_kv.external_hit(request, num_hit)
@@ -325,11 +333,24 @@ class Scheduler:
             n = self._grant(budget, request.num_tokens - num_hit)
             new_blocks = self.kv_cache_manager.allocate_slots(request, n, hit_blocks, num_hit) if n else None
             if new_blocks is None:
+                if n and self._displace_for(request, budget, plan):
+                    continue  # its hit is looked up again: the victim may have held part of it
                 return  # the head waits; nothing behind it overtakes
             self.waiting.pop()
             self._admit(request, num_hit)
             plan.add_new(request, n)
             budget.spend(n)
+
+    def _displace_for(self, request: Request, budget: TokenBudget, plan: StepPlan) -> bool:
+        """Priority policy: preempt the running request `request` outranks (preemption.py);
+        False when there is none."""
+        victim = displacement_victim(request, self.running, self.config.policy)
+        if victim is None:
+            return False
+        budget.refund(plan.unschedule(victim))
+        self._preempt(victim)
+        plan.preempted.append(victim)
+        return True
 
     def _admit(self, request: Request, num_hit: int) -> None:
         request.num_computed_tokens = num_hit
