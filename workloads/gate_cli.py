@@ -43,6 +43,11 @@ def add_paired_arguments(parser: argparse.ArgumentParser) -> None:
         help="TEST ONLY: slow the candidate's forward by FRACTION (e.g. 0.1) through a step hook, to measure "
         "the gate's power (benchmarks/gate_power.py)",
     )
+    group.add_argument(
+        "--explain-repeats", type=int, default=3, metavar="N",
+        help="on FAIL, N profiled pairs decompose the change (servelab-explain; explain.html and explain.json "
+        "beside gate.json); 0: none (default: %(default)s)",
+    )
 
 
 def _env_pairs(items: list[str]) -> dict[str, str]:
@@ -97,7 +102,26 @@ def paired_gate(args: argparse.Namespace, stored_gate: Callable[[argparse.Namesp
           f"{result.elapsed_s:.0f} s)")  # fmt: skip
     if args.verbose:
         print(json.dumps(result.notes))
+    if bad and getattr(args, "explain_repeats", 0) >= 2:
+        explain_failure(args, settings, result.baseline_commit, Path(result.out_dir))
     return 1 if bad else 0
+
+
+def explain_failure(args: argparse.Namespace, settings: GateSettings, commit: str, out: Path) -> None:
+    """The FAIL's top contributors after the verdict (workloads/explain_cli.py); a failure to
+    explain is one line, never a change of the verdict."""
+    from workloads.explain import format_explain
+    from workloads.explain_cli import explain_refs
+
+    try:
+        report = explain_refs(Path(args.repo), commit, None, settings, out, args.explain_repeats,
+                              getattr(args, "candidate_slowdown", 0.0), log=lambda s: None,
+                              candidate_env=_env_pairs(args.candidate_env))  # fmt: skip
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"gate: explain failed: {exc}")
+        return
+    print(format_explain(report))
+    print(f"gate: explained in {out / 'explain.html'} and explain.json")
 
 
 if __name__ == "__main__":  # python -m workloads.gate_cli: servelab-gate from this tree

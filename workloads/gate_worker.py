@@ -9,7 +9,8 @@ this form: only the standard library, torch and the engine's public offline API 
 Protocol (one JSON object per line): the first stdin line is the job
 `{"engine": {section: {key: value}}, "requests": [{"prompt_token_ids", "max_tokens"}],
 "warmup_runs": int}`; the worker loads the engine, runs the warm-up, answers `{"ready": ...}`;
-then each `run` line is answered with one rep's measures (`measure_rep`), `quit` ends it.
+then each `run` line is answered with one rep's measures (`measure_rep`), each `explain` line
+with one profiled rep (workloads/explain_probe.py, loaded by path beside this file), `quit` ends it.
 Protocol lines go to the original stdout; everything else the engine prints goes to stderr.
 
 `--test-slowdown F` (TEST ONLY: measuring the gate's power, benchmarks/gate_power.py) installs
@@ -147,6 +148,20 @@ def measure_rep(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     return rep
 
 
+def explain_rep(llm: Any, job: dict[str, Any], hooks: Any) -> dict[str, Any]:
+    """One profiled rep for servelab-explain (explain_probe.profiled_rep), the installed hooks kept
+    inside its ranges; the probe is loaded by path: this tree's `workloads` may not have it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("explain_probe", os.path.join(os.path.dirname(__file__), "explain_probe.py"))
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    if not hasattr(llm.engine_core, "set_hooks"):
+        return {"error": "this tree's engine has no EngineCore.set_hooks: nothing to profile by phase"}
+    return probe.profiled_rep(llm, job["requests"], hooks)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gate_worker")
     parser.add_argument("--test-slowdown", type=float, default=None, help="TEST ONLY (module docstring)")
@@ -161,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(job.get("threads", 1)))
     t1 = time.perf_counter()
     llm = build_llm(job)
-    if args.test_slowdown is not None:
-        install_slowdown(llm, args.test_slowdown)
+    hooks = install_slowdown(llm, args.test_slowdown) if args.test_slowdown is not None else None
     t2 = time.perf_counter()
     for _ in range(int(job.get("warmup_runs", 1))):
         measure_rep(llm, job)
@@ -173,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         command = line.strip()
         if command == "quit":
             break
+        if command == "explain":
+            out.write(json.dumps(explain_rep(llm, job, hooks)) + "\n")
+            continue
         if command != "run":
             out.write(json.dumps({"error": f"unknown command {command!r}"}) + "\n")
             continue

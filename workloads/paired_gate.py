@@ -112,6 +112,7 @@ class GateResult:
     elapsed_s: float
     notes: list[str]
     generations: list[int] = field(default_factory=list)  # generation of each kept pair
+    out_dir: str = ""  # where gate.json and the workers' logs are
 
     @property
     def regressed(self) -> bool:
@@ -255,6 +256,27 @@ def timed_rep(worker: Worker, timeout_s: float, perf: bool, scratch: Path) -> di
     return rep
 
 
+Side = tuple[str, Path, dict[str, str]]  # a worker's interpreter, tree and environment
+
+
+def gate_sides(repo: Path, against: str, settings: GateSettings, candidate_env: Mapping[str, str] | None = None,
+               ) -> tuple[str, Path, dict[str, Side], list[str]]:  # fmt: skip
+    """(baseline commit, its tree, {"baseline"|"candidate": Side}, notes): `against` checked out
+    beside `repo` with the interpreter and C++ extension folder it needs; the candidate is `repo`."""
+    commit = resolve_baseline(repo, against)
+    tree = materialise(repo, commit)
+    cache = tree.parent / "cache"
+    python, why_python = python_for(tree, repo, cache)
+    ext_dir = extension_dir_for(tree, repo, cache)
+    notes = [f"baseline {commit[:12]} at {tree}", f"baseline python: {why_python}",
+             "C++ kernels: " + (f"baseline built separately in {ext_dir}" if ext_dir else
+                                "same sources, shared build" if kernel_digest(tree) == kernel_digest(repo) else
+                                "changed; builds named by their sources, in the shared cache")]  # fmt: skip
+    sides = {"baseline": (python, tree, worker_env(tree, settings.threads, ext_dir, {})),
+             "candidate": (sys.executable, repo, worker_env(repo, settings.threads, None, candidate_env or {}))}
+    return commit, tree, sides, notes
+
+
 def run_paired_gate(
     repo: Path, against: str, settings: GateSettings, candidate_env: Mapping[str, str] | None = None,
     log: Callable[[str], None] = print, out_dir: Path | None = None, candidate_slowdown: float = 0.0,
@@ -266,15 +288,7 @@ def run_paired_gate(
     `--test-slowdown`); the baseline's then installs the same hook at 0, so both pay its cost."""
     t0 = time.perf_counter()
     repo = repo.resolve()
-    commit = resolve_baseline(repo, against)
-    tree = materialise(repo, commit)
-    cache = tree.parent / "cache"
-    python, why_python = python_for(tree, repo, cache)
-    ext_dir = extension_dir_for(tree, repo, cache)
-    notes = [f"baseline {commit[:12]} at {tree}", f"baseline python: {why_python}",
-             "C++ kernels: " + (f"baseline built separately in {ext_dir}" if ext_dir else
-                                "same sources, shared build" if kernel_digest(tree) == kernel_digest(repo) else
-                                "changed; builds named by their sources, in the shared cache")]  # fmt: skip
+    commit, tree, sides, notes = gate_sides(repo, against, settings, candidate_env)
     perf = perf_available()
     notes.append("perf stat: counting instructions" if perf else "perf stat: no instruction counter here (not reported)")
     if candidate_slowdown:
@@ -284,8 +298,6 @@ def run_paired_gate(
     scratch = Path(out_dir or tempfile.mkdtemp(prefix="servelab-gate-"))
     scratch.mkdir(parents=True, exist_ok=True)
     slow = {"baseline": ["--test-slowdown", "0"], "candidate": ["--test-slowdown", f"{candidate_slowdown}"]}
-    sides = {"baseline": (python, tree, worker_env(tree, settings.threads, ext_dir, {})),
-             "candidate": (sys.executable, repo, worker_env(repo, settings.threads, None, candidate_env or {}))}
 
     def start(generation: int) -> dict[str, Worker]:
         """Both sides' workers, started in an order that alternates with the generation."""
@@ -337,6 +349,6 @@ def run_paired_gate(
     base, cand = reps["baseline"], reps["candidate"]
     checks = judge_all(settings.metrics, base, cand, settings.bootstrap, labels)
     result = GateResult(commit, str(tree), checks, base, cand, len(cand), pair - len(cand),
-                        time.perf_counter() - t0, notes, labels)  # fmt: skip
+                        time.perf_counter() - t0, notes, labels, str(scratch))  # fmt: skip
     (scratch / "gate.json").write_text(json.dumps(result.to_json(), indent=2, default=float))
     return result

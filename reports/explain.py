@@ -1,0 +1,97 @@
+"""The "Regression explained" HTML section and page (servelab-explain's explain.html).
+
+`explain_section(report)` is an HTML fragment: the change with its interval, a table of the
+contributors beyond noise (share, ms per output token, interval, the operators that moved) with
+the folded rest on one line, a bar chart of the contributions (inline SVG, an interval whisker
+on each bar), and the step composition of both sides. `explain_page(report)` wraps it in a
+page. Reads only the report dict of `workloads.explain.explain`.
+"""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any
+
+BAR_H, LABEL_W, CHART_W = 22, 260, 420
+
+
+def _bar_chart(contributors: list[dict[str, Any]], noise: dict[str, Any]) -> str:
+    """Horizontal bars from a zero line: right slower, left faster; whisker = the interval."""
+    rows = [(e["name"], e["contribution"], e["low"], e["high"]) for e in contributors]
+    if noise["count"]:
+        rows.append((f"{noise['count']} within noise", noise["contribution"], noise["contribution"],
+                     noise["contribution"]))  # fmt: skip
+    if not rows:
+        return ""
+    scale = max(max(abs(v) for r in rows for v in r[1:]), 1e-9)
+    zero = LABEL_W + CHART_W / 2
+    px = (CHART_W / 2 - 10) / scale
+    parts = [f'<svg width="{LABEL_W + CHART_W + 90}" height="{BAR_H * len(rows) + 10}" '
+             'xmlns="http://www.w3.org/2000/svg" font-family="sans-serif" font-size="12">']  # fmt: skip
+    for i, (name, value, low, high) in enumerate(rows):
+        y = 5 + i * BAR_H
+        x0, x1 = sorted((zero, zero + value * px))
+        colour = "#c0392b" if value > 0 else "#27ae60"
+        parts.append(f'<text x="{LABEL_W - 6}" y="{y + 15}" text-anchor="end">{escape(name[:40])}</text>')
+        parts.append(f'<rect x="{x0:.1f}" y="{y + 3}" width="{max(x1 - x0, 1):.1f}" height="{BAR_H - 8}" '
+                     f'fill="{colour}"/>')  # fmt: skip
+        parts.append(f'<line x1="{zero + low * px:.1f}" x2="{zero + high * px:.1f}" y1="{y + 11}" y2="{y + 11}" '
+                     'stroke="black"/>')  # fmt: skip
+        parts.append(f'<text x="{LABEL_W + CHART_W + 4}" y="{y + 15}">{value:+.3f}</text>')
+    parts.append(f'<line x1="{zero}" x2="{zero}" y1="0" y2="{BAR_H * len(rows) + 10}" stroke="#555"/></svg>')
+    return "".join(parts)
+
+
+def _ops_cell(entry: dict[str, Any]) -> str:
+    return "<br>".join(
+        f"{escape(op['op'])}: {op['base_ms_per_call']:.3f} → {op['cand_ms_per_call']:.3f} ms/call, "
+        f"{op['base_calls_per_step']:.1f} → {op['cand_calls_per_step']:.1f} calls/step"
+        for op in entry.get("ops", [])
+    )
+
+
+def explain_section(report: dict[str, Any]) -> str:
+    """The section's HTML (module docstring)."""
+    ch = report["change"]
+    out = ["<section><h2>Regression explained</h2>",
+           f"<p>{report['baseline_ms_per_token']:.2f} → {report['candidate_ms_per_token']:.2f} ms per output token "
+           f"({report['change_pct']:+.1f}%; change {ch['point']:+.3f} ms, 95% CI {ch['low']:+.3f} .. "
+           f"{ch['high']:+.3f}; {report['repeats']} paired repeats, profiled). A contributor is beyond noise "
+           f"when its interval excludes zero and it is at least {report['min_effect']:.0%} of the baseline.</p>"]  # fmt: skip
+    if not report["contributors"]:
+        out.append("<p><b>No component changed beyond noise.</b></p>")
+    else:
+        out.append("<table><tr><th>contributor</th><th>share</th><th>ms / output token</th><th>95% CI</th>"
+                   "<th>operators that moved</th></tr>")  # fmt: skip
+        for e in report["contributors"]:
+            out.append(f"<tr><td>{escape(e['name'])}</td><td>{e['share']:.0%}</td><td>{e['contribution']:+.3f}</td>"
+                       f"<td>{e['low']:+.3f} .. {e['high']:+.3f}</td><td>{_ops_cell(e)}</td></tr>")  # fmt: skip
+        n = report["noise"]
+        if n["count"]:
+            out.append(f"<tr><td>{n['count']} component(s) within noise</td><td></td>"
+                       f"<td>{n['contribution']:+.3f}</td><td></td><td></td></tr>")  # fmt: skip
+        out.append("</table>")
+    out.append(_bar_chart(report["contributors"], report["noise"]))
+    comp = report["composition"]
+    out.append("<h3>Step composition (mean per rep)</h3><table><tr><th></th><th>baseline</th><th>candidate</th></tr>")
+    for key in comp["baseline"]:
+        out.append(f"<tr><td>{escape(key)}</td><td>{comp['baseline'][key]:.3g}</td>"
+                   f"<td>{comp['candidate'][key]:.3g}</td></tr>")  # fmt: skip
+    out.append("</table>")
+    phases = report.get("phases_per_step_ms")
+    if phases:
+        out.append("<h3>Engine phases (ms per step)</h3><table><tr><th></th><th>baseline</th><th>candidate</th></tr>")
+        for key in phases["baseline"]:
+            out.append(f"<tr><td>{escape(key)}</td><td>{phases['baseline'][key]:.3f}</td>"
+                       f"<td>{phases['candidate'][key]:.3f}</td></tr>")  # fmt: skip
+        out.append("</table>")
+    out.append("</section>")
+    return "\n".join(out)
+
+
+def explain_page(report: dict[str, Any], title: str = "servelab-explain") -> str:
+    """A standalone page holding `explain_section`."""
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
+            "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px;text-align:left}"
+            "table{border-collapse:collapse}tr:nth-child(even){background:#f4f4f4}</style></head><body>"
+            f"<h1>{escape(title)}</h1>{explain_section(report)}</body></html>")  # fmt: skip

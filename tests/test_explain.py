@@ -1,0 +1,137 @@
+"""servelab-explain names what got slower (issue 39): one injected change at a time, in process.
+
+Each case runs a tiny workload (4 requests, 30-token prompts, 8 output tokens) on the default
+model, profiled, in alternated pairs; the injection is test-only and reaches the engine through
+its hooks (engine/hooks.py `EngineCore.set_hooks`) or a torch forward hook on the model, never
+through the engine's own code. The engines are shared by the cases (module fixtures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from workloads.explain import Side, explain, format_explain, run_pairs
+from workloads.explain_probe import find_model
+from workloads.gate_worker import spin_cpu
+
+REQUESTS = [{"prompt_token_ids": list(range(200 + 7 * i, 230 + 7 * i)), "max_tokens": 8} for i in range(4)]
+REPEATS = 3
+
+
+class PhaseDelay:
+    """TEST ONLY step hooks: every `name` phase ends with `seconds` spun on the CPU (spin=True)
+    or slept (spin=False), inside the phase."""
+
+    def __init__(self, name: str, seconds: float, spin: bool) -> None:
+        self.name, self.seconds, self.spin = name, seconds, spin
+
+    def step_begin(self, step: int) -> None:
+        pass
+
+    def step_end(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+        if name == self.name:
+            spin_cpu(self.seconds) if self.spin else time.sleep(self.seconds)
+
+
+def mlp_extra_matmul(llm: Any) -> contextlib.AbstractContextManager[None]:
+    """TEST ONLY: a forward hook on every MLP module that runs one extra [256, H] x [H, H] matmul."""
+
+    @contextlib.contextmanager
+    def around() -> Iterator[None]:
+        model = find_model(llm)
+        assert model is not None
+        mlps = [m for m in model.modules() if type(m).__name__ == "GatedMLP"]
+        assert mlps, "the default model has GatedMLP modules"
+        hidden = model.arch.hidden_size
+        a, b = torch.randn(256, hidden), torch.randn(hidden, hidden)
+
+        def extra(*_: Any) -> None:
+            torch.mm(a, b)  # its result is dropped: the MLP's output stays the same
+
+        handles = [m.register_forward_hook(extra) for m in mlps]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    return around()
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[Any]:
+    from engine.llm import LLM
+
+    torch.set_num_threads(1)
+    engine = LLM(model="smollm2", max_num_seqs=8, num_gpu_blocks_override=64)
+    yield engine
+    engine.engine_core.shutdown()
+
+
+def _top(report: dict[str, Any]) -> dict[str, Any]:
+    print(format_explain(report))
+    assert report["contributors"], "a change was injected: something must be beyond noise"
+    return report["contributors"][0]
+
+
+def test_slower_sampler_is_named(llm: Any) -> None:
+    base, cand = run_pairs(Side(llm), Side(llm, PhaseDelay("sample", 0.03, spin=True)), REQUESTS, REPEATS)
+    top = _top(explain(base, cand))
+    assert top["component"] == "sample"
+    assert top["share"] >= 0.6
+
+
+def test_prepare_sleep_is_named(llm: Any) -> None:
+    base, cand = run_pairs(Side(llm), Side(llm, PhaseDelay("prepare_inputs", 0.03, spin=False)), REQUESTS, REPEATS)
+    top = _top(explain(base, cand))
+    assert top["component"] == "prepare"
+    assert top["share"] >= 0.6
+
+
+def test_mlp_matmul_is_named_with_its_op(llm: Any) -> None:
+    base, cand = run_pairs(Side(llm), Side(llm, around=lambda: mlp_extra_matmul(llm)), REQUESTS, REPEATS)
+    top = _top(explain(base, cand))
+    assert top["component"] == "forward › mlp"
+    assert top["share"] >= 0.6
+    # the kernel table has the extra matmul under the MLP: one more aten::mm per MLP call
+    mm = [op for op in top["ops"] if op["op"] == "aten::mm"]
+    assert mm and mm[0]["cand_calls_per_step"] > mm[0]["base_calls_per_step"]
+
+
+def test_fewer_kv_blocks_is_composition(llm: Any) -> None:
+    from engine.llm import LLM
+
+    small = LLM(model="smollm2", max_num_seqs=8, num_gpu_blocks_override=6)
+    try:
+        base, cand = run_pairs(Side(llm), Side(small), REQUESTS, REPEATS)
+    finally:
+        small.engine_core.shutdown()
+    report = explain(base, cand)
+    top = _top(report)
+    comp = report["composition"]
+    assert comp["candidate"]["preemptions"] >= max(2 * comp["baseline"]["preemptions"], 1)
+    assert top["component"] == "composition" and "preemptions" in top["name"]
+    assert top["share"] >= 0.6
+
+
+def test_identical_code_changes_nothing(llm: Any) -> None:
+    base, cand = run_pairs(Side(llm), Side(llm), REQUESTS, REPEATS)
+    report = explain(base, cand)
+    text = format_explain(report)
+    print(text)
+    assert report["contributors"] == [], text
+    assert "no component changed beyond noise" in text

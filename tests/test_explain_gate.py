@@ -1,0 +1,82 @@
+"""The gate's explanation of a FAIL (issue 39): gate workers answer `explain` with profiled reps,
+a FAIL prints the top contributors after the verdict and writes explain.json / explain.html."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reports.explain import explain_page
+from workloads import gate_cli
+from workloads.explain_cli import explain_refs
+from workloads.paired_gate import GateResult, GateSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _report(contributors: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"unit": "ms per output token", "repeats": 3, "min_effect": 0.02, "baseline_ms_per_token": 10.0,
+            "candidate_ms_per_token": 12.0, "change": {"point": 2.0, "low": 1.5, "high": 2.5}, "change_pct": 20.0,
+            "contributors": contributors, "noise": {"count": 4, "contribution": 0.1},
+            "composition": {"baseline": {"steps": 9.0}, "candidate": {"steps": 9.0}}}  # fmt: skip
+
+
+def test_html_section_has_the_table_and_the_bars() -> None:
+    entry = {"name": "forward › mlp", "component": "forward › mlp", "contribution": 1.9, "low": 1.7, "high": 2.1,
+             "share": 0.95, "beyond_noise": True,
+             "ops": [{"op": "aten::mm", "base_ms_per_call": 0.1, "cand_ms_per_call": 0.1,
+                      "base_calls_per_step": 30.0, "cand_calls_per_step": 60.0}]}  # fmt: skip
+    page = explain_page(_report([entry]))
+    assert "<table>" in page and "forward › mlp" in page and "95%" in page and "aten::mm" in page
+    assert "<svg" in page and page.count("<rect") == 2  # the contributor and the folded noise
+    quiet = explain_page(_report([]))
+    assert "No component changed beyond noise" in quiet
+
+
+def test_a_failing_gate_prints_the_explanation_after_its_verdict(monkeypatch, tmp_path, capsys) -> None:
+    from workloads.gate_stats import MetricRule, PairedCheck
+
+    check = PairedCheck(metric="cpu_ms_per_token", rule=MetricRule("lower", 0.05), baseline=1.0, candidate=1.3,
+                        change=0.3, interval=(0.2, 0.4), verdict="REGRESSION")  # fmt: skip
+    result = GateResult("a" * 40, str(tmp_path), [check], [], [], 6, 1, 1.0, [], [0] * 6, str(tmp_path))
+    monkeypatch.setattr(gate_cli, "run_paired_gate", lambda *a, **k: result)
+    monkeypatch.setattr(gate_cli, "format_table", lambda checks: "table")
+    seen = {}
+
+    def fake_explain(repo, base, cand, settings, out, repeats, slowdown, log, candidate_env):
+        seen.update(base=base, out=out, repeats=repeats)
+        return _report([{"name": "sample", "component": "sample", "contribution": 1.9, "low": 1.7, "high": 2.1,
+                         "share": 0.95, "beyond_noise": True}])  # fmt: skip
+
+    monkeypatch.setattr("workloads.explain_cli.explain_refs", fake_explain)
+    args = argparse.Namespace(runs=[], config=None, pairs=None, time_box_s=None, repo=str(tmp_path),
+                              against="HEAD~1", candidate_env=[], out=None, verbose=False, explain_repeats=3,
+                              candidate_slowdown=0.0)  # fmt: skip
+    assert gate_cli.paired_gate(args, stored_gate=lambda a: 0) == 1
+    out = capsys.readouterr().out
+    assert out.index("gate: FAIL") < out.index("95%  +1.900 ms/token") and "sample" in out
+    assert seen == {"base": "a" * 40, "out": tmp_path, "repeats": 3}
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git for the gate's worktrees")
+def test_gate_workers_explain_a_slower_forward(tmp_path) -> None:
+    """Real gate workers on a clone of HEAD (one layer, three requests), the candidate's forward
+    slowed 3x by the gate worker's hook: the spin is Python inside forward, outside every op."""
+    repo = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--shared", str(ROOT), str(repo)], check=True)
+    settings = GateSettings.load(None, warmup_runs=0, overrides=[
+        "model.num_layers_override=1", "workload.num_requests=3", "workload.output_len.low=4",
+        "workload.output_len.high=5"])  # fmt: skip
+    report = explain_refs(repo, "HEAD", None, settings, tmp_path / "out", repeats=2, candidate_slowdown=3.0,
+                          log=lambda _: None)  # fmt: skip
+    assert report["contributors"][0]["component"] == "forward › host"
+    assert report["contributors"][0]["share"] >= 0.6
+    saved = json.loads((tmp_path / "out" / "explain.json").read_text())
+    assert saved["contributors"][0]["component"] == "forward › host"
+    assert "Regression explained" in (tmp_path / "out" / "explain.html").read_text()
