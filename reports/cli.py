@@ -62,9 +62,34 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     return _guard(_report, parser, argv)
 
 
+def _explain_side(path: str) -> list[Path]:
+    """A side's run folders: the folder itself, or its subfolders holding summary.json."""
+    p = Path(path)
+    return [p] if (p / "summary.json").exists() else sorted(d for d in p.iterdir() if (d / "summary.json").exists())
+
+
+def _compare_explain(args: argparse.Namespace) -> int:
+    """--explain: the change decomposed from the runs' steps.csv and trace.json (reports/explain.py)."""
+    from reports.explain import explain_runs
+    from workloads.explain import format_explain
+    from workloads.explain_cli import write_outputs
+
+    report = explain_runs(_explain_side(args.a), _explain_side(args.b))
+    print(format_explain(report))
+    for note in report["notes"]:
+        print(f"explain: {note}")
+    js, page = write_outputs(report, Path(args.out or args.b), f"servelab-compare --explain {args.a} → {args.b}")
+    print(f"explain: {page} and {js.name}")
+    return 0
+
+
 def _compare(args: argparse.Namespace) -> int:
     if args.runs is not None:
         return _compare_runs(args)
+    if getattr(args, "explain", False):
+        if args.b is None:
+            raise ValueError("--explain: give two run folders")
+        return _compare_explain(args)
     if args.b is None:
         raise ValueError("give two run folders (or --runs N with one or two configurations)")
     df = compare(args.a, args.b, load_gate_config(args.config))
@@ -111,6 +136,9 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--config", help="gate config with per-metric tolerances (default conf/gate/default.yaml)"
     )
+    parser.add_argument("--explain", action="store_true",
+                        help="decompose the change by step composition, engine phase and operator from the runs' "
+                        "steps.csv and trace.json (profiling on); explain.json/html go to --out, else to B")  # fmt: skip
     return _guard(_compare, parser, argv)
 
 

@@ -10,6 +10,7 @@ page. Reads only the report dict of `workloads.explain.explain`.
 from __future__ import annotations
 
 from html import escape
+from pathlib import Path
 from typing import Any
 
 BAR_H, LABEL_W, CHART_W = 22, 260, 420
@@ -95,3 +96,69 @@ def explain_page(report: dict[str, Any], title: str = "servelab-explain") -> str
             "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px;text-align:left}"
             "table{border-collapse:collapse}tr:nth-child(even){background:#f4f4f4}</style></head><body>"
             f"<h1>{escape(title)}</h1>{explain_section(report)}</body></html>")  # fmt: skip
+
+
+def reps_from_run(run_dir: Path) -> dict[str, Any]:
+    """A run folder's profiled steps as one explain rep (workloads/explain_probe.py's shape).
+
+    Reads steps.csv and trace.json (a run with profiling on); keeps the steps the trace's active
+    window covers. Operator groups are the kernel table's categories (gemm, attention, norm_act,
+    ...: a run's trace has no module ranges); output tokens are counted as the sampled rows
+    (requests per step); idle is not known (wall = the steps' time)."""
+    import json
+
+    import pandas as pd
+
+    from profiling.kernel_table import kernel_table
+
+    steps_csv, trace = run_dir / "steps.csv", run_dir / "trace.json"
+    if not steps_csv.exists() or not trace.exists():
+        raise FileNotFoundError(f"{run_dir}: --explain needs steps.csv and trace.json (a run with profiling on)")
+    table = kernel_table(json.loads(trace.read_text()).get("traceEvents", []))
+    table = table[(table["phase"] == "forward") & (table["category"] != "host")]
+    frame = pd.read_csv(steps_csv)
+    frame = frame[frame["step"].isin(set(table["step"]))]
+    ops: dict[int, dict[str, list[float]]] = {}
+    for (step, category, name), cell in table.groupby(["step", "category", "name"])["time_ms"]:
+        ops.setdefault(int(step), {})[f"{category}|{name}"] = [float(cell.sum()), int(cell.size)]
+    steps = []
+    for row in frame.to_dict("records"):
+        s = {"step": int(row["step"]), "tokens": int(row["num_prefill_tokens"] + row["num_decode_tokens"]),
+             "prefill_tokens": int(row["num_prefill_tokens"]),
+             "requests": int(row["num_prefill_reqs"] + row["num_decode_reqs"]),
+             "preemptions": int(row.get("num_preemptions", 0)), "prefix_hits": int(row.get("prefix_cache_hits", 0)),
+             **{p: float(row.get(f"{p}_time", 0.0)) for p in ("schedule", "prepare", "forward", "sample", "update")},
+             "ops": ops.get(int(row["step"]), {})}  # fmt: skip
+        s["other"] = max(float(row["step_time"]) - sum(s[p] for p in ("schedule", "prepare", "forward", "sample",
+                                                                       "update")), 0.0)  # fmt: skip
+        steps.append(s)
+    if not steps:
+        raise ValueError(f"{run_dir}: trace.json covers none of steps.csv's steps")
+    return {"wall_s": float(frame["step_time"].sum()), "output_tokens": sum(s["requests"] for s in steps),
+            "steps": steps}  # fmt: skip
+
+
+def explain_runs(a: list[Path], b: list[Path]) -> dict[str, Any]:
+    """servelab-compare --explain: one rep per run folder, run i of A paired with run i of B;
+    with one run a side, each run's profiled steps are split into two halves (within-run noise only)."""
+    from workloads.explain import explain
+
+    base, cand = [reps_from_run(p) for p in a], [reps_from_run(p) for p in b]
+    notes = []
+    n = min(len(base), len(cand))
+    if n < 2:
+        base, cand = _halves(base[0]), _halves(cand[0])
+        notes.append("one run a side: its profiled steps split in two halves; the intervals hold within-run noise only")
+    else:
+        base, cand = base[:n], cand[:n]
+    report = explain(base, cand, same_work=False)
+    report["notes"] = notes
+    return report
+
+
+def _halves(rep: dict[str, Any]) -> list[dict[str, Any]]:
+    steps = rep["steps"]
+    mid = max(len(steps) // 2, 1)
+    parts = [steps[:mid], steps[mid:]]
+    return [{"wall_s": sum(s[p] for s in part for p in ("schedule", "prepare", "forward", "sample", "update", "other")),
+             "output_tokens": sum(s["requests"] for s in part), "steps": part} for part in parts]  # fmt: skip

@@ -80,3 +80,38 @@ def test_gate_workers_explain_a_slower_forward(tmp_path) -> None:
     saved = json.loads((tmp_path / "out" / "explain.json").read_text())
     assert saved["contributors"][0]["component"] == "forward › host"
     assert "Regression explained" in (tmp_path / "out" / "explain.html").read_text()
+
+
+def _run_folder(path: Path, mm_ms: float, jitter: float) -> Path:
+    """A profiled run folder: 6 decode steps of 4 requests, one aten::mm in each forward."""
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text("{}")
+    events, rows = [], ["step,schedule_time,prepare_time,forward_time,sample_time,update_time,step_time,"
+                        "num_prefill_tokens,num_decode_tokens,num_prefill_reqs,num_decode_reqs,num_preemptions,"
+                        "prefix_cache_hits"]  # fmt: skip
+    for n in range(6):
+        t0, mm_us = n * 100_000.0, 1e3 * (mm_ms + jitter * (n % 3))
+        fwd_us = mm_us + 2_000.0
+        events += [{"ph": "X", "name": f"servelab::step#step={n}", "ts": t0, "dur": 50_000.0},
+                   {"ph": "X", "name": f"servelab::forward#step={n}", "ts": t0 + 1_000, "dur": fwd_us},
+                   {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t0 + 1_500, "dur": mm_us, "pid": 1,
+                    "tid": 1}]  # fmt: skip
+        rows.append(f"{n},0.001,0.002,{fwd_us / 1e6},0.001,0.001,{fwd_us / 1e6 + 0.005},0,4,0,4,0,0")
+    (path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    (path / "steps.csv").write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_compare_explain_names_the_slower_operator(tmp_path, capsys) -> None:
+    from reports.cli import compare_main
+
+    for k in range(2):
+        _run_folder(tmp_path / "a" / f"run_{k}", 1.0, 0.01 * (k + 1))
+        _run_folder(tmp_path / "b" / f"run_{k}", 3.0, 0.02 * (k + 1))
+    assert compare_main([str(tmp_path / "a"), str(tmp_path / "b"), "--explain", "--out", str(tmp_path / "x")]) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "x" / "explain.json").read_text())
+    top = report["contributors"][0]
+    assert top["component"] == "forward › gemm" and top["share"] >= 0.6, out
+    assert top["ops"][0]["op"] == "aten::mm" and top["ops"][0]["cand_ms_per_call"] > 2.5
+    assert "forward › gemm" in out and (tmp_path / "x" / "explain.html").exists()

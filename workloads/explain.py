@@ -147,13 +147,14 @@ def _mean_composition(reps: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 
 def explain(base: Sequence[dict[str, Any]], cand: Sequence[dict[str, Any]], min_effect: float = 0.02,
-            seed: int = 0) -> dict[str, Any]:  # fmt: skip
+            seed: int = 0, same_work: bool = True) -> dict[str, Any]:  # fmt: skip
     """The decomposition of paired reps (`base[i]` and `cand[i]` ran one after the other, from
-    `explain_probe.profiled_rep`): a JSON-ready report (module docstring)."""
+    `explain_probe.profiled_rep`): a JSON-ready report (module docstring). `same_work`: every rep
+    must have produced the same output tokens (the same requests, greedy; a failed step breaks it)."""
     if len(base) != len(cand) or len(base) < 2:
         raise ValueError(f"explain: needs 2 or more paired reps, got {len(base)} and {len(cand)}")
     produced = {r["output_tokens"] for r in (*base, *cand)}
-    if len(produced) != 1:
+    if same_work and len(produced) != 1:
         raise ValueError(f"explain: the reps produced different output token counts {sorted(produced)} "
                          "(a failed step?): not the same work")
     names = sorted({n for r in (*base, *cand) for s in r["steps"] for n in _components(s)})

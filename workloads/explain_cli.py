@@ -65,6 +65,7 @@ def explain_refs(repo: Path, base: str, cand: str | None, settings: GateSettings
                  candidate_env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """`base` against `cand` (a ref; None: the checkout), written to `out_dir`; the report."""
     repo = repo.resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
     commit, _tree, sides, notes = gate_sides(repo, base, settings, candidate_env)
     if cand is not None:
         cand_commit, _, cand_sides, cand_notes = gate_sides(repo, cand, settings)
