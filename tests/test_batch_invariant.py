@@ -10,6 +10,7 @@ import torch
 
 from engine.attention.cpu_paged_attention import paged_attention_op
 from engine.model import amx_linear
+from engine.model.batch_invariance import planned_step_weights
 
 pytestmark = pytest.mark.skipif(
     not amx_linear.available() or paged_attention_op() is None,
@@ -62,6 +63,7 @@ def test_greedy_tokens_alone_equal_tokens_in_a_batch_of_16() -> None:
               num_blocks=256)  # fmt: skip
     model = llm.engine_core.executor.worker.model
     assert model.step_weights() == {"all": "bfloat16 (loader-rounded)"}
+    assert planned_step_weights(llm.engine_core.config.model, "bfloat16") == model.step_weights()  # summary.json's
     lens = [len(llm.tokenizer.encode(p)) for p in PROMPTS]
     assert max(lens) <= BUDGET < sum(lens[:16]) // 4, lens  # alone: one chunk; batched: chunked
     alone = [_tokens(llm, [p])[0] for p in PROMPTS]

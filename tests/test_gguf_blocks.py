@@ -133,6 +133,7 @@ def test_engine_tokens_on_the_blocks_are_float32s_choices() -> None:
     (LOGIT_ATOL x the position's logit std, the bar tests/test_oracle_bf16.py sets for bfloat16
     against float32); with `model.quantized_decode` off the blocks are not read."""
     from engine import LLM, SamplingParams
+    from engine.config import ModelConfig
     from tests.test_oracle_bf16 import LOGIT_ATOL, _prompt_logits
 
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -146,6 +147,10 @@ def test_engine_tokens_on_the_blocks_are_float32s_choices() -> None:
     assert model.step_weights() == {"rows<=2": "layers: gguf Q4_1 blocks; LM head: gguf Q8_0 blocks",
                                     "rows 3-6": "layers: gguf Q4_1 blocks; LM head: bfloat16 (loader-rounded)",
                                     "rows>6": "bfloat16 (loader-rounded)"}  # fmt: skip
+    from engine.model.batch_invariance import planned_step_weights  # what a run's summary.json records
+
+    assert planned_step_weights(llm.engine_core.config.model, "bfloat16") == model.step_weights()
+    assert planned_step_weights(ModelConfig(quantized_decode=False), "bfloat16") == off.step_weights()
     outs = llm.generate(prompts, sp, use_tqdm=False) + [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
     top1 = total = 0
     for out in outs:

@@ -86,6 +86,11 @@ def write_results(
 
             # decode-sized steps' linears: by the CPU flags (amx_bf16, avx512_bf16) and the environment
             summary["bfloat16_linear"] = amx_linear.kind()
+        if on_cpu:  # which weights each step size multiplied (engine/model/batch_invariance.py)
+            from engine.model.batch_invariance import planned_step_weights
+
+            summary["linear_weights"] = planned_step_weights(cfg.model, summary["dtype"])
+            summary["batch_invariant"] = cfg.model.batch_invariant
     summary.update(kv_connector_summary(run_dir, steps_df))
     if compile_time_s is not None:
         # Start-up compile + warm-up (enforce_eager=False); never inside a throughput figure.

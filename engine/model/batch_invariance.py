@@ -77,18 +77,58 @@ def step_weights(model: LlamaForCausalLM) -> dict[str, str]:
     """Which weights the linears multiply, by step size (rows): e.g. {"rows<=2": ..., "rows 3-6":
     ..., "rows>6": "bfloat16 (loader-rounded)"}, or {"all": ...} (batch-invariant, no quant packs)."""
     weight = model._lm_head_weight()
-    name = str(weight.dtype).removeprefix("torch.")
-    base = f"{name} (loader-rounded)" if model.gguf_path is not None and weight.dtype != torch.float32 else name
+    base = _base(str(weight.dtype).removeprefix("torch."), model.gguf_path is not None)
     plan = model.model.plan
     if plan is None or not plan.quant:
         return {"all": base}
-    kinds = sorted({amx_linear.block_kind(t) for lp in plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant})
+    kinds = {amx_linear.block_kind(t) for lp in plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant}
     head = model.quant_lm_head
-    layer_rows, head_rows = plan.quant_max_rows, amx_linear.quant_max_rows(head) if head is not None else 0
+    return _describe(base, kinds, amx_linear.block_kind(head) if head is not None else None)
+
+
+def planned_step_weights(config: ModelConfig, dtype: str) -> dict[str, str]:
+    """What `step_weights` will say of the model `config` names in `dtype` on this CPU, from the
+    GGUF's tensor types (its metadata, no weights read): for a run's summary.json, where the
+    engine may run in another process. tests/test_batch_invariant.py holds the two equal."""
+    from engine.model.gguf_loader import open_gguf
+    from engine.model.loader import resolve_source
+
+    try:
+        source = resolve_source(config.model)
+    except ValueError:  # a shape only the workbench's run folder holds: dummy weights, no blocks
+        return {"all": dtype}
+    gguf = source.kind == "gguf" and config.load_format in ("auto", "gguf")
+    base = _base(dtype, gguf)
+    if (config.batch_invariant or not config.quantized_decode or not config.prepack_weights or not gguf
+            or dtype != "bfloat16" or not amx_linear.quant_available()):  # fmt: skip
+        return {"all": base}
+    types = {t.name: getattr(t.tensor_type, "name", "") for t in open_gguf(source.path).tensors}
+    kinds = {kind for name, kind in types.items() if name.startswith("blk.") and name.endswith(_LAYER_MATRICES)}
+    if not kinds or not kinds <= set(amx_linear.QUANT_MAX_ROWS):
+        return {"all": base}
+    head = types.get("output.weight", types.get("token_embd.weight"))
+    return _describe(base, kinds, head if head in amx_linear.QUANT_MAX_ROWS else None)
+
+
+# A GGUF layer's linear matrices (the quant packs need every one of them in a block kind they read).
+_LAYER_MATRICES = tuple(f"{m}.weight" for m in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                               "ffn_down"))  # fmt: skip
+
+
+def _base(dtype: str, gguf: bool) -> str:
+    """The weights the dtype's kernels multiply: a GGUF's are the loader's rounding of its blocks."""
+    return f"{dtype} (loader-rounded)" if gguf and dtype != "float32" else dtype
+
+
+def _describe(base: str, layer_kinds: set[str], head_kind: str | None) -> dict[str, str]:
+    """Step-size ranges -> weights, the layers reading blocks of `layer_kinds` and the LM head
+    blocks of `head_kind` (None: bfloat16 always) up to their QUANT_MAX_ROWS."""
+    layer_rows = min(amx_linear.QUANT_MAX_ROWS[k] for k in layer_kinds)
+    head_rows = amx_linear.QUANT_MAX_ROWS[head_kind] if head_kind is not None else 0
     out, lo = {}, 1
     for hi in sorted({layer_rows, head_rows} - {0}):
-        layers = f"gguf {'/'.join(kinds)} blocks" if hi <= layer_rows else base
-        lm_head = f"gguf {amx_linear.block_kind(head)} blocks" if head is not None and hi <= head_rows else base
+        layers = f"gguf {'/'.join(sorted(layer_kinds))} blocks" if hi <= layer_rows else base
+        lm_head = f"gguf {head_kind} blocks" if head_kind is not None and hi <= head_rows else base
         out[f"rows<={hi}" if lo == 1 else f"rows {lo}-{hi}"] = (
             layers if layers == lm_head else f"layers: {layers}; LM head: {lm_head}")
         lo = hi + 1
