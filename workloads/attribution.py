@@ -20,9 +20,10 @@ its decode part (TPOT; E2EL takes both).
   prefill tokens, under `batch_size` otherwise.
 - `prefill`: the rest of its prefill steps (its own prompt, chunked or not).
 - `batch_size`: in each decode step of k requests, what a decode-only step of k takes above one of
-  a single request (medians of the run's decode-only steps per batch size; a line fitted to them
-  for sizes without one-request steps). Reported always, but never the cause when the run's
-  decode-only steps never varied in batch (every request paid it alike: it is the load).
+  a single request (lower quartiles of the run's decode-only steps per batch size, as another
+  process's load only adds time; a line fitted to them for sizes without one-request steps). Never the cause when the run's decode-only steps never
+  varied in batch (under 10% of them off the common size: every request paid it alike, it is
+  the load); 0 then, as there is no other size to measure it against.
 - `decode`: the rest of its decode steps (its own token, and a busy machine's noise).
 - `front_end`: client time minus engine time (TTFT: client TTFT - engine arrival -> first token;
   decode: client first -> last token minus the engine's): HTTP, tokenization, network.
@@ -55,6 +56,7 @@ CAUSES = ("queueing", "prefill_interference", "prefill", "decode", "preemption",
           "harness_lateness", "unknown")  # fmt: skip
 METRICS = ("ttft", "tpot", "e2el")
 _PREFILL_KINDS = ("prefill", "recompute")
+VARIED_SHARE = 0.1  # share of decode-only steps off the most common batch size for a varied batch
 
 
 @dataclass
@@ -74,7 +76,7 @@ class RunSteps:
 
     own: dict[str, pd.DataFrame]
     prefill_by_step: pd.Series  # step -> prefill + recompute tokens scheduled
-    batch_extra_s: dict[int, float]  # requests in a decode-only step -> its median time above one request's
+    batch_extra_s: dict[int, float]  # requests in a decode-only step -> its time above one request's
     batch_varied: bool
 
     def extra(self, rows: int) -> float:
@@ -96,10 +98,13 @@ def prepare_steps(steps: pd.DataFrame, members: pd.DataFrame) -> RunSteps:
     joined["start"] = joined["time"] - joined["step_time"]
     own = {rid: g.sort_values("step") for rid, g in joined.groupby("request_id", sort=False)}
     decode_only = per[per["prefill"] == 0].join(times, how="inner")
-    varied = decode_only["rows"].nunique() >= 2
+    sizes = decode_only["rows"].value_counts(normalize=True)
+    # A varied batch: at least VARIED_SHARE of the decode-only steps away from the common size. A few
+    # steps at the edges (requests starting or finishing a step apart) measure no baseline, only noise.
+    varied = len(sizes) >= 2 and float(1.0 - sizes.iloc[0]) >= VARIED_SHARE
     extra: dict[int, float] = {}
-    if varied:  # medians per batch size: one slow step (a busy machine) moves no baseline
-        medians = decode_only.groupby("rows")["step_time"].median()
+    if varied:  # lower quartiles per batch size: a busy machine only adds time, in bursts
+        medians = decode_only.groupby("rows")["step_time"].quantile(0.25)
         line = fit_decode_line(steps)
         slope = line.c if line is not None else 0.0
         one = float(medians.loc[1]) if 1 in medians.index else None
