@@ -117,8 +117,8 @@ def explain_failure(args: argparse.Namespace, settings: GateSettings, commit: st
         report = explain_refs(Path(args.repo), commit, None, settings, out, args.explain_repeats,
                               getattr(args, "candidate_slowdown", 0.0), log=lambda s: None,
                               candidate_env=_env_pairs(args.candidate_env))  # fmt: skip
-    except (RuntimeError, ValueError, OSError) as exc:
-        print(f"gate: explain failed: {exc}")
+    except Exception as exc:  # whatever breaks the explanation, the verdict stands
+        print(f"gate: explain failed: {type(exc).__name__}: {exc}")
         return
     print(format_explain(report))
     print(f"gate: explained in {out / 'explain.html'} and explain.json")
