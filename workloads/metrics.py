@@ -78,7 +78,7 @@ DEFINITIONS = {
     "per token), engine (engine timestamps), mixed (some requests had engine timestamps, others not)",
     "failed": "requests without a content chunk or with an error; excluded from latency statistics",
     "slo_miss_causes": "per SLO metric, requests missing it by dominant cause (workloads/attribution.py): queueing, "
-    "prefill_interference, prefill, preemption, batch_size, front_end, harness_lateness, unknown",
+    "prefill_interference, prefill, decode, preemption, batch_size, front_end, harness_lateness, unknown",
 }
 
 
