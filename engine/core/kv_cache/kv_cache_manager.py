@@ -53,6 +53,7 @@ class KVCacheManager:
         # Cumulative prefix-cache counters, in tokens, counted once per admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self._prefix_counts_taken = (0, 0)
 
     @property
     def num_blocks(self) -> int:
@@ -159,6 +160,12 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
         self._cache_full_blocks(request, req_blocks, cached_tokens)
         return KVCacheBlocks(tuple(new_blocks))
+
+    def take_prefix_counts(self) -> tuple[int, int]:
+        """Prefix-cache (queries, hits), in tokens, counted since the last call."""
+        q0, h0 = self._prefix_counts_taken
+        self._prefix_counts_taken = (self.prefix_cache_queries, self.prefix_cache_hits)
+        return self.prefix_cache_queries - q0, self.prefix_cache_hits - h0
 
     def count_admission(self, request: Request, num_hit: int) -> None:
         """Count the prefix-cache query of an admission on blocks the request already holds (a

@@ -27,13 +27,8 @@ WAITING_FOR_REMOTE_KVS while they load, holding their blocks; once loaded they a
 ahead of the queue on those blocks), and every SchedulerOutput carries the step's loads and
 saves (`build_connector_meta`).
 
-`update_from_output` appends sampled tokens, checks stops (`stop_checker`) and
-frees finished requests. The caller alternates `schedule` and
-`update_from_output` (each non-empty output is answered once, in order), or, with
-`async_scheduling`, may call `schedule` once more before answering the previous
-output: then a request's token still being sampled is an output placeholder
-(`placeholders.py`), and the blocks of a request finished or aborted meanwhile are
-freed only once every step that reads them is answered.
+`update_from_output` and `fail_step` answer a step (`results.StepResults`, the results
+half: sampled tokens, stops, connector reports, the in-flight bookkeeping).
 
 Lengths: the effective limit is `min(max_model_len, num_blocks * block_size)`: a
 request reaching it finishes as length-capped, so a request alone always fits in
@@ -58,19 +53,18 @@ from engine.core.sched.output import make_output
 from engine.core.sched.preemption import displacement_victim, pick_victim
 from engine.core.sched.remote_kv import RemoteKVWaits
 from engine.core.sched.request_queue import create_request_queue
+from engine.core.sched.results import StepResults
 from engine.core.sched.stats import SchedulerStats
 from engine.core.sched.step_plan import StepPlan
-from engine.core.sched.stop_checker import check_stop
-from engine.kv_transfer.metadata import KVConnectorOutput
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus, is_finished
-from engine.step_io import ModelRunnerOutput, SchedulerOutput
+from engine.step_io import SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.kv_transfer.base import KVConnectorBase
 
 
-class Scheduler:
+class Scheduler(StepResults):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -110,7 +104,6 @@ class Scheduler:
         # Finished requests whose connector saves are still running: freed on finished_sending.
         self._saving: set[str] = set()
         self._step = SchedulerStats()
-        self._prefix_counters_at_step_start = (0, 0)
         self.connector = kv_connector
         self.remote_kv = RemoteKVWaits(kv_connector, self.kv_cache_manager, clock) if kv_connector else None
         self._parked: list[Request] = []  # the store did not know yet: retried next step
@@ -197,7 +190,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see the design note). Advances `num_computed_tokens`."""
-        self._begin_step()
+        self._step = SchedulerStats()
+        self.kv_cache_manager.take_prefix_counts()  # a step counts only its own admissions
         budget = TokenBudget(self.config.max_num_batched_tokens, self.config.long_prefill_token_threshold)
         plan = StepPlan()
         self._schedule_running(budget, plan)
@@ -209,20 +203,9 @@ class Scheduler:
             self._parked = []
         out = plan.to_output(self.kv_cache_manager, self.finished_req_ids)
         self.finished_req_ids = set()
-        kv_read = 0
-        requests, inflight, with_placeholders = self.requests, self._inflight, self.async_scheduling
-        for rid, n in plan.num_scheduled.items():
-            request = requests[rid]
-            kv_read += request.num_computed_tokens
-            request.num_computed_tokens += n
-            inflight[rid] += 1
-            if with_placeholders:
-                placeholders.add_placeholder_if_sampling(request)
-        registered = self.kv_cache_manager.take_registered()
-        if registered and out.total_num_scheduled_tokens:
-            self._unwritten[id(out)] = (out, registered)
-        self._record_step(out)
-        self._step.num_kv_tokens_read = kv_read
+        self._step.num_kv_tokens_read = self._put_in_flight(out)
+        out.prefix_cache_queries, out.prefix_cache_hits = self.kv_cache_manager.take_prefix_counts()
+        self._step.add_step_output(out)
         if self.connector is not None:
             out.kv_connector_metadata = meta = self.connector.build_connector_meta(
                 out, self.requests, self.kv_cache_manager.get_block_ids
@@ -361,122 +344,6 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
-    # ---- results -----------------------------------------------------------------
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
-        """Apply one step's sampled tokens.
-
-        Returns one EngineCoreOutput per request that got tokens or finished (plus
-        requests rejected at `add_request`). Tokens for a request that is no longer
-        running (aborted, stopped or preempted meanwhile: with async scheduling, the
-        token of a step scheduled before the stop was known) or still in a partial
-        prefill are ignored; tokens after a stop in the same step are dropped, and so
-        are their logprobs.
-        """
-        outputs, self._pending_outputs = self._pending_outputs, []
-        if self._unwritten:
-            self._unwritten.pop(id(scheduler_output), None)  # the step ran: its blocks hold their KV
-        if model_runner_output.kv_connector_output is not None:
-            self._apply_connector_output(model_runner_output.kv_connector_output)
-        now = self.clock()
-        all_logprobs = model_runner_output.logprobs
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        for rid, token_ids in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
-        ):
-            if not token_ids:
-                continue
-            request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # partial prefill: nothing to sample yet
-            if request.num_output_placeholders:
-                placeholders.resolve(request, len(token_ids))
-            if spec and rid in spec:
-                self._roll_back_rejected(request, len(spec[rid]), len(token_ids) - 1)
-            kept = self._append_tokens(request, token_ids, now)
-            if request.is_finished:
-                self._finish(request, now)
-                self._step.num_finished += 1
-            logprobs = all_logprobs.get(rid) if all_logprobs else None
-            outputs.append(make_output(request, kept, logprobs[: len(kept)] if logprobs else None))
-        self._release_inflight(scheduler_output)
-        return outputs
-
-    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Speculative decoding: schedule() counted every draft as computed; the KV of the
-        rejected ones is wrong, so those slots are given back (overwritten by later steps)."""
-        request.num_computed_tokens -= num_drafts - num_accepted
-        request.num_draft_tokens += num_drafts
-        request.num_accepted_tokens += num_accepted
-        self._step.add_verified_drafts(num_drafts, num_accepted)
-
-    def _apply_connector_output(self, output: KVConnectorOutput) -> None:
-        """Loads that ended rejoin the queue head; saves are credited to their requests."""
-        assert self.remote_kv is not None and self.connector is not None
-        self.connector.update_connector_output(output)
-        self.remote_kv.apply_output(output)
-        for rid, nbytes in output.bytes_saved.items():
-            saver = self.requests.get(rid)
-            if saver is not None:
-                saver.kv_bytes_saved += nbytes
-                saver.kv_save_time += output.save_time.get(rid, 0.0)
-        for rid in output.finished_sending:
-            self._saving.discard(rid)
-            if rid in self._deferred_free and self._inflight[rid] == 0:
-                self.kv_cache_manager.free(self._deferred_free.pop(rid))
-        self._step.add_connector_output(output, self.remote_kv.external_hit_tokens, self.remote_kv.load_failures)
-        self.remote_kv.begin_step()
-
-    def _append_tokens(self, request: Request, token_ids: list[int], now: float) -> list[int]:
-        if len(token_ids) == 1:  # the common case, without the loop
-            request.append_output_token_ids(token_ids[0])
-            check_stop(request, self.max_model_len)
-            if not request.first_token_time:
-                request.first_token_time = now
-            return token_ids
-        kept: list[int] = []
-        for token_id in token_ids:
-            request.append_output_token_ids(token_id)
-            kept.append(token_id)
-            if check_stop(request, self.max_model_len):
-                break
-        if not request.first_token_time:
-            request.first_token_time = now
-        return kept
-
-    def fail_step(self, scheduler_output: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
-        """The step `scheduler_output` planned never ran (the executor raised).
-
-        The blocks it registered in the prefix cache lose their hashes (their KV was never
-        written: a later hit would read garbage). Every live request it scheduled, and every
-        live request holding one of those blocks (a hit on them by a step behind it, a load
-        waiting on top of them), finishes with FINISHED_ERROR: its `num_computed_tokens`
-        counts KV that is not there. The step is answered, so blocks held back for it (aborted
-        requests) are freed now rather than by an update that never comes. Returns the failed
-        requests' final outputs (the caller delivers them).
-        """
-        entry = self._unwritten.pop(id(scheduler_output), None)
-        holders = self.kv_cache_manager.evict_unwritten(entry[1]) if entry else set()
-        live = [rid for rid in (*scheduler_output.num_scheduled_tokens, *sorted(holders)) if rid in self.requests]
-        outputs = self.finish_requests(dict.fromkeys(live), RequestStatus.FINISHED_ERROR, error)
-        self._release_inflight(scheduler_output)
-        return outputs
-
-    def _release_inflight(self, scheduler_output: SchedulerOutput) -> None:
-        inflight, deferred = self._inflight, self._deferred_free
-        for rid in scheduler_output.num_scheduled_tokens:
-            left = inflight[rid] - 1
-            if left > 0:
-                inflight[rid] = left
-                continue
-            del inflight[rid]
-            if deferred and rid in deferred and rid not in self._saving:
-                self.kv_cache_manager.free(deferred.pop(rid))
-
     # ---- state queries -----------------------------------------------------------
 
     @property
@@ -504,22 +371,6 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
-
-    def _begin_step(self) -> None:
-        self._step = SchedulerStats()
-        self._prefix_counters_at_step_start = (
-            self.kv_cache_manager.prefix_cache_queries,
-            self.kv_cache_manager.prefix_cache_hits,
-        )
-
-    def _record_step(self, out: SchedulerOutput) -> None:
-        q0, h0 = self._prefix_counters_at_step_start
-        out.prefix_cache_queries = self.kv_cache_manager.prefix_cache_queries - q0
-        out.prefix_cache_hits = self.kv_cache_manager.prefix_cache_hits - h0
-        s = self._step
-        s.prefix_cache_queries, s.prefix_cache_hits = out.prefix_cache_queries, out.prefix_cache_hits
-        s.num_prefill_tokens, s.num_decode_tokens = out.num_prefill_tokens, out.num_decode_tokens
-        s.num_prefill_reqs, s.num_decode_reqs = out.num_prefill_reqs, out.num_decode_reqs
 
     def make_stats(self) -> SchedulerStats:
         """State now plus the counters of the last schedule() and its update."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.kv_transfer.metadata import KVConnectorOutput
+    from engine.step_io import SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -53,6 +54,12 @@ class SchedulerStats:
         return replace(self, num_running=num_running, num_waiting=num_waiting, kv_blocks_used=kv_blocks_used,
                        kv_blocks_total=kv_blocks_total,
                        num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
+
+    def add_step_output(self, out: SchedulerOutput) -> None:
+        """The counters one SchedulerOutput carries (prefix cache, prefill / decode split)."""
+        self.prefix_cache_queries, self.prefix_cache_hits = out.prefix_cache_queries, out.prefix_cache_hits
+        self.num_prefill_tokens, self.num_decode_tokens = out.num_prefill_tokens, out.num_decode_tokens
+        self.num_prefill_reqs, self.num_decode_reqs = out.num_prefill_reqs, out.num_decode_reqs
 
     def add_verified_drafts(self, num_drafts: int, num_accepted: int) -> None:
         """One request verified `num_drafts` draft tokens, the first `num_accepted` accepted."""
