@@ -115,3 +115,21 @@ def test_compare_explain_names_the_slower_operator(tmp_path, capsys) -> None:
     assert top["component"] == "forward › gemm" and top["share"] >= 0.6, out
     assert top["ops"][0]["op"] == "aten::mm" and top["ops"][0]["cand_ms_per_call"] > 2.5
     assert "forward › gemm" in out and (tmp_path / "x" / "explain.html").exists()
+
+
+def test_a_baseline_engine_without_a_new_key_drops_it(capsys) -> None:
+    """The job comes from the candidate's conf/: a key the baseline's EngineConfig lacks is dropped
+    with a line, not a worker that dies on 'unknown key' (a gate or explain against 2 commits back)."""
+    from dataclasses import asdict
+
+    from engine.config import EngineConfig
+    from workloads.gate_worker import known_sections
+
+    sections = asdict(EngineConfig())
+    sections["model"]["added_later"] = True
+    sections["new_section"] = {"x": 1}
+    kept = known_sections(EngineConfig, sections)
+    assert "added_later" not in kept["model"] and "new_section" not in kept
+    assert EngineConfig.from_sections(kept).model.model == EngineConfig().model.model
+    err = capsys.readouterr().err
+    assert "model.added_later; dropped (True)" in err and "new_section.x" in err

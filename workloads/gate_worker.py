@@ -100,12 +100,34 @@ def install_slowdown(llm: Any, fraction: float) -> SlowForward | None:
     return hooks
 
 
+def known_sections(config_cls: Any, sections: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """`sections` less the sections and keys this tree's EngineConfig does not have (the job is
+    composed from the candidate's conf/: a key added since the baseline would stop its worker);
+    each one dropped is a line on stderr, with its value, in the worker's log."""
+    import dataclasses
+
+    known: dict[str, set[str]] = {}
+    for f in dataclasses.fields(config_cls):
+        factory = f.default_factory
+        if factory is not dataclasses.MISSING and dataclasses.is_dataclass(sample := factory()):
+            known[f.name] = {g.name for g in dataclasses.fields(sample)}
+    out: dict[str, dict[str, Any]] = {}
+    for name, values in sections.items():
+        for key, value in values.items():
+            if key in known.get(name, ()):
+                out.setdefault(name, {})[key] = value
+            else:
+                print(f"gate worker: this tree's engine has no {name}.{key}; dropped ({value!r})", file=sys.stderr)
+    return out
+
+
 def build_llm(job: dict[str, Any]) -> Any:
     from engine.config import EngineConfig
     from engine.llm import LLM
 
     sections = job["engine"]
     if hasattr(EngineConfig, "from_sections"):
+        sections = known_sections(EngineConfig, sections)
         return LLM(config=EngineConfig.from_sections(sections))
     flat = {k: v for section in sections.values() for k, v in section.items()}
     return LLM(model=flat.pop("model"), **flat)  # an older engine: flat engine arguments
