@@ -11,7 +11,7 @@ GATE_RUN := runs/ci_gate/latest
 GATE_PAIRED := runs/ci_gate/paired
 GATE_BASELINE := benchmarks/baselines/ci_gate.json
 
-.PHONY: setup bench test lint typecheck gate gate-stored gate-baseline soak gpu-check peers peers-llamacpp clean
+.PHONY: setup bench test lint typecheck gate gate-stored gate-baseline soak gpu-check peers peers-llamacpp ray-venv clean
 
 $(SETUP_STAMP): pyproject.toml constraints.txt scripts/setup.sh
 	bash scripts/setup.sh
@@ -79,6 +79,11 @@ peers: $(SETUP_STAMP)
 # llama-cpp-python's server in a side venv (~/.cache/servelab-peers/llamacpp), for target=llamacpp.
 peers-llamacpp:
 	bash scripts/peers.sh --llamacpp
+
+# Ray and hydra-ray-launcher in a side venv over .venv (~/.cache/servelab-ray; RAY_VENV to move it): Ray needs
+# cloudpickle < 3, kept out of .venv. For hydra/launcher=ray; tests/test_launcher_ray.py skips, saying so, without it.
+ray-venv: $(TEST_STAMP)
+	VENV=$(VENV) bash scripts/ray_venv.sh
 
 clean:
 	rm -rf runs outputs multirun test-output .pytest_cache .mypy_cache .ruff_cache

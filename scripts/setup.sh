@@ -40,7 +40,7 @@ else
 fi
 
 if [ "$WANT_TEST" = 1 ]; then
-  pip_install -e ".[test]"
+  pip_install -e ".[test,cluster]"  # cluster: hydra-submitit-launcher (tests/test_launcher_submitit.py)
 else
   pip_install -e .
 fi
@@ -65,6 +65,12 @@ if [ "$WANT_TEST" = 1 ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/de
   echo "[setup] installing Debian's chromium for the report rendering test"
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
     || echo "[setup] chromium could not be installed; the report rendering test will be skipped"
+fi
+# iproute2's `ip`: tests/test_tp_multinode.py makes two network namespaces with it (root only; skipped without).
+if [ "$WANT_TEST" = 1 ] && ! command -v ip >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "[setup] installing Debian's iproute2 for the multi-node tensor-parallel test"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null) \
+    || echo "[setup] iproute2 could not be installed; the multi-node tensor-parallel test will be skipped"
 fi
 "$VENV/bin/python" -c "import torch, engine; print('[setup] ok: torch', torch.__version__)"
 # The CPU kernels (decode attention and the fused layer ops; C++, built once with torch's cpp_extension and cached in
