@@ -13,6 +13,7 @@ collectives are synchronous, so the time includes waiting for the slowest rank.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -22,6 +23,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from engine.distributed.netif import interface_towards
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,10 +56,21 @@ def init_distributed(rank: int, world_size: int, backend: str = "auto", timeout_
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+        if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+            _pin_gloo_interface(os.environ.get("MASTER_ADDR", ""))
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     _info = ParallelInfo(rank, world_size)
     return _info
+
+
+def _pin_gloo_interface(master_addr: str) -> None:
+    """Across nodes, bind gloo to the interface that reaches MASTER_ADDR (engine/distributed/netif.py
+    says why its own choice can be loopback); one node (a loopback master) keeps gloo's choice."""
+    iface = interface_towards(master_addr) if master_addr else None
+    if iface is not None and iface != "lo":
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+        logger.info("gloo: interface %s (it reaches MASTER_ADDR=%s)", iface, master_addr)
 
 
 def destroy_distributed() -> None:
