@@ -7,10 +7,14 @@ folder, sweep.csv and the sweep report must equal the basic launcher's (tests/la
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from launcher_sweep import assert_same_sweep, run_sweep
+import yaml
+from launcher_sweep import ROOT, assert_same_sweep, run_sweep
 
 
 def test_submitit_local_sweep_equals_the_basic_launchers(tmp_path: Path) -> None:
@@ -24,3 +28,21 @@ def test_submitit_local_sweep_equals_the_basic_launchers(tmp_path: Path) -> None
     # each job ran as a submitit job of its own: one folder with its result pickle per job
     results = sorted((tmp_path / "submitit_jobs").glob("*/*_result.pkl"))
     assert len(results) == 4, sorted(p.name for p in (tmp_path / "submitit_jobs").rglob("*"))
+
+
+def test_the_documented_slurm_command_composes() -> None:
+    """docs/distributed.md's SLURM command (no SLURM here): its overrides give the SLURM launcher
+    the partition, GPUs per task and time limit it names."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
+                        reason="hydra-submitit-launcher missing (the `cluster` extra; scripts/setup.sh --test installs it)")
+    text = (ROOT / "docs" / "distributed.md").read_text()
+    start = text.index("servelab-run -m", text.index("# SLURM"))
+    command = re.sub(r"\\\n\s*", " ", text[start:]).split("\n", 1)[0].split()
+    overrides = [o for o in command[2:] if "," not in o]  # the swept values need -m; --cfg shows one job
+    assert "hydra/launcher=submitit_slurm" in overrides
+    proc = subprocess.run([sys.executable, "-m", "workloads.cli", *overrides, "--cfg", "hydra", "-p", "hydra.launcher"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    launcher = yaml.safe_load(proc.stdout)
+    assert launcher["_target_"].endswith("SlurmLauncher")
+    assert launcher["partition"] == "gpu" and launcher["gpus_per_task"] == 1 and launcher["timeout_min"] == 60
