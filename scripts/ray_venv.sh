@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Makes the side venv the Ray launcher test runs in (tests/test_launcher_ray.py): Ray and
-# hydra-ray-launcher need cloudpickle < 3, which the main .venv must not get (hydra-joblib-launcher
-# and torch.compile there run with cloudpickle 3). The side venv holds only Ray, the launcher and
-# their dependencies; everything else (torch, servelab, hydra-core) it reads from .venv, placed
-# after its own site-packages, so its cloudpickle 2 wins there and .venv is never touched.
+# Makes the side venv the Ray launcher test runs in (tests/test_launcher_ray.py): hydra-ray-launcher
+# needs cloudpickle < 3 where .venv's joblib declares >= 3 (pip then reports a broken environment;
+# the joblib sweep test and torch.compile did still run under cloudpickle 2.2.1 here), and Ray brings
+# ~380 MB of packages (grpcio, protobuf, boto3, ...) nothing else needs. The side venv holds only Ray,
+# the launcher and their dependencies; everything else (torch, servelab, hydra-core) it reads from
+# .venv, placed after its own site-packages, so its cloudpickle 2 wins there and .venv is never touched.
 #
 #   RAY_VENV  the side venv (default ~/.cache/servelab-ray; outside the tree, like the peers' venvs)
 #   VENV      the main venv it layers on (default .venv, made by scripts/setup.sh)
