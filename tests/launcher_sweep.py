@@ -9,9 +9,13 @@ a sweep report with the same sections and jobs.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -36,6 +40,15 @@ def run_sweep(sweep_dir: Path, launcher: list[str], python: str = sys.executable
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "Traceback" not in out, out[-4000:]
     return out
+
+
+@functools.cache
+def basic_sweep() -> Path:
+    """The basic launcher's sweep folder, run once per test session (both launcher tests compare with it)."""
+    folder = Path(tempfile.mkdtemp(prefix="servelab-basic-sweep-"))
+    atexit.register(shutil.rmtree, folder, True)
+    run_sweep(folder / "sweep", [])
+    return folder / "sweep"
 
 
 def sections(page: str) -> list[str]:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launcher_sweep import assert_same_sweep, run_sweep
+from launcher_sweep import assert_same_sweep, basic_sweep, run_sweep
 
 RAY_VENV = Path(os.environ.get("RAY_VENV", Path.home() / ".cache" / "servelab-ray"))
 
@@ -32,9 +32,8 @@ def test_ray_sweep_equals_the_basic_launchers(tmp_path: Path) -> None:
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     env = dict(os.environ, HOME=str(home), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
                MPLCONFIGDIR=str(tmp_path / "mpl"))  # matplotlib's font cache is not Ray's: kept out of HOME too
-    basic, ray = tmp_path / "basic", tmp_path / "ray"
+    basic, ray = basic_sweep(), tmp_path / "ray"
     try:
-        run_sweep(basic, [])
         out = run_sweep(ray, ["hydra/launcher=ray", "+hydra.launcher.ray.init.num_cpus=2",
                               "+hydra.launcher.ray.init.include_dashboard=false",
                               f"+hydra.launcher.ray.init._temp_dir={ray_tmp}"], python=str(python), env=env)

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from launcher_sweep import ROOT, assert_same_sweep, run_sweep
+from launcher_sweep import ROOT, assert_same_sweep, basic_sweep, run_sweep
 
 
 def test_submitit_local_sweep_equals_the_basic_launchers(tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
                         reason="hydra-submitit-launcher missing (the `cluster` extra; scripts/setup.sh --test installs it)")
-    basic, local = tmp_path / "basic", tmp_path / "submitit"
-    run_sweep(basic, [])
+    basic, local = basic_sweep(), tmp_path / "submitit"
     run_sweep(local, ["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "hydra.launcher.cpus_per_task=1",
                       "hydra.launcher.gpus_per_node=0", f"hydra.launcher.submitit_folder={tmp_path}/submitit_jobs/%j"])
     assert_same_sweep(local, basic)
