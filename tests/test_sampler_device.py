@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sample.sampler import Sampler, SamplingBatch, apply_penalties, exponential_noise
+from engine.sample.inverse_cdf import uniforms
+from engine.sample.sampler import Sampler, SamplingBatch, apply_penalties
 from engine.sampling_params import SamplingParams
 
 VOCAB = 512
@@ -38,14 +39,16 @@ def seeded(seed: int) -> torch.Generator:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_seeded_noise_rows_are_their_generators_own_stream(device: str) -> None:
-    probs = torch.softmax(random_logits(4, device), dim=-1)
-    noise = exponential_noise(probs, [None, seeded(7), None, seeded(9)])
-    assert noise.device == probs.device and noise.shape == probs.shape
-    for row, seed in ((1, 7), (3, 9)):
-        expected = torch.empty(VOCAB).exponential_(generator=seeded(seed))
-        assert torch.equal(noise[row].cpu(), expected)
-    assert bool((noise > 0).all())
+def test_seeded_uniform_rows_are_their_generators_own_stream(device: str) -> None:
+    """Row i takes counts[i] values of its generator (the rest of the row is zero), on the
+    sampling device: the same values whatever device samples."""
+    u = uniforms([None, seeded(7), None, seeded(9)], [1, 2, 2, 1], torch.device(device))
+    assert u.device.type == device and u.shape == (4, 2) and u.dtype == torch.float64
+    for row, seed, count in ((1, 7, 2), (3, 9, 1)):
+        expected = torch.rand(count, dtype=torch.float64, generator=seeded(seed))
+        assert torch.equal(u[row, :count].cpu(), expected)
+        assert bool((u[row, count:] == 0).all())
+    assert bool(((u[[0, 2]] >= 0) & (u[[0, 2]] < 1)).all())
 
 
 @pytest.mark.parametrize("device", DEVICES)

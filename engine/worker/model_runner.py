@@ -271,12 +271,13 @@ class ModelRunner:
             hidden, mode = self._forward(inp)
             # Greedy-only steps need each row's argmax only: the LM head's fused argmax where the
             # model has one (no logits stored), else the logits in the model's dtype (the C++
-            # argmax reads bfloat16 directly). Every other sampling option sees float32 logits.
+            # argmax reads bfloat16 directly). The sampler upcasts only what needs it (its
+            # weights, penalties, logprobs), so no step stores a float32 copy of the logits.
             argmax_only = inp.sampling.argmax_only and inp.drafts is None and inp.grammar_rows is None
             rows = hidden[inp.logits_indices]
             fused_argmax = getattr(self.model, "greedy_ids", None) if argmax_only else None
             greedy_ids = fused_argmax(rows) if fused_argmax is not None else None
-            logits = None if greedy_ids is not None else self.model.compute_logits(rows, upcast=not argmax_only)
+            logits = None if greedy_ids is not None else self.model.compute_logits(rows, upcast=False)
             if logits is not None and inp.grammar_rows is not None and inp.grammar_bitmask is not None:
                 logits = apply_bitmask(logits, inp.grammar_rows, inp.grammar_bitmask)
         t2 = time.perf_counter()
