@@ -55,8 +55,8 @@ def test_greedy_tokens_alone_equal_tokens_in_a_batch_of_16() -> None:
     """20 prompts, each alone and inside a batch of 16 (prompts 0-15 and 4-19), greedy: the same
     16 tokens. The budget chunks the batches' prompts at other boundaries than alone (each fits
     one step alone), so prefill, decode and chunked-prefill rows all meet steps of other sizes;
-    prefix caching is off, so every prompt is computed in each run. With the switch off, 10 of
-    the 20 differed here (AMX, 2026-12-04: engine/model/batch_invariance.py)."""
+    prefix caching is off, so every prompt is computed in each run. With the switch off, 12 of
+    the 20 differed here (10 with the default budget of 2048; AMX, 2026-12-04)."""
     from engine import LLM
 
     llm = LLM(dtype="bfloat16", batch_invariant=True, enable_prefix_caching=False, max_num_batched_tokens=BUDGET,

@@ -7,8 +7,8 @@ linears multiply the checkpoint's own blocks, past that the loader's bfloat16 ro
 (the decode kernels up to `DECODE_MAX_ROWS`, then oneDNN's, whose sums run in an order of its
 own choosing per shape); attention takes prefill paths for a prompt's rows (16-row query
 blocks) and a decode path for one-row queries, and splits its work by the step's row count. So
-a greedy request's tokens changed with the load beside it: 10 of 20 prompts came out different
-alone than in a batch of 16 (SmolLM2, bfloat16, AMX; tests/test_batch_invariant.py).
+a greedy request's tokens changed with the load beside it: 12 of 20 prompts came out different
+alone than in a batch of 16 under a 48-token budget, 10 under the default 2048 (SmolLM2, bfloat16, AMX; tests/test_batch_invariant.py).
 
 What the switch fixes (vLLM's VLLM_BATCH_INVARIANT does the same on a GPU):
 - linears and the LM head: the decode kernels' bfloat16 packs at every step size
