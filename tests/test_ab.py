@@ -102,14 +102,14 @@ def test_ab_identical_is_not_significant_and_batch_budget_is(recorded: Path, tmp
     from workloads.ab import run_ab
 
     same = run_ab(recorded, [*ENGINE, "scheduler.max_num_batched_tokens=2048"],
-                  [*ENGINE, "scheduler.max_num_batched_tokens=2048"], tmp_path / "same", repeats=2,
+                  [*ENGINE, "scheduler.max_num_batched_tokens=2048"], tmp_path / "same", repeats=3,
                   min_effect=NOISE_FLOOR)
     assert not same["significant"].any(), same.to_string()
     budget = run_ab(recorded, [*ENGINE, "scheduler.max_num_batched_tokens=64"],
-                    [*ENGINE, "scheduler.max_num_batched_tokens=2048"], tmp_path / "budget", repeats=2,
+                    [*ENGINE, "scheduler.max_num_batched_tokens=2048"], tmp_path / "budget", repeats=3,
                     min_effect=NOISE_FLOOR)
     ttft = budget.set_index("metric").loc["ttft_ms"]
     assert ttft["significant"] and ttft["high"] < 0, budget.to_string()  # B (2048) is faster
     info = json.loads((tmp_path / "budget" / "ab.json").read_text())
     assert info["order"] == "ABBA" and sorted(p.name for p in (tmp_path / "budget").glob("[ab]_*")) == [
-        "a_0", "a_1", "b_0", "b_1"]
+        "a_0", "a_1", "a_2", "b_0", "b_1", "b_2"]

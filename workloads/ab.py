@@ -11,7 +11,8 @@ is the median of the paired differences B - A (same request, same repeat): a bur
 noise that slows a few requests of one run moves a mean a long way and a median hardly at all.
 Its interval is a cluster bootstrap (workloads/stats.py): repeats, then requests within each
 repeat, so run-to-run drift (a busier machine during one repeat) widens the interval instead of
-passing as an effect; with one repeat there is no interval. A difference is significant when
+passing as an effect; with fewer than MIN_REPEATS (3) repeats there is no interval (two clusters
+give a bootstrap only three distinct resamples: identical configurations came out +30% 'significant'). A difference is significant when
 the interval excludes 0 and the relative effect (median difference / median of A) is at least
 `--min-effect`. The table, ab.csv and ab.json go to `--out` with the run folders (a_0, b_0, ...).
 """
@@ -54,6 +55,9 @@ class Difference:
         return self.diff / self.median_a if self.median_a else float("nan")
 
 
+MIN_REPEATS = 3  # repeats needed for an interval (module doc)
+
+
 def paired_difference(
     metric: str, pairs: list[tuple[np.ndarray, np.ndarray]], *, resamples: int = 2000, confidence: float = 0.95,
     min_effect: float = 0.05, seed: int = 0,
@@ -67,7 +71,7 @@ def paired_difference(
     median_b = float(np.median(np.concatenate([b for _, b in pairs])))
     point = float(np.median(np.concatenate(diffs)))
     low = high = float("nan")
-    if len(diffs) >= 2:
+    if len(diffs) >= MIN_REPEATS:
         est = cluster_bootstrap([diffs], pooled_median, resamples=resamples, confidence=confidence, seed=seed)
         low, high = est.low, est.high
     effect = abs(point) / abs(median_a) if median_a else float("inf")
@@ -133,7 +137,7 @@ def table(diffs: list[Difference]) -> pd.DataFrame:
                                        "n_pairs", "repeats", "significant"])
 
 
-def run_ab(recorded: Path, a: list[str], b: list[str], out: Path, *, repeats: int = 2,
+def run_ab(recorded: Path, a: list[str], b: list[str], out: Path, *, repeats: int = 3,
            min_effect: float = 0.05) -> pd.DataFrame:
     out.mkdir(parents=True, exist_ok=True)
     a_runs, b_runs = [], []
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("run_dir", help="a recorded run folder (its traffic is replayed)")
     p.add_argument("a", help="configuration A: an overrides file, or overrides separated by spaces")
     p.add_argument("b", help="configuration B: same form")
-    p.add_argument("--repeats", type=int, default=2, help="runs of each configuration (ABBA order)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each configuration (ABBA order; 3 or more for an interval)")
     p.add_argument("--min-effect", type=float, default=0.05,
                    help="smallest relative difference called significant (default 0.05)")
     p.add_argument("--out", default=None, help="folder for the runs and ab.csv (default runs/ab/<time>)")
