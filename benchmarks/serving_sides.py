@@ -30,13 +30,13 @@ from workloads.driver import run_workload
 from workloads.metrics import summarize
 from workloads.spec import RequestSpec
 from workloads.targets.openai import OpenAITarget
+from workloads.targets.peer import DEFAULT_LLAMACPP_VENV, PeerMissingError, check_llamacpp
 
 MODEL_NAME = "smollm2"
 # servelab's start-up log line when its decode steps read the GGUF checkpoint's own blocks
 DECODE_READ = re.compile(r"read the checkpoint's own blocks: ([0-9.]+) MB a step")
 READY_TIMEOUT_S = 600.0
 SEED = 11
-LLAMACPP_VENV = Path("~/.cache/servelab-peers/llamacpp").expanduser()
 
 
 @dataclass
@@ -144,9 +144,10 @@ def vllm_server(tmp: Path, peer: Peer, args: list[str], tag: str) -> Server:
 def llamacpp_server(tmp: Path, args: list[str], tag: str) -> Server:
     from engine.model.loader import embedded_gguf_path
 
-    python = LLAMACPP_VENV / "bin" / "python"
-    if not python.is_file():
-        raise SystemExit(f"--peer llamacpp: no llama-cpp-python venv at {LLAMACPP_VENV} (make peers-llamacpp makes it)")
+    try:
+        python = check_llamacpp(DEFAULT_LLAMACPP_VENV.expanduser())
+    except PeerMissingError as exc:
+        raise SystemExit(f"--peer llamacpp: {exc}") from None
     port, threads = free_port(), len(os.sched_getaffinity(0))
     cmd = [str(python), "-m", "llama_cpp.server", "--host", "127.0.0.1", "--port", str(port),
            "--model", str(embedded_gguf_path()), "--model_alias", MODEL_NAME, "--n_threads", str(threads),
@@ -182,16 +183,16 @@ class LlamaCppClient(OpenAITarget):
     a -100 logit bias; its own top-k / top-p / min-p / repetition penalty switched off."""
 
     def __init__(self, base_url: str, extra_body: dict[str, Any]) -> None:
-        super().__init__(base_url, MODEL_NAME, extra_body=extra_body | LLAMACPP_SAMPLING_EXTRA, server_timing=False)
-
-    def payload(self, spec: RequestSpec) -> dict[str, Any]:
         from engine.config import ModelConfig
         from engine.model.loader import resolve_model
 
+        super().__init__(base_url, MODEL_NAME, extra_body=extra_body | LLAMACPP_SAMPLING_EXTRA, server_timing=False)
+        self.eos_bias = {str(resolve_model(ModelConfig())[0].eos_token_id): -100.0}
+
+    def payload(self, spec: RequestSpec) -> dict[str, Any]:
         body = super().payload(spec)
         if body.pop("ignore_eos", False):
-            eos = resolve_model(ModelConfig())[0].eos_token_id
-            body["logit_bias"] = {str(eos): -100.0}
+            body["logit_bias"] = dict(self.eos_bias)
         return body
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.hooks import NullHooks
 from workloads.explain import Side, explain, format_explain, run_pairs
 from workloads.explain_probe import find_model
 from workloads.gate_worker import spin_cpu
@@ -24,21 +25,12 @@ REQUESTS = [{"prompt_token_ids": list(range(200 + 7 * i, 230 + 7 * i)), "max_tok
 REPEATS = 3
 
 
-class PhaseDelay:
+class PhaseDelay(NullHooks):
     """TEST ONLY step hooks: every `name` phase ends with `seconds` spun on the CPU (spin=True)
     or slept (spin=False), inside the phase."""
 
     def __init__(self, name: str, seconds: float, spin: bool) -> None:
         self.name, self.seconds, self.spin = name, seconds, spin
-
-    def step_begin(self, step: int) -> None:
-        pass
-
-    def step_end(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -50,17 +50,22 @@ async def _metrics(request: web.Request) -> web.Response:
                              'vllm:num_requests_waiting{model="m"} 1.0\nvllm:kv_cache_usage_perc 0.25\n')
 
 
+async def _start(app: web.Application) -> tuple[web.AppRunner, int]:
+    """`app` served on a free local port; the runner (for cleanup) and the port."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
 async def _serve_and_run(continuous: bool, endpoint: str, specs: list[RequestSpec]):
     app = web.Application()
     app[BODIES], app[CONTINUOUS] = [], continuous
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _completions)
     app.router.add_get("/metrics", _metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await _start(app)
     try:
         tgt = OpenAITarget(f"http://127.0.0.1:{port}", "m", api_key="k", endpoint=endpoint)
         result = await run_workload(specs, tgt)
@@ -154,11 +159,7 @@ def test_sse_multi_line_events_comments_and_crlf_split_across_writes() -> None:
     async def run():
         app = web.Application()
         app.router.add_post("/v1/completions", _spec_stream)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, port = await _start(app)
         try:
             return await run_workload([_spec("s")], OpenAITarget(f"http://127.0.0.1:{port}", "m"))
         finally:

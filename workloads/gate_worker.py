@@ -31,6 +31,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from engine.hooks import NullHooks
+
 PHASES = ("schedule", "prepare", "forward", "sample")
 
 
@@ -48,7 +50,7 @@ def spin_cpu(seconds: float) -> None:
         pass
 
 
-class SlowForward:
+class SlowForward(NullHooks):
     """TEST ONLY step hooks (the engine/hooks.py `StepHooks` protocol): every "forward" phase
     ends with a spin of `fraction` times the thread CPU time the phase took; other phases, and
     a fraction of 0, only count. The spin runs inside the phase, so the engine's forward time
@@ -61,15 +63,6 @@ class SlowForward:
         self.forwards = 0  # forward phases seen
         self.forward_cpu_s = 0.0  # their thread CPU time, before the spin
         self.spun_s = 0.0  # thread CPU time spent spinning
-
-    def step_begin(self, step: int) -> None:
-        pass
-
-    def step_end(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

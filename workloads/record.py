@@ -63,6 +63,11 @@ class TargetResult:
     server_e2el_s: float | None = None
 
 
+def gaps(times: list[float]) -> list[float]:
+    """Successive differences of `times` (one fewer than there are times)."""
+    return [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+
+
 def token_times_from_chunks(chunk_times: list[float], chunk_tokens: list[int]) -> list[float]:
     """One time per token: chunk j's k tokens fill the gap since chunk j-1 evenly.
 
@@ -175,7 +180,7 @@ class RequestRecord:
     def itls_s(self) -> list[float]:
         """Gaps between successive content chunks (vLLM's ITL; empty for a failed request)."""
         times = self.chunk_times_s
-        return [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+        return gaps(times)
 
     # ---- per token, client clock ---------------------------------------------------------
 
@@ -191,7 +196,7 @@ class RequestRecord:
             times = self.token_times
         else:
             return []
-        return [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+        return gaps(times)
 
     # ---- per token, engine clock ---------------------------------------------------------
 
@@ -204,8 +209,7 @@ class RequestRecord:
         """Gaps between the engine steps that made successive tokens ([] without engine times)."""
         if not self.engine_timed:
             return []
-        tt = self.token_times
-        return [b - a for a, b in zip(tt[:-1], tt[1:], strict=True)]
+        return gaps(self.token_times)
 
     @property
     def engine_tpot_s(self) -> float | None:
@@ -320,7 +324,7 @@ def record_from_result(
     tokens = token_times_from_chunks(chunk_times, result.chunk_tokens)
     source = "chunks"
     # the chunk view, kept whatever the token times: vLLM's figures come from it
-    chunk_itls = [b - a for a, b in zip(chunk_times[:-1], chunk_times[1:], strict=True)] if tokens else None
+    chunk_itls = gaps(chunk_times) if tokens else None
     offsets = result.engine_token_offsets
     if offsets and tokens and not result.error and len(offsets) == len(tokens):
         source = "engine"
