@@ -11,7 +11,7 @@ GATE_RUN := runs/ci_gate/latest
 GATE_PAIRED := runs/ci_gate/paired
 GATE_BASELINE := benchmarks/baselines/ci_gate.json
 
-.PHONY: setup bench test lint typecheck gate gate-stored gate-baseline soak gpu-check peers peers-llamacpp ray-venv clean
+.PHONY: setup bench test lint typecheck docs gate gate-stored gate-baseline soak gpu-check peers peers-llamacpp ray-venv clean
 
 $(SETUP_STAMP): pyproject.toml constraints.txt scripts/setup.sh
 	bash scripts/setup.sh
@@ -31,6 +31,11 @@ lint: $(TEST_STAMP)
 
 typecheck: $(TEST_STAMP)
 	$(PY) -m mypy
+
+# The field tables of docs/configuration.md, from the config dataclasses' field docstrings
+# (engine/config.py, conf/schema.py); tests/test_config_docs.py fails while they differ.
+docs: $(SETUP_STAMP)
+	$(PY) scripts/gen_config_docs.py
 
 test: $(TEST_STAMP) lint typecheck
 	$(PY) -m pytest -q $(PYTEST_ARGS)

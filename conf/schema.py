@@ -85,7 +85,7 @@ class LengthSection:
     std: float = 32.0
     """`normal`, `lognormal`: standard deviation of the lengths themselves."""
     path: str | None = None  # empirical: CSV file
-    """`empirical`: a CSV file whose column lengths are resampled from, with replacement. Relative paths are
+    """`empirical`: a CSV file; lengths are resampled from its `column`, with replacement. Relative paths are
     tried from the working directory, then from the project root."""
     column: str | None = None
     """`empirical`: the CSV column holding the lengths."""
@@ -323,9 +323,7 @@ class SweepReportSection:
 @dataclass
 class ReportSection:
     html: bool = True
-    """The run report. Its sections are workload and configuration, summary, latency distributions, over time,
-    steady state and time slices, KV cache and batch, preemption and prefix cache, kernels, telemetry, client
-    lateness, goodput, server-side split, errors."""
+    """Write `report.html` at the end of the run."""
     fallback_slo: SLOSection = field(default_factory=SLOSection)
     """Sweep report: the SLOs to use when the first job's `config.yaml` has none
     (`report.fallback_slo.ttft_ms` / `.tpot_ms` / `.e2el_ms`)."""
