@@ -102,3 +102,44 @@ def test_activation_reserve_formula() -> None:
 def test_llama_70b_on_8_h200_fits_millions_of_tokens() -> None:
     cap = kv_capacity(LLAMA_70B, HardwareProfile.load("h200"), tp=8)
     assert 2.5e6 < cap.max_tokens < 2.8e6
+
+
+def test_a_measured_cpu_profile_names_the_cpu_it_describes(tmp_path) -> None:
+    """The packaged cpu-2core profile came from a CPU without bf16 units (bf16 0.0011 TFLOP/s) and
+    was used on an AMX one (bf16 ~1.3 TFLOP/s), simulating bf16 steps ~1000x too slow. A measured
+    profile records its CPU's GEMM flags; another CPU's flags are a mismatch, datasheets never."""
+    from engine.sim.hardware import GEMM_CPU_FLAGS
+
+    hw = HardwareProfile.load("cpu-2core")
+    assert hw.cpu_isa and set(hw.cpu_isa) <= set(GEMM_CPU_FLAGS)
+    here = frozenset({"fpu", *hw.cpu_isa})
+    assert hw.host_mismatch(here) is None
+    why = hw.host_mismatch(here - {"amx_bf16"})
+    assert why is not None and "cpu-2core" in why and "measure_cpu_profile" in why
+    assert hw.host_mismatch(frozenset()) is None  # flags unreadable: nothing to compare
+    assert HardwareProfile.load("h200").host_mismatch(frozenset({"avx2"})) is None
+    hw.save(tmp_path / "cpu.yaml")
+    assert HardwareProfile.load(str(tmp_path / "cpu.yaml")).cpu_isa == hw.cpu_isa
+
+
+def test_measure_cpu_profile_records_the_flags(monkeypatch) -> None:
+    import engine.platform
+    import engine.sim.hardware as hardware
+
+    monkeypatch.setattr(hardware, "measure_gemm_tflops", lambda dtype, n: {"fp32": 0.1}.get(dtype, 1.0))
+    monkeypatch.setattr(hardware, "measure_copy_gbs", lambda: 10.0)
+    monkeypatch.setattr(engine.platform, "cpu_flags", lambda: frozenset({"fpu", "avx2", "amx_bf16"}))
+    hw = hardware.measure_cpu_profile(rounds=1, memory_gb=8)
+    assert hw.cpu_isa == ["avx2", "amx_bf16"] and hw.peak_tflops == {"fp32": 0.1, "bf16": 1.0, "fp16": 1.0}
+
+
+def test_roofline_warns_once_on_a_profile_of_another_cpu(monkeypatch, caplog) -> None:
+    import engine.sim.executor as executor
+
+    hw = replace(HardwareProfile.load("cpu-2core"), cpu_isa=["no_such_flag"])
+    monkeypatch.setattr(executor, "_warned", set())
+    arch = load_arch("smollm2")
+    with caplog.at_level("WARNING", logger="engine.sim.executor"):
+        executor.build_step_model("roofline", arch, hw)
+        executor.build_step_model("roofline", arch, hw)
+    assert [r.getMessage() for r in caplog.records if "re-measure" in r.getMessage()] == [hw.host_mismatch()]

@@ -17,6 +17,7 @@ duration. A driver replaying arrivals calls `advance_to(t)` when the engine is i
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,9 @@ from engine.step_io import ModelRunnerOutput, SchedulerOutput
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+
 
 def build_step_model(
     spec: str,
@@ -47,6 +51,10 @@ def build_step_model(
     """'roofline' or the path of a saved `CalibratedStepModel` (.json / .yaml); `ep`: expert parallel
     over the `tp` ranks (roofline only)."""
     if spec == "roofline":
+        why = hw.host_mismatch()
+        if why and why not in _warned:  # once per process: a plan builds an executor per run
+            _warned.add(why)
+            logger.warning(why)
         return RooflineStepModel(arch, hw, tp=tp, dtype=dtype, kv_dtype=kv_dtype, ep=ep)
     return CalibratedStepModel.load(spec)
 

@@ -20,6 +20,8 @@ import yaml
 from engine.dtypes import canonical_dtype, torch_dtype
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
+# CPU flags that change a GEMM's speed by a large factor per dtype (recorded in measured profiles).
+GEMM_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,10 @@ class HardwareProfile:
     gemm_efficiency / mem_efficiency / comm_efficiency: achievable fraction of peak.
     allreduce_latency_s: fixed cost of one all-reduce (launch + synchronisation).
     step_overhead_s: fixed cost of one engine step outside the kernels.
+    cpu_isa: a measured CPU profile's GEMM-relevant flags (`GEMM_CPU_FLAGS` present on the CPU
+    it was measured on); empty for datasheet profiles. A bfloat16 GEMM runs ~1000x faster with
+    `amx_bf16` than without native bf16 units, so a profile measured on one CPU says little
+    about another: `host_mismatch()` tells.
     """
 
     name: str
@@ -45,6 +51,7 @@ class HardwareProfile:
     comm_efficiency: float = 1.0
     allreduce_latency_s: float = 0.0
     step_overhead_s: float = 0.0
+    cpu_isa: list[str] = field(default_factory=list)
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -56,6 +63,25 @@ class HardwareProfile:
                 f"hardware {self.name!r} has no {name} throughput (has {sorted(self.peak_tflops)})"
             )
         return self.peak_tflops[name] * 1e12 * self.gemm_efficiency
+
+    def host_mismatch(self, host_flags: frozenset[str] | None = None) -> str | None:
+        """Why this measured CPU profile does not describe this machine's CPU, or None.
+
+        None for a profile without `cpu_isa` (datasheets) and where the flags cannot be read.
+        """
+        if not self.cpu_isa:
+            return None
+        if host_flags is None:
+            from engine.platform import cpu_flags
+
+            host_flags = cpu_flags()
+        if not host_flags:
+            return None
+        host = [f for f in GEMM_CPU_FLAGS if f in host_flags]
+        if set(host) == set(self.cpu_isa):
+            return None
+        return (f"hardware profile {self.name!r} was measured on a CPU with {self.cpu_isa}, this one has {host}: "
+                "its GEMM rates do not apply here; re-measure with engine.sim.hardware.measure_cpu_profile()")  # fmt: skip
 
     @property
     def mem_bw(self) -> float:
@@ -157,6 +183,8 @@ def measure_cpu_profile(
     import psutil
     import torch
 
+    from engine.platform import cpu_flags
+
     sizes = {"fp32": 1024, "bf16": 512, "fp16": 512}
     tflops = {d: round(max(measure_gemm_tflops(d, n) for _ in range(rounds)), 4) for d, n in sizes.items()}
     copy_gbs = round(max(measure_copy_gbs() for _ in range(rounds)), 2)
@@ -167,6 +195,7 @@ def measure_cpu_profile(
         memory_gb=round(memory_gb if memory_gb is not None else psutil.virtual_memory().total / 1e9, 1),
         interconnect_bw_gbs=copy_gbs,
         num_devices=1,
+        cpu_isa=[f for f in GEMM_CPU_FLAGS if f in cpu_flags()],
         notes=f"measured with torch {torch.__version__}, {torch.get_num_threads()} threads",
     )
     if out_path is not None:
