@@ -12,6 +12,11 @@ candidate is the working tree and the baseline is HEAD.
 Prints per condition: runs, detections (the gate failed), the rate, the median estimated
 change of CPU time per token and the longest gate run. `--budget-s` stops starting runs
 after that many seconds (the table says how many ran).
+
+On 2 cores the table takes about an hour one gate at a time; `--cpus 0` in one process and
+`--cpus 1` in another (each gate's two workers pinned to one core, alternating on it as
+always) halve that. `--summarize A.jsonl B.jsonl ...` then prints the one table over all
+their rows, without running anything.
 """
 
 from __future__ import annotations
@@ -37,12 +42,24 @@ def main() -> int:
     parser.add_argument("--config", help="paired gate config (default conf/gate/paired.yaml)")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start no run after this")
     parser.add_argument("--json", help="append one JSON line per gate run here")
+    parser.add_argument(
+        "--cpus", help="pin both gate workers to these CPUs, e.g. 0 or 0,1 (default: the config's)"
+    )
+    parser.add_argument(
+        "--summarize", nargs="+", metavar="JSONL", help="print the table of these files' rows; run nothing"
+    )
     args = parser.parse_args()
+    if args.summarize:
+        return summarize(args.summarize)
     try:
         slowdowns = [float(x) for x in args.slowdowns.split(",")]
     except ValueError:
         parser.error(f"--slowdowns: comma-separated fractions, got {args.slowdowns!r}")
-    settings = GateSettings.load(args.config)
+    try:
+        cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else None
+    except ValueError:
+        parser.error(f"--cpus: comma-separated CPU numbers, got {args.cpus!r}")
+    settings = GateSettings.load(args.config, cpus=cpus)
     results: dict[float, list[dict]] = {s: [] for s in slowdowns}
     t0 = time.perf_counter()
     for i in range(args.runs):
@@ -60,16 +77,47 @@ def main() -> int:
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")
+    print_table(results)
+    return 0
+
+
+def print_table(results: dict[float, list[dict]]) -> None:
     print("\n| injected slowdown | gate runs | failed | rate | median CPU/token change | longest run |")
     print("|---|---|---|---|---|---|")
-    for s, rows in results.items():
+    for s, rows in sorted(results.items()):
         if not rows:
             continue
         n, bad = len(rows), sum(r["failed"] for r in rows)
         changes = [r["cpu_change"] for r in rows if r["cpu_change"] is not None]
         label = "none (false alarms)" if s == 0 else f"{s:.0%}"
-        print(f"| {label} | {n} | {bad} | {bad / n:.0%} | {np.median(changes):+.1%} | "
-              f"{max(r['elapsed_s'] for r in rows):.0f} s |")  # fmt: skip
+        median = f"{np.median(changes):+.1%}" if changes else "n/a"
+        print(
+            f"| {label} | {n} | {bad} | {bad / n:.0%} | {median} | {max(r['elapsed_s'] for r in rows):.0f} s |"
+        )
+
+
+def summarize(paths: list[str]) -> int:
+    """The table over the rows of several --json files (e.g. two processes pinned to two cores)."""
+    results: dict[float, list[dict]] = {}
+    for path in paths:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as e:
+            print(f"gate_power: cannot read {path}: {e.strerror}", file=sys.stderr)
+            return 2
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                results.setdefault(float(row["slowdown"]), []).append(row)
+            except (ValueError, KeyError, TypeError):
+                print(f"gate_power: {path}:{number}: not a gate_power row", file=sys.stderr)
+                return 2
+    if not results:
+        print("gate_power: no rows in " + ", ".join(paths), file=sys.stderr)
+        return 2
+    print_table(results)
     return 0
 
 
