@@ -87,7 +87,8 @@ def run_batch(llm: Any, batch: int, args: argparse.Namespace, arch: Any, peak: f
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from engine.model.loader import read_shape, resolve_source
+    from engine.model.loader import read_shape
+    from engine.model.source import resolve_source
 
     source = resolve_source(args.model)
     if source.kind != "shape":

@@ -272,7 +272,7 @@ class VllmWorker:
 def make_hf(dtype: str):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    from engine.model.loader import embedded_gguf_path
+    from engine.model.source import embedded_gguf_path
 
     path = embedded_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=DTYPES[dtype])

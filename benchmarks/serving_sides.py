@@ -142,7 +142,7 @@ def vllm_server(tmp: Path, peer: Peer, args: list[str], tag: str) -> Server:
 
 
 def llamacpp_server(tmp: Path, args: list[str], tag: str) -> Server:
-    from engine.model.loader import embedded_gguf_path
+    from engine.model.source import embedded_gguf_path
 
     try:
         python = check_llamacpp(DEFAULT_LLAMACPP_VENV.expanduser())

@@ -181,7 +181,7 @@ KEYS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms"
 def summarize_all(args: argparse.Namespace, arch: Any, machine: dict, results: list[Measured]) -> dict[str, Any]:
     """Per (configuration, sampling, concurrency, client): each server's spread over the rounds,
     the same-round ratios servelab / peer, and at c=1 TPOT against each side's read floor."""
-    from engine.model.loader import embedded_gguf_path
+    from engine.model.source import embedded_gguf_path
 
     groups: dict[tuple, dict[str, list[Measured]]] = {}
     for m in results:

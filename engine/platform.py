@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from engine.model.source import resolve_source
+
 logger = logging.getLogger(__name__)
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -155,8 +157,6 @@ def resolve_engine_dtype(dtype: str, device: str, model: str) -> str:
     dev = resolve_device(device, check=False)
     kind, path = "gguf", None
     if dev.type != "cpu":
-        from engine.model.loader import resolve_source
-
         try:
             source = resolve_source(model)
             kind, path = source.kind, source.path

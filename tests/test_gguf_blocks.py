@@ -114,7 +114,7 @@ def test_blocks_that_do_not_reproduce_the_weight_are_refused() -> None:
 def test_embedded_model_blocks_are_its_weights() -> None:
     """load_gguf_blocks: each Q4_1 / Q8_0 matrix of the default model, dequantized by the loader's
     own arithmetic, is the state dict's weight (Q/K rows un-permuted alike); two layers suffice."""
-    from engine.model.loader import embedded_gguf_path
+    from engine.model.source import embedded_gguf_path
 
     path = embedded_gguf_path()
     arch = read_gguf_arch(path).with_num_layers(2)

@@ -19,8 +19,9 @@ import yaml
 from engine.config import ModelConfig
 from engine.model.layers import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
-from engine.model.loader import SHAPES_DIR, read_shape, resolve_model
+from engine.model.loader import read_shape, resolve_model
 from engine.model.rope_scaling import RopeScaling
+from engine.model.source import SHAPES_DIR
 from engine.sampling_params import SamplingParams
 
 LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

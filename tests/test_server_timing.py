@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from workloads.metrics import summarize
-from workloads.record import record_from_result
+from workloads.record_builder import record_from_result
 from workloads.spec import RequestSpec
 from workloads.targets.openai import _Stream
 

@@ -35,7 +35,7 @@ def ours() -> Tokenizer:
 @pytest.fixture(scope="module")
 def hf():
     transformers = pytest.importorskip("transformers", reason="HF transformers is the reference")
-    from engine.model.loader import EMBEDDED_FILE, embedded_gguf_path
+    from engine.model.source import EMBEDDED_FILE, embedded_gguf_path
 
     return transformers.AutoTokenizer.from_pretrained(str(embedded_gguf_path().parent), gguf_file=EMBEDDED_FILE)
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from engine.outputs import StepStats
-from workloads.record import RequestRecord, TargetResult, record_from_result
+from workloads.record import RequestRecord, TargetResult
+from workloads.record_builder import record_from_result
 from workloads.saturation import SaturationMonitor
 from workloads.send_schedule import Send, SendSchedule
 from workloads.spec import RequestSpec

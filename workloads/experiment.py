@@ -28,6 +28,7 @@ from workloads import runfolder
 from workloads.driver import Driver, RunResult
 from workloads.factory import build_workload
 from workloads.run_summary import slo_of, write_results
+from workloads.send_schedule import send_limits
 from workloads.time_reference import timed
 
 logger = logging.getLogger(__name__)
@@ -39,22 +40,6 @@ class Outcome:
     summary: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     report: Path | None = None
-
-
-def send_limits(cfg: RunConfig) -> tuple[bool, int | None]:
-    """(closed loop?, concurrency): a closed loop's users (`workload.concurrency=N`, or
-    `arrival.process=closed` with `arrival.concurrency`), else the open loop's in-flight cap
-    (`arrival.max_concurrency`, None: none)."""
-    w, arr = cfg.workload, cfg.workload.arrival
-    if w.concurrency is not None:
-        if w.concurrency < 1:
-            raise ValueError(f"workload.concurrency must be >= 1, got {w.concurrency}")
-        return True, int(w.concurrency)
-    if w.kind == "synthetic" and arr.process == "closed":
-        return True, int(arr.concurrency)
-    if arr.max_concurrency is not None and arr.max_concurrency < 1:
-        raise ValueError(f"workload.arrival.max_concurrency must be >= 1, got {arr.max_concurrency}")
-    return False, arr.max_concurrency
 
 
 def run_experiment(cfg: RunConfig, run_dir: str | Path) -> Outcome:
@@ -188,7 +173,7 @@ def _make_target(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path):
                             endpoint=t.endpoint, timeout_s=t.request_timeout_s)
         return target, tokenizer, _max_model_len(engine_config)
     if kind == "llamacpp":
-        from engine.model.loader import embedded_gguf_path
+        from engine.model.source import embedded_gguf_path
         from workloads.targets.peer import LlamaCppTarget
 
         t = cfg.target
@@ -352,7 +337,7 @@ def _run_offline(cfg: RunConfig, engine_config: EngineConfig, run_dir: Path) -> 
     gate compares (steps, tokens per step, prefix hits, preemptions).
     """
     from engine.llm import LLM
-    from workloads.record import build_record
+    from workloads.record_builder import build_record
     from workloads.targets.engine import sampling_params_for
 
     llm = LLM(config=engine_config)

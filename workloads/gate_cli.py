@@ -123,8 +123,3 @@ def explain_failure(args: argparse.Namespace, settings: GateSettings, commit: st
     print(format_explain(report))
     print(f"gate: explained in {out / 'explain.html'} and explain.json")
 
-
-if __name__ == "__main__":  # python -m workloads.gate_cli: servelab-gate from this tree
-    from reports.cli import gate_main
-
-    sys.exit(gate_main())

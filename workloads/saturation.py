@@ -31,6 +31,7 @@ import numpy as np
 from scipy import stats
 
 from workloads.record import RequestRecord
+from workloads.send_schedule import send_limits
 
 WINDOWS = 10
 MIN_RHO = 0.8
@@ -156,7 +157,6 @@ class SaturationMonitor:
 def run_health(cfg: Any, records: Sequence[RequestRecord]) -> dict[str, Any]:
     """The figures workloads/run_summary.py adds to summary.json: saturation (open loop only)
     and the steady-state window's figures (workloads/steady_state.py; none when saturated)."""
-    from workloads.experiment import send_limits  # (experiment imports run_summary, which imports this)
     from workloads.steady_state import steady_summary
 
     closed_loop, _ = send_limits(cfg)

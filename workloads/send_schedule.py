@@ -14,6 +14,8 @@ closed-loop user takes the next spec of the workload only when its session has e
 The schedule holds no clock: the asyncio driver (real time) and the simulator (virtual
 time) ask it what to send first (`first`) and what to send once a request finished
 (`after`), and each waits in its own way. One schedule serves one run.
+
+`send_limits` reads which loop a run config asks for, and its concurrency.
 """
 
 from __future__ import annotations
@@ -26,7 +28,24 @@ from typing import TYPE_CHECKING
 from workloads.spec import RequestSpec
 
 if TYPE_CHECKING:
+    from conf.schema import RunConfig
     from workloads.record import RequestRecord
+
+
+def send_limits(cfg: RunConfig) -> tuple[bool, int | None]:
+    """(closed loop?, concurrency): a closed loop's users (`workload.concurrency=N`, or
+    `arrival.process=closed` with `arrival.concurrency`), else the open loop's in-flight cap
+    (`arrival.max_concurrency`, None: none)."""
+    w, arr = cfg.workload, cfg.workload.arrival
+    if w.concurrency is not None:
+        if w.concurrency < 1:
+            raise ValueError(f"workload.concurrency must be >= 1, got {w.concurrency}")
+        return True, int(w.concurrency)
+    if w.kind == "synthetic" and arr.process == "closed":
+        return True, int(arr.concurrency)
+    if arr.max_concurrency is not None and arr.max_concurrency < 1:
+        raise ValueError(f"workload.arrival.max_concurrency must be >= 1, got {arr.max_concurrency}")
+    return False, arr.max_concurrency
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,8 @@ from engine.outputs import EngineCoreOutput, FinishReason, StepStats
 from engine.sampling_params import SamplingParams
 from engine.sim.executor import SimulatedExecutor
 from workloads.metrics import summarize
-from workloads.record import RequestRecord, build_record
+from workloads.record import RequestRecord
+from workloads.record_builder import build_record
 from workloads.runfolder import steps_frame
 from workloads.send_schedule import Send, SendSchedule
 from workloads.spec import RequestSpec

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from workloads.record import RequestRecord
+from workloads.record import RequestRecord
 
-FollowUp = Callable[["RequestSpec", "RequestRecord"], "RequestSpec | None"]
+FollowUp = Callable[["RequestSpec", RequestRecord], "RequestSpec | None"]
 
 
 @dataclass(slots=True)

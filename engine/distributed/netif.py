@@ -7,6 +7,9 @@ rank's address and the group never forms ("Gloo connectFullMesh failed ... remot
 The interface that reaches MASTER_ADDR is the one the other nodes reach too: `interface_towards`
 names it, and `init_distributed` hands it to gloo (GLOO_SOCKET_IFNAME, gloo's own setting) unless
 the user set one. Linux only (SIOCGIFADDR); elsewhere it finds nothing and gloo's choice stands.
+
+`free_port` (a TCP port free on an address) lives here, below both the executor and the KV
+connectors that need one, so that neither imports the other.
 """
 
 from __future__ import annotations
@@ -37,3 +40,11 @@ def interface_towards(addr: str) -> str | None:
                 if socket.inet_ntoa(packed[20:24]) == local:
                     return name
     return None
+
+
+def free_port(host: str) -> int:
+    """A TCP port nothing listens on at `host` now (the OS picks it; another process may take it
+    before the caller binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.distributed import wire
+from engine.distributed.netif import free_port
 from engine.executor.base import Executor, ExecutorDiedError
 from engine.step_io import ModelRunnerOutput, SchedulerOutput, step_decoder, step_encoder
 
@@ -43,12 +43,6 @@ logger = logging.getLogger(__name__)
 POLL_MS = 50
 STARTUP_TIMEOUT_S = 600.0
 CONFIG_ERROR = "ValueError: "  # a worker's start-up ValueError is a config error, re-raised as one
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class MultiprocExecutor(Executor):

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import zmq
 
-from engine.executor.multiproc import free_port
+from engine.distributed.netif import free_port
 from engine.kv_transfer.base import (
     BlockStoreConnector,
     KVConnectorRole,

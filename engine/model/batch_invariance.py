@@ -91,7 +91,7 @@ def planned_step_weights(config: ModelConfig, dtype: str) -> dict[str, str]:
     GGUF's tensor types (its metadata, no weights read): for a run's summary.json, where the
     engine may run in another process. tests/test_batch_invariant.py holds the two equal."""
     from engine.model.gguf_loader import open_gguf
-    from engine.model.loader import resolve_source
+    from engine.model.source import resolve_source
 
     try:
         source = resolve_source(config.model)

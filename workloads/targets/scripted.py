@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.outputs import StepStats
-from workloads.record import RequestRecord, TargetResult, build_record, token_times_from_chunks
+from workloads.record import RequestRecord, TargetResult, token_times_from_chunks
+from workloads.record_builder import build_record
 from workloads.spec import RequestSpec
 from workloads.targets.base import OnToken
 
