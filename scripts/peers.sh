@@ -85,7 +85,7 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.model.loader import embedded_gguf_path
+from engine.model.source import embedded_gguf_path
 
 out = Path(sys.argv[1])
 tmp = out.with_name(out.name + ".partial")
