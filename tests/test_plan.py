@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -224,9 +225,11 @@ def test_verify_runs_the_best_picks_on_the_target_and_reports_the_error(tmp_path
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "verify budget" in text and "measured" in text
+    assert re.search(r"load average [\d.]+ -> [\d.]+ on \d+ cores", text)  # a shared host says so
     plan = json.loads((out / "plan.json").read_text())
     results = plan["verify"]
     assert len(results) == 2 and all(not r["error"] for r in results)
+    assert all(set(r["load_average"]) == {"before", "after", "cores"} for r in results)
     # the two best picks: the highest rate meeting the SLOs, for each budget
     assert {(r["max_num_batched_tokens"], r["rate"]) for r in results} == {(64, 4), (512, 4)}
     for r in results:

@@ -8,12 +8,15 @@ budget and max_num_seqs and the same traffic recipe at the pick's rate (syntheti
 arrivals at that rate with the plan's lengths and seed; trace: the same slice at the pick's
 time scale), one run folder each under `<plan.out>/verify/`, and reports for each pick the
 simulated and the measured mean / p99 TTFT and TPOT and output throughput with the relative
-error (simulated - measured) / measured.
+error (simulated - measured) / measured, and the machine's 1-minute load average before and after
+each run with its core count: a measured latency on a shared host is the host's load as much
+as the engine's (docs/capacity.md has a run where it was all of it).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -69,23 +72,40 @@ def verify(cfg: PlanConfig, rows: Sequence[dict[str, Any]], k: int) -> list[dict
     out = []
     for i, row in enumerate(picks(rows, k)):
         run_dir = root / f"pick{i}"
+        load_before = _load_average()
         outcome = run_experiment(run_config(cfg, row), run_dir)
+        load = {"before": load_before, "after": _load_average(), "cores": os.cpu_count()}
         measured = {m: outcome.summary.get(m) for m in COMPARED}
         simulated = {m: row.get(m) for m in COMPARED}
         out.append({
             "config": f"budget {row['max_num_batched_tokens']}, seqs {row['max_num_seqs']} @ {row['rate']:.4g}/s",
             "max_num_batched_tokens": row["max_num_batched_tokens"], "max_num_seqs": row["max_num_seqs"],
             "rate": row["rate"], "target": cfg.target.kind, "run_dir": str(run_dir), "error": outcome.error,
-            "simulated": simulated, "measured": measured,
+            "simulated": simulated, "measured": measured, "load_average": load,
             "relative_error": {m: relative_error(simulated[m], measured[m]) for m in COMPARED},
         })  # fmt: skip
     return out
 
 
+def _load_average() -> float | None:
+    """The host's 1-minute load average (None where the OS has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def _load_note(load: dict[str, Any] | None) -> str:
+    if not load or load.get("before") is None:
+        return ""
+    return f" (load average {load['before']:g} -> {load['after']:g} on {load['cores']} cores)"
+
+
 def render_verify(results: Sequence[dict[str, Any]]) -> None:
-    """One line per pick and figure: simulated, measured, error."""
+    """One line per pick and figure: simulated, measured, error; the host's load per pick."""
     for r in results:
-        print(f"verify {r['config']} on {r['target']}" + (f": FAILED {r['error']}" if r["error"] else ""))
+        head = f"verify {r['config']} on {r['target']}" + _load_note(r.get("load_average"))
+        print(head + (f": FAILED {r['error']}" if r["error"] else ""))
         for m in COMPARED:
             sim, meas, err = r["simulated"][m], r["measured"][m], r["relative_error"][m]
             fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
@@ -102,8 +122,8 @@ def verify_html(results: Sequence[dict[str, Any]]) -> str:
     import pandas as pd
 
     table = pd.DataFrame([
-        {"pick": r["config"], "target": r["target"], "figure": m, "simulated": r["simulated"][m],
-         "measured": r["measured"][m], "error": r["relative_error"][m]}
+        {"pick": r["config"] + _load_note(r.get("load_average")), "target": r["target"], "figure": m,
+         "simulated": r["simulated"][m], "measured": r["measured"][m], "error": r["relative_error"][m]}
         for r in results for m in COMPARED
     ])  # fmt: skip
     body = table.to_html(index=False, float_format=lambda v: f"{v:.4g}")
