@@ -91,11 +91,21 @@ def sweep_section(df: pd.DataFrame, swept: list[str], cfg: dict[str, Any]) -> Se
     if not {"output_throughput", "mean_tpot_ms"} <= set(df.columns):
         s.missing = "The jobs' summaries have no output_throughput / mean_tpot_ms."
         return s
+    # A job without both figures (skipped past a saturated rate, failed) is no point: left out, and counted.
+    measured = (pd.to_numeric(df["output_throughput"], errors="coerce") > 0) & (
+        pd.to_numeric(df["mean_tpot_ms"], errors="coerce") > 0
+    )
+    left_out = int((~measured).sum())
+    df = df[measured]
+    if df.empty:
+        s.missing = f"No job has both output_throughput and mean_tpot_ms ({left_out} without figures)."
+        return s
     labels = [", ".join(f"{c}={r[c]}" for c in swept) or str(r.get("job", i)) for i, r in df.iterrows()]
     devices = [job_devices(d) for d in df["run_dir"]] if "run_dir" in df else None
     points = pareto_points(df, labels, devices)
     s.intro = (f"{int(points['on_front'].sum())} of {len(points)} points on the front (no other point is "
-               "faster per user and higher in throughput per instance). Per user: 1000 / mean TPOT.")  # fmt: skip
+               "faster per user and higher in throughput per instance). Per user: 1000 / mean TPOT."
+               + (f" {left_out} job(s) without figures (skipped or failed) left out." if left_out else ""))  # fmt: skip
     s.figures.append(
         render(plot(points, "Pareto front"), "Pareto front", "Each point a swept job, labelled.")
     )

@@ -122,10 +122,19 @@ def best(df: pd.DataFrame, swept: list[str], cfg: dict[str, Any]) -> Section:
         if col in df:
             ok &= df[col] <= limit
     s.intro = "SLOs: " + (", ".join(f"p99 {k} <= {v:g}" for k, v in slo.items()) or "none configured")
+    # A saturated run's figures describe a target that no longer kept up (they grow with the run's
+    # length), and a failed or skipped job has none: neither can be the configuration to deploy.
+    if "saturated" in df:
+        saturated = df["saturated"].astype(object).fillna(False).astype(bool)
+        if saturated.any():
+            s.intro += f"; {int(saturated.sum())} saturated job(s) excluded"
+        ok &= ~saturated
+    if "error" in df:
+        ok &= df["error"].astype(object).fillna("").astype(str).str.len() == 0
     by = cfg["sweep"]["best_by"] if cfg["sweep"]["best_by"] in df else "output_throughput"
     fit = df[ok]
     if fit.empty:
-        s.missing = "No job met the SLOs."
+        s.missing = "No finished, unsaturated job met the SLOs."
         return s
     top = fit.sort_values(by, ascending=False).head(1)
     s.alert = "Best: " + ", ".join(f"{c}={top[c].item()}" for c in swept) + f" ({by} = {top[by].item():.4g})"

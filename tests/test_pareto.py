@@ -67,6 +67,26 @@ def test_sweep_report_has_the_pareto_section(tmp_path: Path) -> None:
     assert "could not render" not in page
 
 
+def test_a_skipped_or_saturated_job_is_neither_a_point_nor_the_best(tmp_path: Path) -> None:
+    # A rate sweep that stopped at its saturated rate: 50/s measured, 20000/s saturated (the
+    # highest throughput, but the target no longer kept up), 40000/s skipped without figures.
+    rows = [
+        {"job": 0, "workload.arrival.rate": 50, "output_throughput": 300.0, "mean_tpot_ms": 20.0,
+         "p99_ttft_ms": 50.0, "p99_tpot_ms": 30.0, "p99_itl_ms": 30.0, "p99_e2el_ms": 900.0,
+         "completed": 8, "saturated": False, "error": ""},
+        {"job": 1, "workload.arrival.rate": 20000, "output_throughput": 900.0, "mean_tpot_ms": 25.0,
+         "p99_ttft_ms": 60.0, "p99_tpot_ms": 35.0, "p99_itl_ms": 35.0, "p99_e2el_ms": 950.0,
+         "completed": 8, "saturated": True, "error": ""},
+        {"job": 2, "workload.arrival.rate": 40000, "completed": 0, "saturated": None,
+         "error": "skipped: rate 20000 already saturated"},
+    ]  # fmt: skip
+    pd.DataFrame(rows).to_csv(tmp_path / "sweep.csv", index=False)
+    page = build_sweep_report(tmp_path).read_text()
+    assert "2 of 2 points on the front" in page and "1 job(s) without figures (skipped or failed) left out" in page
+    assert "1 saturated job(s) excluded" in page
+    assert "Best: workload.arrival.rate=50 " in page and "Best: workload.arrival.rate=20000" not in page
+
+
 def test_plan_writes_the_front(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan"
     argv = ["--model", "smollm2", "--hardware", "h100", "--tp", "3", "--plain", "--num-requests", "24",

@@ -130,13 +130,15 @@ def test_saturating_rate_sweep_report_in_chromium(rate_sweep: Path, tmp_path: Pa
     dom = _chromium(sweep_page, tmp_path / "p1", "--dump-dom")
     assert dom.returncode == 0 and _console_lines(dom.stderr) == [], dom.stderr[-2000:]
     pareto = _section_text(dom.stdout, "pareto")
-    assert "2 of 3 points on the front" in pareto, pareto  # the skipped job is a point without figures
+    assert "2 of 2 points on the front" in pareto, pareto
+    assert "1 job(s) without figures (skipped or failed) left out" in pareto, pareto  # rate 40000
     front = {row[0].split(",")[0]: row[-1] for row in _table_rows(dom.stdout, "pareto")}
     assert front == {
         "workload.arrival.rate=50": "True",  # faster per user
         "workload.arrival.rate=20000": "True",  # more per instance
-        "workload.arrival.rate=40000": "False",
     }
+    # The best configuration is never the saturated rate, however high its throughput.
+    assert "saturated job(s) excluded" in _section_text(dom.stdout, "best-config")
     assert re.search(r'<section id="pareto".*?<img [^>]*alt="Pareto front"', dom.stdout, re.S)
     assert "already saturated" in _section_text(dom.stdout, "failed-jobs")
 
