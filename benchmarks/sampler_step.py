@@ -6,14 +6,18 @@
 sampler  One sampling step over [rows, vocab] bfloat16 logits (the LM head's dtype; seeded
          Gaussian logits, sd 3) for greedy / temperature 1 / top-p 0.95 / top-k 50, by the old
          method (the logits upcast to float32, top-k and top-p by full sorts, softmax, the
-         exponential race: `old_sample` below, the sampler as it was before this change) and the
-         new one (`Sampler.sample`), both ending with the ids on the host. Old and new alternate
-         call by call; each figure is the median of `--repeats` calls. Printed: ms a step and the
-         ratio to the same method's greedy step.
+         exponential race: `old_sample` below, the sampler as it was before this change), the
+         new one (`Sampler.sample`), and between them `vocab`: every sampled row by inverse CDF
+         over the vocabulary (`RowWeights`, as the sampler drew top-k rows before they drew
+         among their candidates, 2026-12-04), all ending with the ids on the host. The methods
+         alternate call by call; each figure is the median of `--repeats` calls. Printed: ms a
+         step and the ratio to the same method's greedy step.
 e2e      `LLM.generate` on the default model, `--requests` prompts x `--output-len` tokens
          (64-token corpus prompts, ignore_eos, so
-         every request decodes the same count), greedy, temperature 1, top-p 0.95
-         and top-k 50, one after the other in `--rounds` rounds (the order rotates each round);
+         every request decodes the same count), greedy, temperature 1, top-p 0.95, top-k 50 and
+         `top-k 50 vocab` (top-k 50 with the candidates path switched off: top-k rows drawn over
+         the vocabulary, as before 2026-12-04), one after the other in `--rounds` rounds (the
+         order rotates each round);
          the engine is built and warmed up first. Printed per mode: wall seconds and the median
          TPOT of the requests (decode time / (tokens - 1)), medians over rounds, and the ratio
          to greedy's TPOT of the same round (median over rounds, with its range).
@@ -28,13 +32,17 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import engine.sample.sampler as sampler_module  # noqa: E402
+from engine.sample.inverse_cdf import Workspace  # noqa: E402
+from engine.sample.row_weights import RowWeights  # noqa: E402
 from engine.sample.sampler import Sampler, SamplingBatch, apply_top_k_top_p_min_p, greedy  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -70,6 +78,21 @@ def old_sample(logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
     return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1).tolist()
 
 
+def vocab_sample(logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
+    """Every sampled row by inverse CDF over the vocabulary (top-k rows included)."""
+    if batch.all_greedy:
+        return greedy(logits).tolist()
+    ids, unresolved = RowWeights(logits, batch.params, VOCAB_WORKSPACE).draw(batch.generators)
+    if unresolved is None:
+        return ids.tolist()
+    # With the flags, as the sampler reads them; rows left outside the nucleus (rare) are not
+    # finished here: a figure of the common step.
+    return torch.stack([ids, unresolved.to(torch.int64)]).tolist()[0]
+
+
+VOCAB_WORKSPACE = Workspace()
+
+
 def median_ms(fn: Callable[[], object], times: list[float]) -> None:
     t0 = time.perf_counter()
     fn()
@@ -83,21 +106,39 @@ def bench_sampler(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, params in MODES.items():
         batch = SamplingBatch([params] * args.rows, [None] * args.rows)
-        old_t: list[float] = []
-        new_t: list[float] = []
-        old_sample(logits, batch), new.sample(logits, batch)  # warm-up
+        times: dict[str, list[float]] = {"old": [], "vocab": [], "new": []}
+        calls = {"old": old_sample, "vocab": vocab_sample, "new": new.sample}
+        for call in calls.values():
+            call(logits, batch)  # warm-up
         for _ in range(args.repeats):
-            median_ms(lambda: old_sample(logits, batch), old_t)  # noqa: B023
-            median_ms(lambda: new.sample(logits, batch), new_t)  # noqa: B023
-        out[name] = {"old_ms": statistics.median(old_t), "new_ms": statistics.median(new_t)}
+            for method, call in calls.items():
+                median_ms(lambda: call(logits, batch), times[method])  # noqa: B023
+        out[name] = {f"{method}_ms": statistics.median(t) for method, t in times.items()}
     print(f"\nsampler alone: {args.rows} rows x {args.vocab} vocab, bfloat16 logits, "
           f"median of {args.repeats} alternated calls, torch threads {torch.get_num_threads()}")
-    print(f"{'mode':<15}{'old ms':>10}{'new ms':>10}{'old/new':>10}{'old/greedy':>12}{'new/greedy':>12}")
-    g_old, g_new = out["greedy"]["old_ms"], out["greedy"]["new_ms"]
+    print(f"{'mode':<15}{'old ms':>10}{'vocab ms':>10}{'new ms':>10}{'old/new':>10}"
+          f"{'old/greedy':>12}{'vocab/greedy':>14}{'new/greedy':>12}")
+    g = out["greedy"]
     for name, r in out.items():
-        print(f"{name:<15}{r['old_ms']:>10.3f}{r['new_ms']:>10.3f}{r['old_ms'] / r['new_ms']:>10.1f}"
-              f"{r['old_ms'] / g_old:>12.1f}{r['new_ms'] / g_new:>12.1f}")
+        print(f"{name:<15}{r['old_ms']:>10.3f}{r['vocab_ms']:>10.3f}{r['new_ms']:>10.3f}"
+              f"{r['old_ms'] / r['new_ms']:>10.1f}{r['old_ms'] / g['old_ms']:>12.1f}"
+              f"{r['vocab_ms'] / g['vocab_ms']:>14.1f}{r['new_ms'] / g['new_ms']:>12.1f}")
     return out
+
+
+VOCAB_TOP_K = "top-k 50 vocab"
+
+
+@contextmanager
+def candidates_off() -> Iterator[None]:
+    """Top-k rows sample over the vocabulary (`RowWeights`), in this process (the default
+    executor runs the worker here): the sampler as it was before its top-k candidates."""
+    saved = sampler_module.takes_top_k_path
+    sampler_module.takes_top_k_path = lambda p: False
+    try:
+        yield
+    finally:
+        sampler_module.takes_top_k_path = saved
 
 
 def bench_e2e(args: argparse.Namespace) -> dict[str, dict[str, float | list[float]]]:
@@ -109,20 +150,21 @@ def bench_e2e(args: argparse.Namespace) -> dict[str, dict[str, float | list[floa
     prompts = [{"prompt_token_ids": builder.token_ids(64, offset=997 * i)} for i in range(args.requests)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=1.0))  # warm-up
 
-    def run(params: SamplingParams) -> tuple[float, float]:
-        p = params.clone(max_tokens=args.output_len, ignore_eos=True)
+    def run(name: str) -> tuple[float, float]:
+        p = MODES.get(name, MODES["top-k 50"]).clone(max_tokens=args.output_len, ignore_eos=True)
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, p)
+        with candidates_off() if name == VOCAB_TOP_K else nullcontext():
+            outs = llm.generate(prompts, p)
         wall = time.perf_counter() - t0
         tpots = [o.metrics.decode_time / max(1, len(o.outputs[0].token_ids) - 1) for o in outs]
         return wall, statistics.median(tpots) * 1e3
 
-    names = list(MODES)
+    names = [*MODES, VOCAB_TOP_K]
     walls: dict[str, list[float]] = {n: [] for n in names}
     tpots: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            wall, tpot = run(MODES[name])
+            wall, tpot = run(name)
             walls[name].append(wall)
             tpots[name].append(tpot)
     print(f"\nend to end: LLM.generate, default model, {args.requests} requests x {args.output_len} tokens "

@@ -2,17 +2,23 @@
 
 The runner builds a `SamplingBatch` (one row per request that samples this step)
 and calls `Sampler.sample`. All-greedy batches take the argmax fast path. The others draw
-by inverse CDF, one uniform per draw (engine/sample/inverse_cdf.py), from weights processed
-without sorting the vocabulary (engine/sample/row_weights.py): at 16 rows x 49,152 tokens
-the exponential race this replaced drew 786,432 exponentials a step.
+by inverse CDF, one uniform per draw (engine/sample/inverse_cdf.py): a top-k row (k <=
+`top_k.MAX_K`) among its k x 64 candidates, top-p and min-p applied there
+(engine/sample/top_k.py), any other row from weights over the vocabulary, processed without
+sorting it (engine/sample/row_weights.py). At 16 rows x 49,152 tokens the exponential race
+this replaced drew 786,432 exponentials a step.
 Logprobs are those of the raw model distribution (log-softmax of the logits before
 penalties and temperature), as vLLM reports them by default.
 
 Devices: every tensor built from host data (temperatures, penalty token ids) is made on
 the logits' device. A seeded request's generator may live on another device than the
 logits (the runner keeps CPU generators): its uniforms are drawn where the generator lives
-and copied over, so a seed gives the same draws whatever device samples, and it advances
-by a fixed count a step (1, or `row_weights.CANDIDATES` with top-p), whatever the batch.
+and copied over, so a seed gives the same draws whatever device samples. What a seeded row
+draws depends on its own logits and generator only, whatever the batch: a top-k row takes
+one uniform a step (with or without top-p; before 2026-12-04 a top-k + top-p row took
+`row_weights.CANDIDATES`, so its seeds now give other tokens), plus a full-vocabulary draw
+in the rare step whose ties at the k-th value reach past the candidates; a row without
+top-k takes 1, or `row_weights.CANDIDATES` with top-p, more when none fell in the nucleus.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from engine.model.cpu_kernels import kernels
 from engine.outputs import TokenLogprobs
 from engine.sample.inverse_cdf import Workspace
 from engine.sample.row_weights import RowWeights
+from engine.sample.top_k import TopKCandidates, takes_top_k_path
 from engine.sampling_params import SamplingParams
 
 
@@ -81,22 +88,54 @@ class Sampler:
         return ids, self._logprobs(raw, sampled, ids, batch)
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, list[int]]:
-        """Inverse-CDF draws from each row's processed weights (engine/sample/row_weights.py);
-        greedy rows take their argmax. -> ([N] int64 on logits' device, the same as a list)."""
-        weights = RowWeights(logits, batch.params, self.workspace)
-        sampled, unresolved = weights.draw(batch.generators)
-        is_greedy = [p.greedy for p in batch.params]
-        if any(is_greedy):
-            sampled = torch.where(torch.tensor(is_greedy, device=logits.device), greedy(logits), sampled)
-        if unresolved is None:
-            return sampled, sampled.tolist()  # the step's one device -> host sync
-        ids, flags = torch.stack([sampled, unresolved.to(torch.int64)]).tolist()
-        late = [i for i, f in enumerate(flags) if f]
-        for i in late:  # top-p rows none of whose draws fell in the nucleus (rare)
-            ids[i] = weights.resolve_nucleus(i, batch.generators[i])
-        if late:
-            sampled = torch.tensor(ids, dtype=torch.int64, device=logits.device)
-        return sampled, ids
+        """Greedy rows take their argmax; top-k rows draw among their candidates
+        (engine/sample/top_k.py); the others by inverse CDF over the vocabulary
+        (engine/sample/row_weights.py). -> ([N] int64 on logits' device, the same as a list)."""
+        params, gens, device = batch.params, batch.generators, logits.device
+        n = len(params)
+        top_k_rows = [i for i, p in enumerate(params) if takes_top_k_path(p)]
+        vocab_rows = [i for i, p in enumerate(params) if not p.greedy and not takes_top_k_path(p)]
+        if any(p.greedy for p in params):
+            sampled = greedy(logits)
+        else:
+            sampled = torch.zeros(n, dtype=torch.int64, device=device)
+        # Per row: 1 = a top-p draw outside the nucleus, 2 = a top-k tie past the candidates.
+        late = torch.zeros(n, dtype=torch.int64, device=device)
+        if top_k_rows:
+            ix = torch.tensor(top_k_rows, device=device)
+            cands = TopKCandidates(_rows(logits, top_k_rows), [params[i] for i in top_k_rows], self.workspace)
+            ids_k, overflow = cands.draw([gens[i] for i in top_k_rows])
+            sampled.index_copy_(0, ix, ids_k)
+            late.index_copy_(0, ix, overflow.to(torch.int64) * 2)
+        weights = None
+        if vocab_rows:
+            ix = torch.tensor(vocab_rows, device=device)
+            weights = RowWeights(_rows(logits, vocab_rows), [params[i] for i in vocab_rows], self.workspace)
+            ids_v, unresolved = weights.draw([gens[i] for i in vocab_rows])
+            sampled.index_copy_(0, ix, ids_v)
+            if unresolved is not None:
+                late.index_copy_(0, ix, unresolved.to(torch.int64))
+        ids, flags = torch.stack([sampled, late]).tolist()  # the step's one device -> host sync
+        if not any(flags):
+            return sampled, ids
+        for i, flag in enumerate(flags):
+            if flag == 1:  # a top-p row none of whose draws fell in the nucleus (rare)
+                assert weights is not None
+                ids[i] = weights.resolve_nucleus(vocab_rows.index(i), gens[i])
+            elif flag == 2:  # ties at the k-th value reach past the candidates (rare)
+                ids[i] = self._sample_vocab(logits[i : i + 1], params[i], gens[i])
+        return torch.tensor(ids, dtype=torch.int64, device=device), ids
+
+    def _sample_vocab(
+        self, row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    ) -> int:
+        """One row [1, V] sampled over its whole vocabulary. Its own buffers: the step's
+        full-vocabulary weights, in the shared workspace, may still have rows to resolve."""
+        weights = RowWeights(row, [params], Workspace())
+        sampled, unresolved = weights.draw([generator])
+        if unresolved is not None and bool(unresolved[0]):
+            return weights.resolve_nucleus(0, generator)
+        return int(sampled[0])
 
     @staticmethod
     def _logprobs(
@@ -117,6 +156,13 @@ class Sampler:
             tops = list(zip(top_ids_l[i][: p.logprobs], top_vals_l[i][: p.logprobs], strict=True))
             out.append((ids[i], chosen[i], tops))
         return out
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits [N, V] -> [len(rows), V]: the tensor itself when `rows` is every row in order."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits[torch.tensor(rows, device=logits.device)]
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
