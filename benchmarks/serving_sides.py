@@ -9,6 +9,7 @@ that, left behind, spins on the cores while the next server is measured (NOTES.m
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,9 +230,18 @@ def drive(server: Server, specs: list[RequestSpec], concurrency: int, sampling: 
             "engine_cpu_ms_per_token": 1000 * (cpu1["engine"] - cpu0["engine"]) / out}
 
 
+def measurement_seeds(measurement: int) -> tuple[int, int, int]:
+    """Prompt seeds of one measurement of a server's life (`measurement` counts them from 0):
+    its warm-up's, the workbench's and `vllm bench serve`'s. Every prompt a server is sent is one
+    it has not seen, so no side reuses its prefix cache across warm-up, clients or sampling
+    passes (servelab's 16-token blocks would hit 112 of a repeated 128-token prompt, vLLM-CPU's
+    128-token blocks none); the same seeds on both servers give both the same prompts."""
+    return SEED + 3 * measurement + 1, SEED + 3 * measurement + 2, SEED + 3 * measurement + 3
+
+
 def vllm_bench_serve(peer: Peer, server: Server, args: Any, concurrency: int, sampling: str, tmp: Path,
-                     tag: str) -> dict:
-    """`vllm bench serve` (random dataset, seeded: the same prompts for both servers) against
+                     tag: str, seed: int = SEED) -> dict:
+    """`vllm bench serve` (random dataset, `seed`: the same prompts for both servers) against
     `server`; its result JSON, or {"error": ...}. Greedy is `--temperature 0`; temperature 1 is
     its default (it sends none)."""
     name = f"bench-{server.name}-{tag}.json"
@@ -241,7 +252,7 @@ def vllm_bench_serve(peer: Peer, server: Server, args: Any, concurrency: int, sa
         "--tokenizer", str(peer.model_dir), "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--ignore-eos",
-        "--seed", str(SEED), "--save-result", "--result-dir", str(tmp), "--result-filename", name,
+        "--seed", str(seed), "--save-result", "--result-dir", str(tmp), "--result-filename", name,
         *(["--temperature", "0"] if sampling == "greedy" else []),
     ]
     log = tmp / f"{name}.log"
@@ -254,11 +265,12 @@ def vllm_bench_serve(peer: Peer, server: Server, args: Any, concurrency: int, sa
     return json.loads(path.read_text())
 
 
-def run_round(server: Server, side: str, config: str, rnd: int, prompts: list[list[int]], args: Any,
-              bench: bool) -> list[Measured]:
+def run_round(server: Server, side: str, config: str, rnd: int, prompts: Callable[[int, int], list[list[int]]],
+              args: Any, bench: bool) -> list[Measured]:
     """Start `server`, then per sampling and concurrency: warm up at the measured shape, measure
     with the workbench, then with `vllm bench serve` (when `bench`, and the server takes
-    token-level requests: not llama.cpp, which has no ignore_eos); stop it."""
+    token-level requests: not llama.cpp, which has no ignore_eos); stop it. `prompts(seed, n)`
+    gives n prompts; each warm-up and measurement takes fresh ones (`measurement_seeds`)."""
     print(f"[{side}] starting ({config}, round {rnd + 1})", flush=True)
     server.start()
     print(f"[{side}] ready after {server.start_s:.0f} s", flush=True)
@@ -266,26 +278,26 @@ def run_round(server: Server, side: str, config: str, rnd: int, prompts: list[li
     as_text = args.peer == "llamacpp"
     out: list[Measured] = []
     try:
-        for sampling in args.sampling:
-            for c in args.concurrency:
-                n = args.num_requests_c1 if c == 1 else args.num_requests
-                drive(server, specs_for(prompts[:c], args.output_len, f"warm{c}", as_text), c, sampling)
-                fig = drive(server, specs_for(prompts[:n], args.output_len, f"r{rnd}c{c}", as_text), c, sampling)
-                out.append(Measured(side, config, sampling, c, "workbench", rnd, fig,
-                                    float(read.group(1)) * 1e6 if read else None))
-                print(f"  {sampling:<12} c={c:<3} workbench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
+        for measurement, (sampling, c) in enumerate(itertools.product(args.sampling, args.concurrency)):
+            warm_seed, seed, bench_seed = measurement_seeds(measurement)
+            n = args.num_requests_c1 if c == 1 else args.num_requests
+            drive(server, specs_for(prompts(warm_seed, c), args.output_len, f"warm{c}", as_text), c, sampling)
+            fig = drive(server, specs_for(prompts(seed, n), args.output_len, f"r{rnd}c{c}", as_text), c, sampling)
+            out.append(Measured(side, config, sampling, c, "workbench", rnd, fig,
+                                float(read.group(1)) * 1e6 if read else None))
+            print(f"  {sampling:<12} c={c:<3} workbench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
+                  f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms", flush=True)
+            if bench and side != "llamacpp":
+                res = vllm_bench_serve(peer_paths(), server, args, c, sampling, server.log_path.parent,
+                                       f"{config[:3]}-{sampling}-c{c}-r{rnd}", bench_seed)
+                if "error" in res:
+                    print(f"  vllm bench serve FAILED: {res['error']}", flush=True)
+                    continue
+                fig = {k: res.get(k) for k in ("completed", "output_throughput", "median_ttft_ms",
+                                               "median_tpot_ms", "median_itl_ms")}
+                out.append(Measured(side, config, sampling, c, "vllm bench serve", rnd, fig))
+                print(f"  {sampling:<12} c={c:<3} vllm bench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
                       f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms", flush=True)
-                if bench and side != "llamacpp":
-                    res = vllm_bench_serve(peer_paths(), server, args, c, sampling, server.log_path.parent,
-                                           f"{config[:3]}-{sampling}-c{c}-r{rnd}")
-                    if "error" in res:
-                        print(f"  vllm bench serve FAILED: {res['error']}", flush=True)
-                        continue
-                    fig = {k: res.get(k) for k in ("completed", "output_throughput", "median_ttft_ms",
-                                                   "median_tpot_ms", "median_itl_ms")}
-                    out.append(Measured(side, config, sampling, c, "vllm bench serve", rnd, fig))
-                    print(f"  {sampling:<12} c={c:<3} vllm bench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
-                          f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms", flush=True)
     finally:
         server.stop()
     return out

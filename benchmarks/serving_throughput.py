@@ -19,6 +19,9 @@ What makes the two sides comparable, and how each rule is kept:
   `vllm bench serve` gets by default), each labelled; top-p 1 and no top-k on every side;
 - warm-up at the measured shape: before each measurement, `concurrency` requests of the measured
   prompt and output lengths at that concurrency;
+- no prompt twice: the warm-up, each client and each sampling pass draw their own prompts
+  (`serving_sides.measurement_seeds`), so neither server's prefix cache hits a prompt it saw
+  before (servelab's 16-token blocks would, vLLM-CPU's 128-token blocks would not);
 - order: every round starts fresh servers, in ABBA order over `--repeats` rounds (at least 3 for a
   figure to quote); the median and the range (min-max) of the rounds are reported, never the best;
 - floors in the bytes a step reads: at c=1, TPOT p50 against (bytes a batch-1 step of that server
@@ -139,8 +142,11 @@ def run_all(args: argparse.Namespace) -> list[Measured]:
     if args.peer == "vllm":
         ensure_peers()
     bench = args.vllm_bench and peer_ready(peer_paths())
-    prompts = random_prompts(max(args.num_requests, args.num_requests_c1), args.input_len,
-                             _arch().vocab_size)
+    vocab = _arch().vocab_size
+
+    def prompts(seed: int, n: int) -> list[list[int]]:  # the same prompts for every server and round
+        return random_prompts(n, args.input_len, vocab, seed)
+
     results: list[Measured] = []
     tmp = Path(tempfile.mkdtemp(prefix="servelab-serving-bench-"))
     try:
@@ -228,8 +234,8 @@ def report(res: dict) -> None:
     print(f"reference: {g['what']}: {g['bfloat16_flops'] / 1e9:.0f} GFLOP/s bfloat16; memory read bandwidth "
           f"(torch.sum, {m['cores']} threads) {m['memory_bandwidth'] / 1e9:.1f} GB/s")
     print(f"workload: {w['num_requests']} requests (c=1: {w['num_requests_c1']}) x {w['input_len']} random prompt "
-          f"tokens + {w['output_len']} output tokens, EOS ignored; {w['repeats']} rounds, ABBA order, fresh servers "
-          "each round; median (min-max) over the rounds")
+          f"tokens + {w['output_len']} output tokens, EOS ignored, no prompt sent twice to a server; {w['repeats']} "
+          "rounds, ABBA order, fresh servers each round; median (min-max) over the rounds")
     print(f"weights: {res['weights']}")
     for label, s in res["settings"].items():
         print(f"settings '{label}': " + (", ".join(f"{k}={v}" for k, v in s.items()) if isinstance(s, dict) else s))

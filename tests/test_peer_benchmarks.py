@@ -74,6 +74,51 @@ def test_serving_prompts_are_random_token_ids_shared_by_both_servers() -> None:
     assert all(s.prompt_token_ids is None and s.prompt and s.prompt_len == 128 for s in text)
 
 
+def test_no_server_is_sent_a_prompt_twice(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A repeated prompt is a prefix-cache hit on one side only (16-token blocks hit 112 of 128
+    # tokens, vLLM-CPU's 128-token blocks none): warm-up, clients and sampling passes each draw
+    # their own prompts, and both servers (and every round) get the same ones.
+    sent: dict[str, list[tuple[int, ...]]] = {}
+    bench_seeds: dict[str, list[int]] = {}
+
+    class FakeServer:
+        start_s, url = 0.0, "http://127.0.0.1:1"
+
+        def __init__(self, name: str) -> None:
+            self.name, self.log_path = name, tmp_path / f"{name}.log"
+            self.log_path.write_text("")
+
+        def start(self) -> None: ...
+
+        def stop(self) -> None: ...
+
+    def fake_drive(server: FakeServer, specs: list, concurrency: int, sampling: str) -> dict:
+        sent.setdefault(server.name, []).extend(tuple(s.prompt_token_ids) for s in specs)
+        return {"output_throughput": 1.0, "median_ttft_ms": 1.0, "median_tpot_ms": 1.0}
+
+    def fake_bench(peer, server, args, concurrency, sampling, tmp, tag, seed):  # type: ignore[no-untyped-def]
+        bench_seeds.setdefault(server.name, []).append(seed)
+        return {"output_throughput": 1.0, "median_ttft_ms": 1.0, "median_tpot_ms": 1.0, "median_itl_ms": 1.0}
+
+    monkeypatch.setattr(serving_sides, "drive", fake_drive)
+    monkeypatch.setattr(serving_sides, "vllm_bench_serve", fake_bench)
+    monkeypatch.setattr(serving_sides, "peer_paths", lambda: None)
+    args = argparse.Namespace(sampling=["greedy", "temperature1"], concurrency=[1, 16], num_requests=8,
+                              num_requests_c1=3, output_len=4, peer="vllm")  # fmt: skip
+
+    def prompts(seed: int, n: int) -> list[list[int]]:
+        return serving.random_prompts(n, 32, 49152, seed)
+
+    for name in ("servelab", "vllm"):
+        serving_sides.run_round(FakeServer(name), name, "equal settings", 0, prompts, args, bench=True)  # type: ignore[arg-type]
+    for name, got in sent.items():
+        assert len(got) == 2 * (1 + 3 + 16 + 8) and len(set(got)) == len(got), name  # warm-ups + measurements
+    assert sent["servelab"] == sent["vllm"]
+    assert bench_seeds["servelab"] == bench_seeds["vllm"] and len(set(bench_seeds["vllm"])) == 4
+    workbench_seeds = {s for m in range(4) for s in serving_sides.measurement_seeds(m)[:2]}
+    assert not workbench_seeds & set(bench_seeds["vllm"])
+
+
 def test_serving_args_give_both_servers_the_same_settings() -> None:
     args = serving.parse_args(["--concurrency", "16", "--max-num-seqs", "8", "scheduler.foo=1"])
     assert args.overrides == ["scheduler.foo=1"] and args.concurrency == [16] and args.peer == "vllm"
