@@ -93,8 +93,13 @@ class Sampler:
         (engine/sample/row_weights.py). -> ([N] int64 on logits' device, the same as a list)."""
         params, gens, device = batch.params, batch.generators, logits.device
         n = len(params)
-        top_k_rows = [i for i, p in enumerate(params) if takes_top_k_path(p)]
-        vocab_rows = [i for i, p in enumerate(params) if not p.greedy and not takes_top_k_path(p)]
+        top_k_rows: list[int] = []
+        vocab_rows: list[int] = []
+        for i, p in enumerate(params):
+            if takes_top_k_path(p):
+                top_k_rows.append(i)
+            elif not p.greedy:
+                vocab_rows.append(i)
         if any(p.greedy for p in params):
             sampled = greedy(logits)
         else:
@@ -118,10 +123,11 @@ class Sampler:
         ids, flags = torch.stack([sampled, late]).tolist()  # the step's one device -> host sync
         if not any(flags):
             return sampled, ids
+        vocab_position = {row: j for j, row in enumerate(vocab_rows)}
         for i, flag in enumerate(flags):
             if flag == 1:  # a top-p row none of whose draws fell in the nucleus (rare)
                 assert weights is not None
-                ids[i] = weights.resolve_nucleus(vocab_rows.index(i), gens[i])
+                ids[i] = weights.resolve_nucleus(vocab_position[i], gens[i])
             elif flag == 2:  # ties at the k-th value reach past the candidates (rare)
                 ids[i] = self._sample_vocab(logits[i : i + 1], params[i], gens[i])
         return torch.tensor(ids, dtype=torch.int64, device=device), ids
