@@ -75,30 +75,49 @@ def llm() -> Iterator[Any]:
 
 
 def _top(report: dict[str, Any]) -> dict[str, Any]:
+    """The first contributor, which must carry 60% or more of what is beyond noise. (Its share of
+    the whole change is not asserted: on a loaded 2-core machine the change's point also carries
+    the components within noise, +6 ms/token in one CI run against the +8 ms injected.)"""
     print(format_explain(report))
     assert report["contributors"], "a change was injected: something must be beyond noise"
-    return report["contributors"][0]
+    top = report["contributors"][0]
+    beyond = sum(abs(e["contribution"]) for e in report["contributors"])
+    assert abs(top["contribution"]) >= 0.6 * beyond, report["contributors"]
+    return top
+
+
+def _injected_per_token(report: dict[str, Any], seconds_per_step: float) -> float:
+    """A delay added to every candidate step, in ms per output token."""
+    cand = report["composition"]["candidate"]
+    return 1e3 * seconds_per_step * cand["steps"] / cand["output_tokens"]
+
+
+def _assert_found(report: dict[str, Any], top: dict[str, Any], seconds_per_step: float) -> None:
+    """The named contribution is the injected delay: 0.6x to 1.6x of it (sleep and spin overshoot)."""
+    injected = _injected_per_token(report, seconds_per_step)
+    assert 0.6 * injected <= top["contribution"] <= 1.6 * injected, (top["contribution"], injected)
 
 
 def test_slower_sampler_is_named(llm: Any) -> None:
     base, cand = run_pairs(Side(llm), Side(llm, PhaseDelay("sample", 0.03, spin=True)), REQUESTS, REPEATS)
-    top = _top(explain(base, cand))
+    report = explain(base, cand)
+    top = _top(report)
     assert top["component"] == "sample"
-    assert top["share"] >= 0.6
+    _assert_found(report, top, 0.03)
 
 
 def test_prepare_sleep_is_named(llm: Any) -> None:
     base, cand = run_pairs(Side(llm), Side(llm, PhaseDelay("prepare_inputs", 0.03, spin=False)), REQUESTS, REPEATS)
-    top = _top(explain(base, cand))
+    report = explain(base, cand)
+    top = _top(report)
     assert top["component"] == "prepare"
-    assert top["share"] >= 0.6
+    _assert_found(report, top, 0.03)
 
 
 def test_mlp_matmul_is_named_with_its_op(llm: Any) -> None:
     base, cand = run_pairs(Side(llm), Side(llm, around=lambda: mlp_extra_matmul(llm)), REQUESTS, REPEATS)
     top = _top(explain(base, cand))
     assert top["component"] == "forward › mlp"
-    assert top["share"] >= 0.6
     # the kernel table has the extra matmul under the MLP: one more aten::mm per MLP call
     mm = [op for op in top["ops"] if op["op"] == "aten::mm"]
     assert mm and mm[0]["cand_calls_per_step"] > mm[0]["base_calls_per_step"]
@@ -117,7 +136,6 @@ def test_fewer_kv_blocks_is_composition(llm: Any) -> None:
     comp = report["composition"]
     assert comp["candidate"]["preemptions"] >= max(2 * comp["baseline"]["preemptions"], 1)
     assert top["component"] == "composition" and "preemptions" in top["name"]
-    assert top["share"] >= 0.6
 
 
 def test_identical_code_changes_nothing(llm: Any) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -22,10 +23,22 @@ from launcher_sweep import assert_same_sweep, basic_sweep, run_sweep
 RAY_VENV = Path(os.environ.get("RAY_VENV", Path.home() / ".cache" / "servelab-ray"))
 
 
+def _layered_on() -> str | None:
+    """The main venv's site-packages the side venv reads (scripts/ray_venv.sh writes it in a .pth)."""
+    for pth in RAY_VENV.glob("lib/python*/site-packages/zz_servelab_main_venv.pth"):
+        text = pth.read_text()
+        return text.split("addsitedir(", 1)[1].split(")", 1)[0].strip("'\"") if "addsitedir(" in text else None
+    return None
+
+
 def test_ray_sweep_equals_the_basic_launchers(tmp_path: Path) -> None:
     python = RAY_VENV / "bin" / "python"
     if not python.exists():
         pytest.skip(f"Ray's side venv {RAY_VENV} missing: `make ray-venv` makes it")
+    layered = _layered_on()
+    if layered != sysconfig.get_paths()["purelib"]:
+        pytest.skip(f"Ray's side venv {RAY_VENV} reads another checkout's venv ({layered}), not this one's: "
+                    "`make ray-venv` layers it on this one")
     home = tmp_path / "home"
     home.mkdir()
     # Ray's socket paths must stay under 107 bytes: a short folder, not pytest's deep tmp_path.
