@@ -7,6 +7,7 @@ import argparse
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -234,6 +235,30 @@ def test_baseline_tree_is_checked_out_once_per_commit(tmp_path):
     assert extension_dir_for(csrc_tree, repo, cache) is None
     # a baseline from before engine/csrc/ against a checkout with it: a folder of its own
     assert extension_dir_for(tree, repo, cache) == ext == cache / f"torch_extensions-{kernel_digest(tree)}"
+
+
+@needs_git
+def test_gates_started_together_share_one_tree(tmp_path):
+    """Two gates on one checkout (gate_power.py's one per core) materialise the same baseline at the
+    same moment: both get the tree, none fails in `git worktree add`."""
+    repo = _repo(tmp_path)
+    first = _commit(repo, "a.txt", "1")
+    _commit(repo, "a.txt", "2")
+    gun = tmp_path / "go"  # every process imports first, then all start at once
+    code = ("import sys, time; from pathlib import Path; from workloads.gate_trees import materialise\n"
+            f"Path(sys.argv[1]).touch()\nwhile not Path({str(gun)!r}).exists(): time.sleep(0.001)\n"
+            f"print(materialise(Path({str(repo)!r}), {first!r}))")  # fmt: skip
+    ready = [tmp_path / f"ready{i}" for i in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parents[1]) for r in ready]  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gun.touch()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    assert {out.strip() for out, _ in outs} == {str(tmp_path / "repo-gate-trees" / first[:12])}
+    assert (tmp_path / "repo-gate-trees" / first[:12] / "a.txt").read_text() == "1"
 
 
 def test_dependencies_compare_the_declared_sets(tmp_path):

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import shutil
 import subprocess
@@ -89,7 +90,16 @@ def trees_dir(repo: Path) -> Path:
 
 
 def materialise(repo: Path, commit: str) -> Path:
-    """A detached worktree of `commit` next to the checkout, created once and reused."""
+    """A detached worktree of `commit` next to the checkout, created once and reused. Gates started
+    together on one checkout (benchmarks/gate_power.py runs one per core) take turns under a file
+    lock: without it, both found no tree and the second `git worktree add` failed."""
+    trees_dir(repo).mkdir(parents=True, exist_ok=True)
+    with open(trees_dir(repo) / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _materialise(repo, commit)
+
+
+def _materialise(repo: Path, commit: str) -> Path:
     tree = trees_dir(repo) / commit[:12]
     if tree.is_dir():
         if (tree / ".git").exists() and _commit_of(tree, "HEAD") == commit:
