@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "configuration.md"
 # The modules whose dataclasses the reference documents; each of their fields needs a description.
-MODULES = ("engine.config", "conf.schema")
+MODULES = ("engine.config", "engine.config_features", "conf.schema")
 
 MARKER = re.compile(r"<!-- BEGIN GENERATED: (?P<spec>[^>]*?) -->\n(?P<body>.*?)<!-- END GENERATED -->", re.S)
 
