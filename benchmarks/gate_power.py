@@ -82,8 +82,9 @@ def main() -> int:
 
 
 def print_table(results: dict[float, list[dict]]) -> None:
-    print("\n| injected slowdown | gate runs | failed | rate | median CPU/token change | longest run |")
-    print("|---|---|---|---|---|---|")
+    print("\n| injected slowdown | gate runs | failed | rate | median CPU/token change | its range over runs "
+          "| pairs (generations), median | longest run |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for s, rows in sorted(results.items()):
         if not rows:
             continue
@@ -91,9 +92,11 @@ def print_table(results: dict[float, list[dict]]) -> None:
         changes = [r["cpu_change"] for r in rows if r["cpu_change"] is not None]
         label = "none (false alarms)" if s == 0 else f"{s:.0%}"
         median = f"{np.median(changes):+.1%}" if changes else "n/a"
-        print(
-            f"| {label} | {n} | {bad} | {bad / n:.0%} | {median} | {max(r['elapsed_s'] for r in rows):.0f} s |"
-        )
+        spread = f"{min(changes):+.1%} .. {max(changes):+.1%}" if changes else "n/a"
+        counts = [(r["pairs"], r["generations"]) for r in rows if "pairs" in r and "generations" in r]
+        pairs = f"{np.median([p for p, _ in counts]):.0f} ({np.median([g for _, g in counts]):.0f})" if counts else "n/a"
+        print(f"| {label} | {n} | {bad} | {bad / n:.0%} | {median} | {spread} | {pairs} "
+              f"| {max(r['elapsed_s'] for r in rows):.0f} s |")  # fmt: skip
 
 
 def summarize(paths: list[str]) -> int:

@@ -21,15 +21,16 @@ def _summarize(*paths: Path) -> subprocess.CompletedProcess:
 
 def test_rows_of_two_files_make_one_table(tmp_path: Path) -> None:
     core0, core1 = tmp_path / "core0.jsonl", tmp_path / "core1.jsonl"
-    _rows(core0, [{"slowdown": 0.0, "failed": False, "elapsed_s": 61.0, "cpu_change": -0.01},
+    _rows(core0, [{"slowdown": 0.0, "failed": False, "elapsed_s": 61.0, "cpu_change": -0.01, "pairs": 16, "generations": 8},
                   {"slowdown": 0.1, "failed": True, "elapsed_s": 70.0, "cpu_change": 0.11}])  # fmt: skip
-    _rows(core1, [{"slowdown": 0.0, "failed": True, "elapsed_s": 65.0, "cpu_change": 0.03},
+    _rows(core1, [{"slowdown": 0.0, "failed": True, "elapsed_s": 65.0, "cpu_change": 0.03, "pairs": 10, "generations": 5},
                   {"slowdown": 0.1, "failed": False, "elapsed_s": 90.0, "cpu_change": 0.07}])  # fmt: skip
     out = _summarize(core0, core1)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("| ")]
-    assert lines[1] == "| none (false alarms) | 2 | 1 | 50% | +1.0% | 65 s |"
-    assert lines[2] == "| 10% | 2 | 1 | 50% | +9.0% | 90 s |"
+    assert lines[1] == "| none (false alarms) | 2 | 1 | 50% | +1.0% | -1.0% .. +3.0% | 13 (6) | 65 s |"
+    # rows written before the pairs and generations were kept (benchmarks/gate_power_2026-12-02.jsonl)
+    assert lines[2] == "| 10% | 2 | 1 | 50% | +9.0% | +7.0% .. +11.0% | n/a | 90 s |"
 
 
 def test_a_bad_file_is_one_line_not_a_traceback(tmp_path: Path) -> None:
