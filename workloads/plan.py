@@ -106,15 +106,15 @@ class Workload:
     def specs(self, rate: float, vocab_size: int) -> tuple[list[RequestSpec], float]:
         """Specs at `rate` req/s and the time scale applied (1.0 for synthetic)."""
         if self.synthetic:
-            rng = np.random.default_rng(self.seed)
-            times = np.cumsum(rng.exponential(1.0 / rate, size=len(self.rows)))
-            rows = [
-                TraceRow(float(t), r.prompt_tokens, r.output_tokens)
-                for t, r in zip(times, self.rows, strict=True)
-            ]
-            return trace_token_specs(rows, vocab_size, seed=self.seed), 1.0
+            return trace_token_specs(self.synthetic_rows(rate), vocab_size, seed=self.seed), 1.0
         k = rate / self.natural_rate
         return trace_token_specs(scale_time(self.rows, k), vocab_size, seed=self.seed), k
+
+
+    def synthetic_rows(self, rate: float) -> list[TraceRow]:
+        """Synthetic: the rows with the Poisson arrivals at `rate` the planner simulates (its seed)."""
+        times = np.cumsum(np.random.default_rng(self.seed).exponential(1.0 / rate, size=len(self.rows)))
+        return [TraceRow(float(t), r.prompt_tokens, r.output_tokens) for t, r in zip(times, self.rows, strict=True)]
 
 
 def positive(values: list[Any] | None, name: str) -> list[Any]:
@@ -373,7 +373,8 @@ def plan(cfg: PlanConfig) -> dict[str, Any]:
         )
         print(f"replicas: {msg}")
     if p.verify:
-        out["verify"] = verify(cfg, rows, p.verify)
+        w = planner.workload
+        out["verify"] = verify(cfg, rows, p.verify, w.synthetic_rows if w is not None and w.synthetic else None)
         render_verify(out["verify"])
     if p.out is not None:
         write(Path(p.out), rows, out)

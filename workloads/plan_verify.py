@@ -4,9 +4,10 @@ The simulator screens every configuration and rate cheaply; a deployer should no
 ranking without a check. `verify(cfg, rows, K)` takes the K best rows (those meeting the SLOs
 first, by rate, goodput and throughput; then the rest by output throughput), runs each on
 `target.kind` (inprocess, server, openai, ...: any servelab-run target) with the pick's token
-budget and max_num_seqs and the same traffic recipe at the pick's rate (synthetic: Poisson
-arrivals at that rate with the plan's lengths and seed; trace: the same slice at the pick's
-time scale), one run folder each under `<plan.out>/verify/`, and reports for each pick the
+budget and max_num_seqs and the traffic the planner simulated at the pick's rate (synthetic: the
+very arrivals the simulator drew, written to `pickN_arrivals.jsonl` and replayed as a trace of
+token-id prompts, so both sides serve the same requests at the same times; trace: the same slice
+at the pick's time scale), one run folder each under `<plan.out>/verify/`, and reports for each pick the
 simulated and the measured mean / p99 TTFT and TPOT and output throughput with the relative
 error (simulated - measured) / measured, and the machine's 1-minute load average before and after
 each run with its core count: a measured latency on a shared host is the host's load as much
@@ -16,9 +17,10 @@ as the engine's (docs/capacity.md has a run where it was all of it).
 from __future__ import annotations
 
 import copy
+import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +42,9 @@ def picks(rows: Sequence[dict[str, Any]], k: int) -> list[dict[str, Any]]:
     return (ok + rest)[:k]  # fmt: skip
 
 
-def run_config(cfg: PlanConfig, row: dict[str, Any]) -> PlanConfig:
-    """The plan's config set to one pick: its budget, sequence limit and load."""
+def run_config(cfg: PlanConfig, row: dict[str, Any], arrivals: Path | None = None) -> PlanConfig:
+    """The plan's config set to one pick: its budget, sequence limit and load. `arrivals`: a
+    synthetic plan's simulated requests (`write_arrivals`), replayed as a trace."""
     run = copy.deepcopy(cfg)
     run.scheduler.max_num_batched_tokens = int(row["max_num_batched_tokens"])
     run.scheduler.max_num_seqs = int(row["max_num_seqs"])
@@ -49,10 +52,23 @@ def run_config(cfg: PlanConfig, row: dict[str, Any]) -> PlanConfig:
     if w.kind == "trace":
         w.trace.time_scale = float(row["time_scale"])
         w.trace.lengths = "clamp"  # as the planner fits them
+    elif arrivals is not None:
+        w.kind = "trace"
+        w.trace.path, w.trace.format, w.trace.time_scale = str(arrivals), "jsonl", 1.0
+        w.trace.start_s = w.trace.end_s = w.trace.max_requests = None
+        w.trace.lengths, w.trace.max_output_tokens = "clamp", None
     else:
         w.arrival.process, w.arrival.rate = "poisson", float(row["rate"])
     w.concurrency = None
     return run
+
+
+def write_arrivals(path: Path, rows: Sequence[Any]) -> Path:
+    """The simulated requests (TraceRow: timestamp_s, prompt_tokens, output_tokens) as a JSONL trace."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"timestamp_s": r.timestamp_s, "prompt_tokens": r.prompt_tokens,
+                                        "output_tokens": r.output_tokens}) + "\n" for r in rows))  # fmt: skip
+    return path
 
 
 def relative_error(simulated: float | None, measured: float | None) -> float | None:
@@ -62,8 +78,11 @@ def relative_error(simulated: float | None, measured: float | None) -> float | N
     return (simulated - measured) / measured
 
 
-def verify(cfg: PlanConfig, rows: Sequence[dict[str, Any]], k: int) -> list[dict[str, Any]]:
-    """Run the K best picks on `cfg.target`; one comparison dict per pick (see the module doc)."""
+def verify(
+    cfg: PlanConfig, rows: Sequence[dict[str, Any]], k: int, arrivals: Callable[[float], Sequence[Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Run the K best picks on `cfg.target`; one comparison dict per pick (see the module doc).
+    `arrivals(rate)`: a synthetic plan's simulated requests at that rate (None: a fresh Poisson draw)."""
     from workloads.experiment import run_experiment
 
     root = (
@@ -73,7 +92,8 @@ def verify(cfg: PlanConfig, rows: Sequence[dict[str, Any]], k: int) -> list[dict
     for i, row in enumerate(picks(rows, k)):
         run_dir = root / f"pick{i}"
         load_before = _load_average()
-        outcome = run_experiment(run_config(cfg, row), run_dir)
+        trace = write_arrivals(root / f"pick{i}_arrivals.jsonl", arrivals(float(row["rate"]))) if arrivals else None
+        outcome = run_experiment(run_config(cfg, row, trace), run_dir)
         load = {"before": load_before, "after": _load_average(), "cores": os.cpu_count()}
         measured = {m: outcome.summary.get(m) for m in COMPARED}
         simulated = {m: row.get(m) for m in COMPARED}
