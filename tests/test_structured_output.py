@@ -119,12 +119,16 @@ def test_a_grammar_in_error_gets_a_row_as_wide_as_the_others() -> None:
             req.num_computed_tokens = req.num_tokens
             requests[rid] = req
             manager.submit(req)
-        manager.wait_for_any(timeout=60)
+        # wait_for_any consumes the "a compile finished" signal: take what is ready after each
+        # wait (a second wait before take_ready sat out its whole timeout, 60 s)
+        ready: list = []
+        failed: list = []
         while manager.num_awaiting:
             manager.wait_for_any(timeout=60)
-            manager.take_ready()
-        ready, failed = manager.take_ready()
-        assert not failed
+            now_ready, now_failed = manager.take_ready()
+            ready += now_ready
+            failed += now_failed
+        assert not failed and sorted(r.request_id for r in ready) == ["ok", "stuck"]
         done = tok.encode("yes", add_special_tokens=False)
         manager.accept_tokens("stuck", done, finished=False)  # the choice is complete: only EOS remains
         manager._matchers["stuck"].consume_tokens(done[:1])  # one token past the end: an error state
