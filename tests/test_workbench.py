@@ -33,6 +33,9 @@ TINY = [
     "cache.num_blocks=64",  # these runs use a few blocks; the default 1 GiB takes ~1 s to fault in
 ]
 
+# a 1-layer dummy-weight model where a check counts tokens, rows or cache hits, not model output
+SMALL_MODEL = ["model.load_format=dummy", "model.num_layers_override=1"]
+
 
 def servelab_run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
@@ -75,6 +78,7 @@ def test_sweep_2x2_writes_sweep_csv(tmp_path: Path) -> None:
         "workload.shared_prefix.prefix_len=48", "workload.shared_prefix.num_groups=1",
         "workload.shared_prefix.fraction=1.0", "workload.output_len.value=4",
         "workload.arrival.rate=16", "run.time_reference=false", "cache.num_blocks=64",
+        *SMALL_MODEL,  # the sweep's rows, counts and hit rates do not depend on the weights
         "report.html=false",  # the jobs' pages; the sweep's own page is written regardless
         f"hydra.sweep.dir={sweep_dir}", timeout=600,
     )
@@ -112,7 +116,7 @@ def test_enforce_eager_sweep_records_compile_status(tmp_path: Path) -> None:
 
 
 def test_inprocess_and_server_targets_give_the_same_token_counts(tmp_path: Path) -> None:
-    workload = [*TINY, "workload.output_len.value=12", "workload.num_requests=5"]
+    workload = [*TINY, *SMALL_MODEL, "workload.output_len.value=12", "workload.num_requests=5"]
     a, b = tmp_path / "inprocess", tmp_path / "server"
     runs_side_by_side((a, [*workload, "target=inprocess"]), (b, [*workload, "target=server"]))
     ra = pd.read_csv(a / "requests.csv").set_index("request_id").sort_index()
