@@ -93,8 +93,9 @@ def materialise(repo: Path, commit: str) -> Path:
     """A detached worktree of `commit` next to the checkout, created once and reused. Gates started
     together on one checkout (benchmarks/gate_power.py runs one per core) take turns under a file
     lock: without it, both found no tree and the second `git worktree add` failed."""
-    trees_dir(repo).mkdir(parents=True, exist_ok=True)
-    with open(trees_dir(repo) / ".lock", "w") as lock:
+    folder = trees_dir(repo)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _materialise(repo, commit)
 
@@ -108,7 +109,6 @@ def _materialise(repo: Path, commit: str) -> Path:
             git(repo, "worktree", "remove", "--force", str(tree))
         except subprocess.CalledProcessError:  # not (or no longer) a worktree: a stale folder
             shutil.rmtree(tree, ignore_errors=True)
-    tree.parent.mkdir(parents=True, exist_ok=True)
     git(repo, "worktree", "prune")
     git(repo, "worktree", "add", "--detach", "--force", str(tree), commit)
     return tree

@@ -110,7 +110,6 @@ class Workload:
         k = rate / self.natural_rate
         return trace_token_specs(scale_time(self.rows, k), vocab_size, seed=self.seed), k
 
-
     def synthetic_rows(self, rate: float) -> list[TraceRow]:
         """Synthetic: the rows with the Poisson arrivals at `rate` the planner simulates (its seed)."""
         times = np.cumsum(np.random.default_rng(self.seed).exponential(1.0 / rate, size=len(self.rows)))

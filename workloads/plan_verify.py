@@ -17,7 +17,6 @@ as the engine's (docs/capacity.md has a run where it was all of it).
 from __future__ import annotations
 
 import copy
-import json
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -44,7 +43,7 @@ def picks(rows: Sequence[dict[str, Any]], k: int) -> list[dict[str, Any]]:
 
 def run_config(cfg: PlanConfig, row: dict[str, Any], arrivals: Path | None = None) -> PlanConfig:
     """The plan's config set to one pick: its budget, sequence limit and load. `arrivals`: a
-    synthetic plan's simulated requests (`write_arrivals`), replayed as a trace."""
+    synthetic plan's simulated requests (a JSONL trace), replayed as a trace."""
     run = copy.deepcopy(cfg)
     run.scheduler.max_num_batched_tokens = int(row["max_num_batched_tokens"])
     run.scheduler.max_num_seqs = int(row["max_num_seqs"])
@@ -63,14 +62,6 @@ def run_config(cfg: PlanConfig, row: dict[str, Any], arrivals: Path | None = Non
     return run
 
 
-def write_arrivals(path: Path, rows: Sequence[Any]) -> Path:
-    """The simulated requests (TraceRow: timestamp_s, prompt_tokens, output_tokens) as a JSONL trace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"timestamp_s": r.timestamp_s, "prompt_tokens": r.prompt_tokens,
-                                        "output_tokens": r.output_tokens}) + "\n" for r in rows))  # fmt: skip
-    return path
-
-
 def relative_error(simulated: float | None, measured: float | None) -> float | None:
     """(simulated - measured) / measured; None when either is missing or measured is 0."""
     if simulated is None or measured is None or measured == 0:
@@ -84,6 +75,7 @@ def verify(
     """Run the K best picks on `cfg.target`; one comparison dict per pick (see the module doc).
     `arrivals(rate)`: a synthetic plan's simulated requests at that rate (None: a fresh Poisson draw)."""
     from workloads.experiment import run_experiment
+    from workloads.trace_tools import write_jsonl
 
     root = (
         Path(cfg.plan.out) / "verify" if cfg.plan.out else Path(tempfile.mkdtemp(prefix="servelab-verify-"))
@@ -92,7 +84,11 @@ def verify(
     for i, row in enumerate(picks(rows, k)):
         run_dir = root / f"pick{i}"
         load_before = _load_average()
-        trace = write_arrivals(root / f"pick{i}_arrivals.jsonl", arrivals(float(row["rate"]))) if arrivals else None
+        trace = None
+        if arrivals is not None:
+            trace = root / f"pick{i}_arrivals.jsonl"
+            root.mkdir(parents=True, exist_ok=True)
+            write_jsonl(list(arrivals(float(row["rate"]))), trace)
         outcome = run_experiment(run_config(cfg, row, trace), run_dir)
         load = {"before": load_before, "after": _load_average(), "cores": os.cpu_count()}
         measured = {m: outcome.summary.get(m) for m in COMPARED}
