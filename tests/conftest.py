@@ -14,6 +14,28 @@ if not shutil.which("nvidia-smi"):
 # Two cores on CI: keep torch from oversubscribing when tests spawn helper processes.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (scripts/run_tests.sh), worker i of n runs on its own share of the CPUs,
+    and so does every process it starts (affinity is inherited): torch's default thread count
+    follows the affinity, so two workers do not each spread a thread pool over both cores of a
+    2-core machine (each pool's barriers then wait on threads the other worker has descheduled).
+    Nothing is pinned with more workers than CPUs, outside xdist, or with SERVELAB_TEST_PIN=0."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and count.isdigit()) or os.environ.get("SERVELAB_TEST_PIN") == "0":
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    cpus, n, i = sorted(os.sched_getaffinity(0)), int(count), int(worker[2:])
+    if n > len(cpus):
+        return
+    share = len(cpus) // n
+    os.sched_setaffinity(0, cpus[i * share : (i + 1) * share])
+
+
+_pin_xdist_worker()
+
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402

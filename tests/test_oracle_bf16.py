@@ -9,6 +9,8 @@ bf16 logits within a stated tolerance of the fp32 engine's on the same prompt.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from oracle_hf import hf_greedy_tokens
@@ -17,6 +19,7 @@ from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.llm import LLM
+from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.sampling_params import SamplingParams
 from tests.test_oracle import PROMPTS
@@ -67,10 +70,16 @@ def test_bf16_greedy_agrees_with_hf_bf16(llm_bf16, prompt_ids, hf_bf16_greedy):
     assert together >= MIN_AGREEMENT and chunked >= MIN_AGREEMENT
 
 
+@functools.cache
+def _reference_model(dtype: str) -> tuple[LlamaForCausalLM, TorchAttentionBackend]:
+    """The default model in `dtype`, loaded once per test process (a load dequantises every block)."""
+    backend = TorchAttentionBackend()
+    return load_model(ModelConfig(dtype=dtype), backend, "cpu"), backend
+
+
 @torch.inference_mode()
 def _prompt_logits(dtype: str, ids: list[int]) -> torch.Tensor:
-    backend = TorchAttentionBackend()
-    model = load_model(ModelConfig(dtype=dtype), backend, "cpu")
+    model, backend = _reference_model(dtype)
     a, bs = model.arch, 16
     nblk = -(-len(ids) // bs)
     caches = [torch.zeros(2, nblk, bs, a.num_kv_heads, a.head_dim, dtype=model.model.norm.weight.dtype)

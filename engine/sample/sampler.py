@@ -124,24 +124,30 @@ class Sampler:
         if not any(flags):
             return sampled, ids
         vocab_position = {row: j for j, row in enumerate(vocab_rows)}
+        tied = [i for i, flag in enumerate(flags) if flag == 2]
         for i, flag in enumerate(flags):
             if flag == 1:  # a top-p row none of whose draws fell in the nucleus (rare)
                 assert weights is not None
                 ids[i] = weights.resolve_nucleus(vocab_position[i], gens[i])
-            elif flag == 2:  # ties at the k-th value reach past the candidates (rare)
-                ids[i] = self._sample_vocab(logits[i : i + 1], params[i], gens[i])
+        if tied:  # ties at the k-th value reach past the candidates (rare): those rows in one pass
+            redrawn = self._sample_vocab(_rows(logits, tied), [params[i] for i in tied], [gens[i] for i in tied])
+            for i, token in zip(tied, redrawn, strict=True):
+                ids[i] = token
         return torch.tensor(ids, dtype=torch.int64, device=device), ids
 
     def _sample_vocab(
-        self, row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-    ) -> int:
-        """One row [1, V] sampled over its whole vocabulary. Its own buffers: the step's
-        full-vocabulary weights, in the shared workspace, may still have rows to resolve."""
-        weights = RowWeights(row, [params], Workspace())
-        sampled, unresolved = weights.draw([generator])
-        if unresolved is not None and bool(unresolved[0]):
-            return weights.resolve_nucleus(0, generator)
-        return int(sampled[0])
+        self, rows: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> list[int]:
+        """Rows [M, V] sampled over their whole vocabulary, all in one pass (each seeded row from
+        its own generator, as alone). Their own buffers: the step's full-vocabulary weights, in the
+        shared workspace, may still have rows to resolve."""
+        weights = RowWeights(rows, params, Workspace())
+        sampled, unresolved = weights.draw(generators)
+        ids = sampled.tolist()
+        if unresolved is not None:
+            for j in torch.nonzero(unresolved).flatten().tolist():
+                ids[j] = weights.resolve_nucleus(j, generators[j])
+        return ids
 
     @staticmethod
     def _logprobs(
