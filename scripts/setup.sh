@@ -17,10 +17,10 @@ WANT_TEST=0
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # pip_install ARGS...: pip install under the pins; pip prints its own error, this line says which step.
-# --no-compile: no byte-compiling of every installed module (half of the install's minute: torch alone ships
-# thousands); Python compiles what a run imports, once, on first import.
+# pip byte-compiles what it installs: where PYTHONDONTWRITEBYTECODE is set (these machines), a module without its
+# .pyc is compiled again by every process that imports it (phase 1 of make test took 772 s instead of 508 s).
 pip_install() {
-  if ! "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" "$@"; then
+  if ! "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "$@"; then
     echo "[setup] failed: pip install $* (pip's message above); set-up stopped" >&2
     exit 1
   fi

