@@ -70,10 +70,12 @@ def test_gate_workers_explain_a_slower_forward(tmp_path) -> None:
     slowed 3x by the gate worker's hook: the spin is Python inside forward, outside every op."""
     repo = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", "--shared", str(ROOT), str(repo)], check=True)
-    settings = GateSettings.load(None, warmup_runs=0, overrides=[
+    # a warm-up rep per worker: without it the first baseline rep paid the cold start (36 ms a token
+    # against 7), one of only two pairs, and the interval of the change took in zero
+    settings = GateSettings.load(None, warmup_runs=1, overrides=[
         "model.num_layers_override=1", "workload.num_requests=3", "workload.output_len.low=4",
         "workload.output_len.high=5"])  # fmt: skip
-    report = explain_refs(repo, "HEAD", None, settings, tmp_path / "out", repeats=2, candidate_slowdown=3.0,
+    report = explain_refs(repo, "HEAD", None, settings, tmp_path / "out", repeats=3, candidate_slowdown=3.0,
                           log=lambda _: None)  # fmt: skip
     assert report["contributors"][0]["component"] == "forward › host"
     assert report["contributors"][0]["share"] >= 0.6
