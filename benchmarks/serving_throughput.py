@@ -69,6 +69,7 @@ from side_by_side import (  # noqa: E402
     WEIGHTS_LABEL,
     Settings,
     abba_order,
+    format_cv,
     format_spread,
     ratio_spread,
     spread,
@@ -245,6 +246,7 @@ def report(res: dict) -> None:
         print(f"  {'server':<10}{'out tok/s':>22}{'TTFT p50 ms':>22}{'TPOT p50 ms':>22}{'ITL p50 ms':>22}")
         for server, fig in row["servers"].items():
             print(f"  {server:<10}" + "".join(f"{format_spread(fig[k]):>22}" for k in KEYS))
+            print(f"  {'':<10}" + "".join(f"{format_cv(fig[k]):>22}" for k in KEYS))
         if "ratio_servelab_over_peer" in row:
             r = row["ratio_servelab_over_peer"]
             print(f"  {'servelab/peer':<10}" + "".join(f"{format_spread(r[k], '.2f'):>22}" for k in KEYS))

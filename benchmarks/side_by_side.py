@@ -10,7 +10,7 @@ shape, alternate their order, and report the median and the range of at least th
   the GGUF dequantizes to, so servelab runs `model.quantized_decode=false` against it;
   llama.cpp reads the GGUF's own Q4_1 / Q8_0 blocks, so servelab keeps its block kernels);
 - `abba_order`: round r runs (A, B) when r is even and (B, A) when odd: A B | B A | A B ...;
-- `spread`: median, min and max of the repeats;
+- `spread`: median, min and max of the repeats, and their coefficient of variation;
 - `step_read_bytes`: the bytes a batch-1 decode step reads on each side (the floor's numerator):
   bfloat16 matmul weights, or the GGUF tensors of the same matrices as stored.
 """
@@ -83,11 +83,20 @@ def abba_order(rounds: int, a: str, b: str) -> list[list[str]]:
 
 
 def spread(values: Iterable[float | None]) -> dict[str, float | int | None]:
-    """Median, min, max and count of the repeats' values (None values are left out)."""
+    """Median, min, max and count of the repeats' values (None values are left out), and their
+    coefficient of variation `cv` (sample standard deviation / mean; None below 2 values or at a
+    zero mean): how far one round strays, the figure a bimodal pair of runs shows at once."""
     vals = [float(v) for v in values if v is not None]
     if not vals:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+        return {"median": None, "min": None, "max": None, "n": 0, "cv": None}
+    mean = statistics.fmean(vals)
+    cv = statistics.stdev(vals) / abs(mean) if len(vals) >= 2 and mean else None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals), "cv": cv}
+
+
+def format_cv(s: dict[str, Any]) -> str:
+    """'CV 2.1%' (the rounds' coefficient of variation), 'n/a' without two rounds."""
+    return "n/a" if s.get("cv") is None else f"CV {100 * s['cv']:.1f}%"
 
 
 def format_spread(s: dict[str, Any], fmt: str = ".1f") -> str:

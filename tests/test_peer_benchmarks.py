@@ -148,7 +148,9 @@ def test_servelab_runs_the_peers_weights(tmp_path: Path) -> None:
 
 def test_abba_order_and_spreads() -> None:
     assert sbs.abba_order(4, "a", "b") == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"]]
-    assert sbs.spread([3.0, 1.0, None, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert sbs.spread([3.0, 1.0, None, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3, "cv": 0.5}
+    assert sbs.spread([4.0])["cv"] is None and sbs.format_cv(sbs.spread([4.0])) == "n/a"
+    assert sbs.format_cv(sbs.spread([9.0, 11.0])) == f"CV {100 * 2**0.5 / 10:.1f}%"  # stdev sqrt(2) over mean 10
     assert sbs.format_spread(sbs.spread([3.0, 1.0, 2.0])) == "2.0 (1.0-3.0)"
     assert sbs.ratio_spread([2.0, 4.0], [1.0, 0.0])["median"] == 2.0  # a zero denominator is no ratio
 
@@ -187,7 +189,8 @@ def test_serving_report_gives_medians_ranges_ratios_and_floors(capsys: pytest.Ca
     results += [_m("vllm", r, 40.0, 30.0, 25.0, conc=1) for r in range(3)]
     res = serving.summarize_all(args, arch, machine, results)
     c16 = next(t for t in res["tables"] if t["concurrency"] == 16)
-    assert c16["servers"]["servelab"]["output_throughput"] == {"median": 210.0, "min": 200.0, "max": 220.0, "n": 3}
+    assert c16["servers"]["servelab"]["output_throughput"] == {"median": 210.0, "min": 200.0, "max": 220.0, "n": 3,
+                                                                "cv": pytest.approx(10 / 210)}
     assert c16["ratio_servelab_over_peer"]["output_throughput"]["median"] == pytest.approx(2.1)
     assert c16["ratio_servelab_over_peer"]["median_ttft_ms"]["min"] == pytest.approx(800 / 600)
     floor = res["step_read_floors"]["vllm"]
@@ -196,6 +199,7 @@ def test_serving_report_gives_medians_ranges_ratios_and_floors(capsys: pytest.Ca
     serving.report(res)
     out = capsys.readouterr().out
     assert "210.0 (200.0-220.0)" in out and "2.10 (2.00-2.20)" in out and "ABBA" in out
+    assert "CV 4.8%" in out  # the servelab rounds' throughput: stdev 10 over mean 210
     assert "torch.mm at batch 16" in out and "avx512_bf16" in out and "max_num_batched_tokens=512" in out
     assert "the read floor" in out and "bfloat16 matmul weights" in out
 
