@@ -13,7 +13,6 @@ vLLM's own prints go to stderr, so stdout carries only the protocol. An empty li
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
@@ -37,8 +36,7 @@ def main() -> None:
         sys.argv = ["vllm", "bench", "serve", *argv]
         t0 = time.perf_counter()
         try:
-            with contextlib.redirect_stdout(sys.stderr):
-                vllm_main()
+            vllm_main()
         except SystemExit as exc:  # argparse's way of refusing arguments
             if exc.code not in (0, None):
                 say({"ok": False, "error": f"vllm bench serve exited with {exc.code}"})

@@ -15,7 +15,6 @@ if not shutil.which("nvidia-smi"):
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-
 def _pin_xdist_worker() -> None:
     """Under pytest-xdist (scripts/run_tests.sh), worker i of n runs on its own share of the CPUs,
     and so does every process it starts (affinity is inherited): torch's default thread count
@@ -23,9 +22,9 @@ def _pin_xdist_worker() -> None:
     2-core machine (each pool's barriers then wait on threads the other worker has descheduled).
     Nothing is pinned with more workers than CPUs, outside xdist, or with SERVELAB_TEST_PIN=0."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    if not (worker.startswith("gw") and count.isdigit()) or os.environ.get("SERVELAB_TEST_PIN") == "0":
+    if not (worker.startswith("gw") and count.isdigit() and hasattr(os, "sched_setaffinity")):
         return
-    if not hasattr(os, "sched_setaffinity"):
+    if os.environ.get("SERVELAB_TEST_PIN") == "0":
         return
     cpus, n, i = sorted(os.sched_getaffinity(0)), int(count), int(worker[2:])
     if n > len(cpus):

@@ -9,13 +9,9 @@ import pytest
 import torch
 
 from engine.attention.cpu_paged_attention import paged_attention_op
-from engine.model import amx_linear
-from engine.model.batch_invariance import planned_step_weights
+from engine.model.batch_invariance import machine_lacks, planned_step_weights
 
-pytestmark = pytest.mark.skipif(
-    not amx_linear.available() or paged_attention_op() is None,
-    reason="needs AMX or AVX512-BF16 (amx_linear.available()) and the C++ paged-attention op",
-)
+pytestmark = pytest.mark.skipif(machine_lacks() is not None, reason=f"model.batch_invariant needs {machine_lacks()}")
 
 WORDS = ["the", "river", "city", "old", "machine", "music", "garden", "winter", "letter", "bright", "quiet", "north", "story", "mountain", "silver", "paper", "window", "friend", "market", "harbour"]
 PROMPTS = [f"Write about {WORDS[i]}" + " and".join(f" {w}" for w in WORDS[: (i * 7) % 13]) + "." for i in range(20)]

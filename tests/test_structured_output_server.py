@@ -23,20 +23,18 @@ import pytest
 from json_schemas import SCHEMAS, validate
 from server_utils import ServerProcess, start_server
 
-from engine.attention.cpu_paged_attention import paged_attention_op
-from engine.model import amx_linear
+from engine.model.batch_invariance import machine_lacks
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(400)]
 
 MODEL = "smollm2"
 MAX_TOKENS = 120
-# model.batch_invariant's kernels (engine/model/batch_invariance.py): bfloat16 on AMX or AVX512-BF16
-INVARIANT = amx_linear.available() and paged_attention_op() is not None
+LACKS = machine_lacks()  # what this machine lacks for model.batch_invariant's kernels (None: nothing)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    invariant = ["model.batch_invariant=true", "model.dtype=bfloat16"] if INVARIANT else []
+    invariant = ["model.batch_invariant=true", "model.dtype=bfloat16"] if LACKS is None else []
     proc = start_server(tmp_path_factory.mktemp("so_server"), "model.max_model_len=512", *invariant)
     yield proc
     assert proc.stop() == 0, proc.log()
@@ -88,9 +86,9 @@ def test_twenty_json_schemas_streaming_and_not(answers) -> None:  # type: ignore
 
 def test_streaming_and_not_give_the_same_text(answers) -> None:  # type: ignore[no-untyped-def]
     """Greedy, the same grammar, batch-invariant kernels: the same text, wherever each landed."""
-    if not INVARIANT:
-        pytest.skip("needs model.batch_invariant's kernels (AMX or AVX512-BF16 and the C++ paged-attention op): "
-                    "without them a row's greedy tokens depend on the rows that share its steps")
+    if LACKS is not None:
+        pytest.skip(f"model.batch_invariant needs {LACKS}: without it a row's greedy tokens depend on the rows "
+                    "that share its steps")
     differ = [a[0][0] for a, b in zip(answers[::2], answers[1::2], strict=True) if a[1][0] != b[1][0]]
     assert not differ, differ
 

@@ -42,10 +42,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def machine_lacks() -> str | None:
+    """What this machine lacks for `model.batch_invariant`'s CPU kernels (None: nothing): the C++
+    paged-attention op, and AMX or AVX512-BF16 for the decode kernels."""
+    from engine.attention.cpu_paged_attention import paged_attention_op
+
+    if paged_attention_op() is None:
+        return "the torch attention backend with its C++ paged-attention op"
+    if not amx_linear.available():
+        return "a CPU with AMX or AVX512-BF16 for the decode kernels (amx_linear.kind() is 'onednn' here)"
+    return None
+
+
 def require(config: ModelConfig, device: torch.device, dtype: torch.dtype, backend: AttentionBackend) -> None:
     """Before loading: ValueError naming the first thing `model.batch_invariant` needs that this
     configuration lacks; marks the attention backend batch-invariant otherwise."""
-    from engine.attention.cpu_paged_attention import paged_attention_op
     from engine.attention.torch_backend import TorchAttentionBackend
 
     why = None
@@ -55,10 +66,10 @@ def require(config: ModelConfig, device: torch.device, dtype: torch.dtype, backe
         why = "enforce_eager (the compiled forward runs inductor's kernels)"
     elif not config.prepack_weights:
         why = "prepack_weights (the decode kernels' packs)"
-    elif not isinstance(backend, TorchAttentionBackend) or paged_attention_op() is None:
+    elif not isinstance(backend, TorchAttentionBackend):
         why = "the torch attention backend with its C++ paged-attention op"
-    elif not amx_linear.available():
-        why = "a CPU with AMX or AVX512-BF16 for the decode kernels (amx_linear.kind() is 'onednn' here)"
+    else:
+        why = machine_lacks()
     if why is not None:
         raise ValueError(f"model.batch_invariant: needs {why}")
     assert isinstance(backend, TorchAttentionBackend)
