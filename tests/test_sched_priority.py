@@ -9,7 +9,7 @@ Steps are counted with the fake runner (sched_utils), never timed.
 
 from __future__ import annotations
 
-from sched_utils import make_request, make_scheduler, run_until_idle, step
+from sched_utils import fake_runner_output, make_request, make_scheduler, run_until_idle, step
 
 from engine.core.sched.scheduler import Scheduler
 
@@ -71,3 +71,30 @@ def test_fcfs_and_equal_priorities_never_displace() -> None:
         assert preempted == set(), policy
         assert ttft_steps > 30, (policy, ttft_steps)
         run_until_idle(sched)
+
+
+def test_no_displacement_of_a_request_whose_blocks_an_admission_of_the_same_step_hit() -> None:
+    """Found by the scheduler's state machine (test_scheduler_properties.py). A running request
+    whose share of this step fills a block registers it in the prefix cache at allocation; an
+    admission behind it in the same step hits that block (it reads the KV after the layer's
+    write). Displacing the first request then for a third of higher priority left the block
+    hashed and held with 9 of its 16 slots never written: the hit read garbage. Now the third
+    waits one step; the block is written and hashed before anyone is displaced."""
+    sched = make_scheduler(num_blocks=4, block_size=16, max_num_batched_tokens=10, max_num_seqs=2,
+                           enable_chunked_prefill=False, policy="priority")  # fmt: skip
+    prefix = list(range(1000, 1016))
+    sched.add_request(make_request("low", prompt=prefix, max_tokens=1, priority=1))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"low": 10}  # its first 10 of 16 (the prompt passes the budget)
+    sched.add_request(make_request("hit", prompt=[*prefix, 1200], max_tokens=1, priority=0))
+    sched.add_request(make_request("high", prompt=[1250], max_tokens=1, priority=0))
+    out = sched.schedule()
+    # "low" fills its block (6 tokens), "hit" takes it as a 16-token hit and computes its last token.
+    assert out.num_scheduled_tokens == {"low": 6, "hit": 1}
+    assert out.preempted_req_ids == set(), "the block's writer was displaced in the step that fills it"
+    block = sched.kv_cache_manager.req_to_blocks["low"][0]
+    assert block.block_hash is not None and block is sched.kv_cache_manager.req_to_blocks["hit"][0]
+    sched.update_from_output(out, fake_runner_output(sched, out))
+    assert set(run_until_idle(sched)) >= {"high"}, "the third request is served after the write"
+    sched.schedule()
+    sched.assert_idle()

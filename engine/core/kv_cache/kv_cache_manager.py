@@ -219,6 +219,15 @@ class KVCacheManager:
             return set()
         return {rid for rid, blocks in self.req_to_blocks.items() if any(b.block_id in unwritten for b in blocks)}
 
+    def shares_unwritten(self, request: Request) -> bool:
+        """True when another request holds one of the blocks `request` registered for the step
+        being scheduled (a hit taken on them by an admission behind it). Preempting `request`
+        now would leave that block's KV unwritten under the other's feet."""
+        if not self._registered:
+            return False
+        held = {b.block_id for b in self.req_to_blocks.get(request.request_id, ())}
+        return any(b.block_id in held and b.block_hash == h and b.ref_cnt > 1 for b, h in self._registered)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so its prefix is evicted last).
 

@@ -326,9 +326,11 @@ class Scheduler(StepResults):
 
     def _displace_for(self, request: Request, budget: TokenBudget, plan: StepPlan) -> bool:
         """Priority policy: preempt the running request `request` outranks (preemption.py);
-        False when there is none."""
+        False when there is none, or when an admission of this step took a prefix hit on blocks
+        the victim's share of this step fills (their KV would never be written): `request`
+        waits a step."""
         victim = displacement_victim(request, self.running, self.config.policy)
-        if victim is None:
+        if victim is None or self.kv_cache_manager.shares_unwritten(victim):
             return False
         budget.refund(plan.unschedule(victim))
         self._preempt(victim)
