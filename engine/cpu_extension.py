@@ -8,16 +8,23 @@ around them (each caller registers a fake implementation, see `register_fakes`).
 
 torch caches a build in ~/.cache/torch_extensions under the extension's name (scripts/setup.sh
 builds them once). The name carries a digest of the source with its headers, the compiler
-flags and this CPU's feature flags (the build is -march=native), so an edited kernel, another
-checkout's kernel (the paired gate builds two commits side by side) or a home folder shared
-with another CPU never loads a stale or foreign build. Where no C++ toolchain builds one, the
-result is False and the caller runs its torch-ops fallback (correct, only slower).
+flags, torch's version and this CPU's feature flags (the build is -march=native), so an edited
+kernel, another checkout's kernel (the paired gate builds two commits side by side), another
+torch or a home folder shared with another CPU never loads a stale or foreign build.
+
+A finished build is loaded as it is (`torch.ops.load_library`) by any venv: torch's own loader
+writes the venv's include paths into the build's ninja file, so a second venv (a fresh clone,
+the gate's baseline venv) rebuilt the same kernels for a minute, and the first one rebuilt them
+again after it. The `ready` stamp, written once a build loaded, says which torch built it.
+Where no C++ toolchain builds one, the result is False and the caller runs its torch-ops
+fallback (correct, only slower).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,10 +61,13 @@ def translation_unit(source: str) -> str:
 def extension_name(source: str, extra_cflags: tuple[str, ...] = (), unit: str | None = None) -> str:
     """`servelab_<stem>_<digest>`: the digest covers what the build depends on (module note);
     `unit`: `translation_unit(source)` where the caller has it already."""
+    import torch
+
     from engine.platform import cpu_flags
 
     digest = hashlib.sha256()
-    for part in (unit if unit is not None else translation_unit(source), " ".join((*_CFLAGS, *extra_cflags)), " ".join(sorted(cpu_flags()))):
+    flags = " ".join((*_CFLAGS, *extra_cflags))
+    for part in (unit if unit is not None else translation_unit(source), flags, torch.__version__, " ".join(sorted(cpu_flags()))):
         digest.update(part.encode())
         digest.update(b"\0")
     return f"servelab_{Path(source).stem}_{digest.hexdigest()[:12]}"
@@ -85,6 +95,39 @@ def _clear_stale_lock(name: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+READY_STAMP = "servelab-ready"
+
+
+def _load_prebuilt(name: str) -> bool:
+    """Load the finished build of `name` without torch's build step (module note); False when
+    there is none stamped ready by this torch, or it does not load (then it is built again)."""
+    import torch
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(name, verbose=False))
+    library = folder / f"{name}.so"
+    try:
+        if (folder / READY_STAMP).read_text() != torch.__version__ or not library.is_file():
+            return False
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as exc:
+        if not isinstance(exc, FileNotFoundError):
+            logger.warning("%s: the cached build did not load (%s); building it again", name, exc)
+        return False
+    return True
+
+
+def _stamp_ready(name: str) -> None:
+    import torch
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(name, verbose=False))
+    if (folder / f"{name}.so").is_file():
+        tmp = folder / f"{READY_STAMP}.{os.getpid()}"
+        tmp.write_text(torch.__version__)
+        tmp.replace(folder / READY_STAMP)  # atomic: a reader sees no stamp or a whole one
+
+
 def load_cpu_ops(
     source: str, what: str, register_fakes: Callable[[], None], extra_cflags: tuple[str, ...] = ()
 ) -> bool:
@@ -99,15 +142,17 @@ def load_cpu_ops(
 
             unit = translation_unit(source)
             name = extension_name(source, extra_cflags, unit)
-            _clear_stale_lock(name)
-            load_inline(  # the text, not the path: the build command is the same from any checkout
-                name=name,
-                cpp_sources=[unit],
-                extra_cflags=[*_CFLAGS, *extra_cflags],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
+            if not _load_prebuilt(name):
+                _clear_stale_lock(name)
+                load_inline(  # the text, not the path: the build command is the same from any checkout
+                    name=name,
+                    cpp_sources=[unit],
+                    extra_cflags=[*_CFLAGS, *extra_cflags],
+                    extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
+                    verbose=False,
+                )
+                _stamp_ready(name)
             register_fakes()
             _built[source] = True
         except Exception as exc:  # no compiler, no headers: the torch path is correct, just slower

@@ -8,6 +8,9 @@ atol 1e-2. The layers' torch-ops fallback is checked against the same references
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -263,7 +266,54 @@ def test_a_build_is_named_after_its_sources_flags_and_cpu(tmp_path, monkeypatch)
     edited = cpu_extension.extension_name("gemv.cpp")
     assert edited != names["gemv.cpp"]
     monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    assert cpu_extension.extension_name("gemv.cpp") != edited
+    other_cpu = cpu_extension.extension_name("gemv.cpp")
+    assert other_cpu != edited
+    monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
+    assert cpu_extension.extension_name("gemv.cpp") != other_cpu, "another torch must not load this build"
+
+
+def test_a_finished_build_loads_in_another_venv_without_building(tmp_path):
+    """A second venv (a fresh clone, the gate's baseline venv) loads the build as it is: torch's
+    own loader rebuilt it for a minute because the ninja file names the venv's include paths.
+    A build stamped by another torch, or one that does not load, is built again, never used."""
+    import shutil
+    import subprocess
+    import sys
+
+    from engine import cpu_extension
+    from engine.model import cpu_kernels
+
+    if not cpu_kernels.kernels():
+        pytest.skip("the C++ layer kernels do not build on this machine (no compiler?)")
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = cpu_extension.extension_name("layer_ops.cpp", ("-ffp-contract=off",))
+    built = Path(_get_build_directory(name, verbose=False))
+    assert (built / cpu_extension.READY_STAMP).read_text() == torch.__version__
+    copy = tmp_path / "ext"
+    shutil.copytree(built, copy / name, ignore=shutil.ignore_patterns("lock"))
+    probe = (
+        "import torch.utils.cpp_extension as ce\n"
+        "def no_build(*a, **k): raise RuntimeError('a build was started')\n"
+        "ce.load_inline = no_build\n"
+        "from engine.model import cpu_kernels\n"
+        "print('loaded' if cpu_kernels.kernels() else 'fallback')\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(copy)}
+
+    def run() -> str:
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip() + done.stderr
+
+    assert run() == "loaded"
+    (copy / name / cpu_extension.READY_STAMP).write_text("2.0.0")  # built by another torch
+    out = run()
+    assert out.startswith("fallback") and "a build was started" in out
+    (copy / name / cpu_extension.READY_STAMP).write_text(torch.__version__)
+    (copy / name / f"{name}.so").write_bytes(b"not a library")
+    out = run()
+    assert out.startswith("fallback") and "did not load" in out and "a build was started" in out
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
