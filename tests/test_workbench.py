@@ -162,7 +162,8 @@ def _gate(baseline: Path, run: Path, config: Path) -> subprocess.CompletedProces
 
 
 def test_gate_passes_a_rerun_and_fails_a_slowed_run(tmp_path: Path) -> None:
-    gate_overrides = ["experiment=ci_gate", "run.time_reference=true"]
+    # two layers of the real model: the verdicts, not the model, are under test (as in conf/gate/paired.yaml)
+    gate_overrides = ["experiment=ci_gate", "run.time_reference=true", "model.num_layers_override=2"]
     base = run_once(tmp_path / "base", *gate_overrides, report=False)
     rerun = run_once(tmp_path / "rerun", *gate_overrides, report=False)
     # A delay per step of twice the normal step time (at least 60 ms) makes every step ~3x
