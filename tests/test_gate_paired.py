@@ -426,3 +426,48 @@ def test_the_test_slowdown_reaches_the_candidate_and_a_zero_hook_the_baseline(mo
     monkeypatch.setattr(gate_cli, "run_paired_gate", fake_run)
     assert gate_main(["--against", "HEAD", "--candidate-slowdown", "0.1"]) in (0, 1)
     assert seen["slowdown"] == 0.1
+
+
+# ---- start-up probes pinned for both sides (issue 38, item 4) ---------------------------------
+class _EnvWorker(_FakeWorker):
+    envs: dict[str, dict[str, str]] = {}
+
+    def __init__(self, name, python, tree, env, cpus, log_dir, generation=0, args=None) -> None:
+        super().__init__(name, python, tree, env, cpus, log_dir, generation, args)
+        _EnvWorker.envs[name] = env
+
+
+@pytest.mark.parametrize("probe_says", [True, False])
+def test_the_float32_kernel_probe_runs_once_and_both_sides_get_its_outcome(monkeypatch, tmp_path, probe_says):
+    """oneDNN-vs-BLAS is decided by a timing probe at each process's start: two workers could run
+    different float32 kernels on identical code. The gate probes once and pins it for both."""
+    from engine.model import cpu_linear
+    from workloads import paired_gate
+
+    monkeypatch.delenv("SERVELAB_ONEDNN_FP32", raising=False)
+    calls = []
+    monkeypatch.setattr(cpu_linear, "onednn_float32_faster", lambda: calls.append(1) or probe_says)
+    notes: list[str] = []
+    monkeypatch.setattr(paired_gate, "Worker", _EnvWorker)
+    _fake_gate(monkeypatch, tmp_path, min_pairs=2, max_pairs=2, generations=1, discard_pairs=0)
+    monkeypatch.setattr(paired_gate, "Worker", _EnvWorker)  # _fake_gate set its own: set ours again
+    _EnvWorker.envs = {}
+    paired_gate.run_paired_gate(tmp_path, "HEAD", GateSettings.load(None, min_pairs=2, max_pairs=2, generations=1),
+                                log=notes.append, out_dir=tmp_path / "out2")  # fmt: skip
+    want = "1" if probe_says else "0"
+    assert {n: e.get("SERVELAB_ONEDNN_FP32") for n, e in _EnvWorker.envs.items()} == {
+        "baseline": want, "candidate": want}
+    assert any(f"pinned with SERVELAB_ONEDNN_FP32={want}" in n for n in notes), notes
+    assert len(calls) == 2  # once per gate run (two runs here), never per worker
+
+
+def test_a_pin_set_by_the_user_is_kept_and_dtype_auto_is_resolved_once(monkeypatch):
+    from engine import platform
+    from workloads import paired_gate
+
+    monkeypatch.setenv("SERVELAB_ONEDNN_FP32", "0")
+    env, note = paired_gate.pinned_probes()
+    assert env == {} and "SERVELAB_ONEDNN_FP32=0 from the environment" in note
+    monkeypatch.setattr(platform, "fastest_cpu_dtype", lambda: ("bfloat16", "GEMM probe: bfloat16 1.20x float32"))
+    assert paired_gate.pinned_dtype("auto", "cpu", "smollm2") == "bfloat16"
+    assert paired_gate.pinned_dtype("float32", "cpu", "smollm2") == "float32"

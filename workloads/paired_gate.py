@@ -144,6 +144,8 @@ def build_job(settings: GateSettings) -> dict[str, Any]:
     cfg = compose_typed(RunConfig, "run", [f"experiment={settings.experiment}", *settings.overrides])
     engine_config = cfg.engine_config()
     engine_config.device.num_threads = settings.threads
+    engine_config.model.dtype = pinned_dtype(engine_config.model.dtype, engine_config.device.device,
+                                             engine_config.model.model)  # fmt: skip
     specs, _ = build_workload(cfg.workload, get_tokenizer(engine_config.model), _max_model_len(engine_config))
     specs = [s for s in specs if not s.is_warmup]
     if any(s.prompt_token_ids is None for s in specs):
@@ -155,6 +157,31 @@ def build_job(settings: GateSettings) -> dict[str, Any]:
         "threads": settings.threads,
         "warmup_runs": settings.warmup_runs,
     }
+
+
+def pinned_dtype(dtype: str, device: str, model: str) -> str:
+    """`dtype` with "auto" resolved once, here: on a CPU with avx512_bf16 and no AMX, auto is decided
+    by a GEMM probe at each process's start (engine/platform.py), and machine noise may decide it
+    one way for one worker and the other way for the next. Both sides run the dtype it names."""
+    from engine.platform import resolve_engine_dtype
+
+    return resolve_engine_dtype(dtype, device, model)
+
+
+def pinned_probes() -> tuple[dict[str, str], str]:
+    """(environment, note): the start-up probes whose outcome depends on machine noise, decided
+    once in the gate's process and pinned for every worker of both sides, so that both run the
+    same kernels: the float32 linears' oneDNN-vs-BLAS probe (engine/model/cpu_linear.py), through
+    SERVELAB_ONEDNN_FP32 (kept as it is where the environment sets it already)."""
+    preset = os.environ.get("SERVELAB_ONEDNN_FP32")
+    if preset in ("0", "1"):
+        return {}, f"float32 linears: SERVELAB_ONEDNN_FP32={preset} from the environment, both sides"
+    from engine.model.cpu_linear import onednn_float32_faster
+
+    value = "1" if onednn_float32_faster() else "0"
+    kernel = "oneDNN prepacked" if value == "1" else "the plain BLAS"
+    return {"SERVELAB_ONEDNN_FP32": value}, (f"float32 linears: {kernel} on both sides (probed once here, "
+                                             f"pinned with SERVELAB_ONEDNN_FP32={value})")
 
 
 def worker_env(tree: Path, threads: int, extension_dir: Path | None, extra: Mapping[str, str]) -> dict[str, str]:
@@ -272,8 +299,10 @@ def gate_sides(repo: Path, against: str, settings: GateSettings, candidate_env: 
              "C++ kernels: " + (f"baseline built separately in {ext_dir}" if ext_dir else
                                 "same sources, shared build" if kernel_digest(tree) == kernel_digest(repo) else
                                 "changed; builds named by their sources, in the shared cache")]  # fmt: skip
-    sides = {"baseline": (python, tree, worker_env(tree, settings.threads, ext_dir, {})),
-             "candidate": (sys.executable, repo, worker_env(repo, settings.threads, None, candidate_env or {}))}
+    pins, pin_note = pinned_probes()
+    notes.append(pin_note)
+    sides = {"baseline": (python, tree, worker_env(tree, settings.threads, ext_dir, pins)),
+             "candidate": (sys.executable, repo, worker_env(repo, settings.threads, None, {**pins, **(candidate_env or {})}))}
     return commit, tree, sides, notes
 
 
