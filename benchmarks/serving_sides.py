@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import psutil
 from peers import ROOT, Peer, free_port, peer_paths
+from round_conditions import RoundConditions, RunnableSampler, busy_processes, startup_choices
 from side_by_side import LLAMACPP_SAMPLING_EXTRA, SAMPLING
 
 from workloads.driver import run_workload
@@ -210,6 +211,8 @@ class Measured:
     round: int
     figures: dict[str, Any] = field(default_factory=dict)
     read_bytes: float | None = None
+    # what the round ran on (round_conditions.py): start-up choices, busy processes, runnable threads
+    conditions: dict[str, Any] = field(default_factory=dict)
 
 
 def drive(server: Server, specs: list[RequestSpec], concurrency: int, sampling: str) -> dict[str, Any]:
@@ -274,7 +277,14 @@ def run_round(server: Server, side: str, config: str, rnd: int, prompts: Callabl
     print(f"[{side}] starting ({config}, round {rnd + 1})", flush=True)
     server.start()
     print(f"[{side}] ready after {server.start_s:.0f} s", flush=True)
-    read = DECODE_READ.search(server.log_path.read_text(errors="replace")) if side == "servelab" else None
+    log_text = server.log_path.read_text(errors="replace")
+    read = DECODE_READ.search(log_text) if side == "servelab" else None
+    group = server.proc.pid if server.proc is not None else None  # its process group: start_new_session
+    cond = RoundConditions(choices=startup_choices(log_text) if side == "servelab" else {},
+                           busy=busy_processes(group))
+    for p in cond.busy:
+        print(f"  [{side}] {'a server left running' if p['server'] else 'busy'}: pid {p['pid']} {p['name']} "
+              f"({p['cpu_share']:.0%} of a core)", flush=True)
     as_text = args.peer == "llamacpp"
     out: list[Measured] = []
     try:
@@ -282,9 +292,11 @@ def run_round(server: Server, side: str, config: str, rnd: int, prompts: Callabl
             warm_seed, seed, bench_seed = measurement_seeds(measurement)
             n = args.num_requests_c1 if c == 1 else args.num_requests
             drive(server, specs_for(prompts(warm_seed, c), args.output_len, f"warm{c}", as_text), c, sampling)
-            fig = drive(server, specs_for(prompts(seed, n), args.output_len, f"r{rnd}c{c}", as_text), c, sampling)
+            with RunnableSampler() as runnable:
+                fig = drive(server, specs_for(prompts(seed, n), args.output_len, f"r{rnd}c{c}", as_text), c, sampling)
             out.append(Measured(side, config, sampling, c, "workbench", rnd, fig,
-                                float(read.group(1)) * 1e6 if read else None))
+                                float(read.group(1)) * 1e6 if read else None,
+                                {**cond.as_dict(), "runnable_mean": runnable.mean}))
             print(f"  {sampling:<12} c={c:<3} workbench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
                   f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms", flush=True)
             if bench and side != "llamacpp":
@@ -295,7 +307,7 @@ def run_round(server: Server, side: str, config: str, rnd: int, prompts: Callabl
                     continue
                 fig = {k: res.get(k) for k in ("completed", "output_throughput", "median_ttft_ms",
                                                "median_tpot_ms", "median_itl_ms")}
-                out.append(Measured(side, config, sampling, c, "vllm bench serve", rnd, fig))
+                out.append(Measured(side, config, sampling, c, "vllm bench serve", rnd, fig, None, cond.as_dict()))
                 print(f"  {sampling:<12} c={c:<3} vllm bench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
                       f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms", flush=True)
     finally:

@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline_throughput import gemm_flops, gemm_shapes, matmul_params  # noqa: E402
 from peers import cpu_flags, cpu_model, ensure_peers, format_flags, memory_bandwidth, peer_paths, peer_ready  # noqa: E402
+from round_conditions import slow_rounds  # noqa: E402
 from serving_sides import (  # noqa: E402
     Measured,
     Server,
@@ -201,6 +202,9 @@ def summarize_all(args: argparse.Namespace, arch: Any, machine: dict, results: l
             ms = sorted(ms, key=lambda m: m.round)
             row["servers"][server] = {k: spread(m.figures.get(k) for m in ms) for k in KEYS}
             row["servers"][server]["rounds"] = [m.figures for m in ms]
+            row["servers"][server]["conditions"] = [m.conditions for m in ms]
+            row["servers"][server]["slow_rounds"] = slow_rounds([(m.round, m.figures, m.conditions) for m in ms],
+                                                                SLOW_FIGURES)
         names = list(by_server)
         if len(names) == 2:
             a, b = sorted(by_server["servelab"], key=lambda m: m.round), sorted(by_server[names[1]], key=lambda m: m.round)
@@ -227,6 +231,20 @@ def summarize_all(args: argparse.Namespace, arch: Any, machine: dict, results: l
     }
 
 
+# The figures a slow round is looked for on (higher is better?): round_conditions.slow_rounds.
+SLOW_FIGURES = {"output_throughput": True, "median_ttft_ms": False, "median_tpot_ms": False}
+FIGURE_LABEL = {"output_throughput": "out tok/s", "median_ttft_ms": "TTFT p50", "median_tpot_ms": "TPOT p50"}
+
+
+def format_slow_rounds(server: str, slow: list[dict[str, Any]]) -> list[str]:
+    """One line per slow round of `server`: which figures were off the median, and why."""
+    lines = []
+    for s in slow:
+        off = ", ".join(f"{FIGURE_LABEL.get(k, k)} {v:+.1%}" for k, v in s["off"].items())
+        lines.append(f"slow round: {server} round {s['round'] + 1} ({off} against the median): " + "; ".join(s["reasons"]))
+    return lines
+
+
 def report(res: dict) -> None:
     m, w = res["machine"], res["workload"]
     print()
@@ -250,6 +268,9 @@ def report(res: dict) -> None:
         if "ratio_servelab_over_peer" in row:
             r = row["ratio_servelab_over_peer"]
             print(f"  {'servelab/peer':<10}" + "".join(f"{format_spread(r[k], '.2f'):>22}" for k in KEYS))
+        for server, fig in row["servers"].items():
+            for line in format_slow_rounds(server, fig.get("slow_rounds", [])):
+                print("  " + line)
     floors = res["step_read_floors"]
     for row in res["tables"]:
         if row["concurrency"] != 1 or row["client"] != "workbench":

@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.core.core_client import EngineCoreClient, EngineDeadError
 from engine.core.engine_core import EngineCoreRequest
 from engine.hooks import StepHooks
+from engine.model.kernel_choices import format_choices
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutputs, RequestOutput, StepStats
 from engine.processor import InputProcessor, ProcessedRequest, child_request_ids, fan_out
@@ -97,6 +98,8 @@ class AsyncLLM:
             engine_config, multiprocess=multiprocess, ready_timeout_s=ready_timeout_s, hooks_factory=hooks_factory
         )
         assert client.ready is not None
+        if client.ready.choices:
+            logger.info(format_choices(client.ready.choices))
         max_len = client.ready.max_model_len
         return cls(client, tokenizer, InputProcessor(tokenizer, max_len), OutputProcessor(tokenizer), max_len)
 

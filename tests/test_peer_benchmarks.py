@@ -82,7 +82,7 @@ def test_no_server_is_sent_a_prompt_twice(monkeypatch: pytest.MonkeyPatch, tmp_p
     bench_seeds: dict[str, list[int]] = {}
 
     class FakeServer:
-        start_s, url = 0.0, "http://127.0.0.1:1"
+        start_s, url, proc = 0.0, "http://127.0.0.1:1", None
 
         def __init__(self, name: str) -> None:
             self.name, self.log_path = name, tmp_path / f"{name}.log"

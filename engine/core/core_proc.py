@@ -34,6 +34,7 @@ import zmq
 from engine.config import ConfigLimitError, EngineConfig
 from engine.core import messages as msg
 from engine.hooks import StepHooks
+from engine.model.kernel_choices import startup_choices
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from engine.request import RequestStatus
 
@@ -232,8 +233,15 @@ def announce_ready(proc: EngineCoreProc) -> None:
     info = msg.ReadyInfo(
         max_model_len=int(engine.max_model_len), num_blocks=int(engine.num_blocks), pid=os.getpid(),
         compile_time_s=float(getattr(getattr(engine, "executor", None), "compile_time", 0.0)),
+        choices=_choices(engine),
     )
     proc.send(msg.READY, info)
+
+
+def _choices(engine: Any) -> dict[str, str]:
+    """The engine's start-up kernel choices; {} for an engine without a config (test doubles)."""
+    config = getattr(engine, "config", None)
+    return startup_choices(config) if isinstance(config, EngineConfig) else {}
 
 
 def build_engine(

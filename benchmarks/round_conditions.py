@@ -1,0 +1,227 @@
+"""Why a round of a side-by-side benchmark was slow: what each round ran on, recorded beside its figures.
+
+A round whose figures fall away from the others' is either noise or a cause the run can name. Three
+causes were seen on the 2-core machines these comparisons run on, and each is recorded here:
+
+- **a start-up choice**: a server decides some kernels at start-up, some by a timing probe that
+  machine noise can tip (servelab's float32 linears, oneDNN or the BLAS; `dtype: auto` on a CPU with
+  avx512_bf16 and no AMX). `startup_choices` reads them from the server's log (the one line the
+  front end logs once its engine core is ready); a round whose choice differs from the other
+  rounds' says so, and how to pin it (`PINS`);
+- **other work on the machine**: `busy_processes` samples, after a server is up and before it is
+  measured, every process outside this benchmark and that server's process group, and keeps those
+  using a fifth of a core or more; a process that looks like a server (one left by an earlier
+  round or run) is named as such;
+- **oversubscription**: `RunnableSampler` counts the threads the kernel has runnable
+  (/proc/stat `procs_running`, 20 times a second) while a round is measured; more than the cores
+  on average means threads waited for a core.
+
+`slow_rounds` takes one server's rounds and names, for each round worse than the median of its
+rounds by more than `SLOW_FRACTION` on a figure, the conditions in which it differed from the
+other rounds, or says that none was recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from engine.model.kernel_choices import parse_choices
+
+SLOW_FRACTION = 0.05  # a figure this much worse than the median of the rounds makes a round slow
+BUSY_SHARE = 0.2  # of one core, averaged over the sample
+OVERSUBSCRIBED_MARGIN = 0.5  # mean runnable threads above the cores (and the other rounds) by this
+SERVER_MARKERS = ("servelab-serve", "engine.entrypoints", "vllm", "llama_cpp.server", "llama-server")
+
+# How to make each choice the same in every round.
+PINS = {
+    "dtype": "pin it with model.dtype=bfloat16|float32",
+    "float32_linear": "pin it with SERVELAB_ONEDNN_FP32=1 (prepacked) or 0 (plain)",
+    "bfloat16_linear": "pin it with SERVELAB_CPU_AMX=0 / SERVELAB_CPU_DPBF16=0 (oneDNN)",
+    "threads": "pin it with device.num_threads=N",
+}
+
+
+def startup_choices(log_text: str) -> dict[str, str]:
+    """The start-up kernel choices a servelab server's log names (the front end's `engine start-up
+    choices:` line, engine/model/kernel_choices.py): {"dtype": "bfloat16", "threads": "2", ...}.
+    The last such line wins; a peer's log names none ({})."""
+    found: dict[str, str] = {}
+    for line in log_text.splitlines():
+        choices = parse_choices(line)
+        if choices is not None:
+            found = choices
+    return found
+
+
+def choice_value(text: str) -> str:
+    """The choice without a detail in brackets ("prepacked (probe ...)" -> "prepacked"): what rounds compare."""
+    return text.split(" (", 1)[0]
+
+
+def _own_pids(server_pgid: int | None) -> set[int]:
+    me = psutil.Process()
+    pids = {me.pid}
+    with contextlib.suppress(psutil.Error):
+        pids |= {p.pid for p in me.children(recursive=True)}
+    if server_pgid is not None:
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(p.pid) == server_pgid:
+                    pids.add(p.pid)
+            except (OSError, psutil.Error):
+                continue
+    return pids
+
+
+def looks_like_server(cmdline: list[str]) -> bool:
+    text = " ".join(cmdline)
+    return any(marker in text for marker in SERVER_MARKERS)
+
+
+def busy_processes(server_pgid: int | None = None, window_s: float = 0.5,
+                   min_share: float = BUSY_SHARE) -> list[dict[str, Any]]:
+    """Processes outside this benchmark (this process, its children) and the server's process group
+    that used at least `min_share` of a core over `window_s`, or that look like a server (whatever
+    they used): [{"pid", "name", "cpu_share", "server"}], busiest first."""
+    ours = _own_pids(server_pgid)
+    procs = []
+    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+        if p.pid in ours:
+            continue
+        try:
+            p.cpu_percent(None)  # primes the counter
+            procs.append(p)
+        except psutil.Error:
+            continue
+    time.sleep(window_s)
+    out = []
+    for p in procs:
+        try:
+            share = p.cpu_percent(None) / 100.0
+            cmdline = p.info.get("cmdline") or []
+        except psutil.Error:
+            continue
+        server = looks_like_server(cmdline)
+        if share >= min_share or server:
+            out.append({"pid": p.pid, "name": p.info.get("name") or "?", "cpu_share": round(share, 2),
+                        "server": server, "cmd": " ".join(cmdline)[:120]})
+    return sorted(out, key=lambda d: -d["cpu_share"])
+
+
+class RunnableSampler:
+    """Mean runnable threads on the machine while the block runs (/proc/stat procs_running, this
+    sampler's own thread not counted); `mean` is None where /proc/stat is absent."""
+
+    def __init__(self, interval_s: float = 0.05, stat: Path = Path("/proc/stat")) -> None:
+        self.interval_s, self.stat = interval_s, stat
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="runnable-sampler", daemon=True)
+
+    def _read(self) -> int | None:
+        try:
+            for line in self.stat.read_text().splitlines():
+                if line.startswith("procs_running"):
+                    return max(0, int(line.split()[1]) - 1)
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            n = self._read()
+            if n is None:
+                return
+            self.samples.append(n)
+
+    def __enter__(self) -> RunnableSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> float | None:
+        return round(statistics.fmean(self.samples), 2) if self.samples else None
+
+
+@dataclass
+class RoundConditions:
+    """What one round of one server ran on (recorded beside its figures)."""
+
+    choices: dict[str, str] = field(default_factory=dict)
+    busy: list[dict[str, Any]] = field(default_factory=list)
+    runnable_mean: float | None = None
+    cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"choices": self.choices, "busy": self.busy, "runnable_mean": self.runnable_mean, "cores": self.cores}
+
+
+def _others(rounds: list[tuple[int, Any, dict[str, Any]]], rnd: int) -> list[dict[str, Any]]:
+    return [c for r, _, c in rounds if r != rnd]
+
+
+def reasons(cond: dict[str, Any], others: list[dict[str, Any]]) -> list[str]:
+    """What of `cond` (a round's conditions) differs from the `others` rounds', in words."""
+    out = []
+    for key, text in sorted(cond.get("choices", {}).items()):
+        theirs = Counter(choice_value(o["choices"][key]) for o in others if key in o.get("choices", {}))
+        if theirs and choice_value(text) not in theirs:
+            usual = theirs.most_common(1)[0][0]
+            out.append(f"start-up choice {key}: {text}, the other rounds {usual} ({PINS.get(key, 'pin it')})")
+    for p in cond.get("busy", []):
+        what = "a server left running" if p.get("server") else "busy outside the benchmark"
+        out.append(f"{what}: pid {p['pid']} {p['name']} ({p['cpu_share']:.0%} of a core) {p.get('cmd', '')}".rstrip())
+    mine, cores = cond.get("runnable_mean"), cond.get("cores") or 1
+    theirs_runnable = [o["runnable_mean"] for o in others if o.get("runnable_mean") is not None]
+    if mine is not None and mine > cores + OVERSUBSCRIBED_MARGIN:
+        usual_runnable = statistics.median(theirs_runnable) if theirs_runnable else None
+        if usual_runnable is None or mine > usual_runnable + OVERSUBSCRIBED_MARGIN:
+            tail = f" (the other rounds {usual_runnable:.1f})" if usual_runnable is not None else ""
+            out.append(f"oversubscribed: {mine:.1f} runnable threads on average on {cores} cores{tail}")
+    return out
+
+
+def slow_rounds(rounds: list[tuple[int, dict[str, Any], dict[str, Any]]],
+                figures: dict[str, bool]) -> list[dict[str, Any]]:
+    """`rounds`: (round, figures, conditions) of one server; `figures`: {name: higher_is_better}.
+    Each round worse than the median of the rounds by more than SLOW_FRACTION on any of `figures`:
+    {"round", "off": {figure: relative change}, "reasons": [...]} (reasons: "no recorded cause ..."
+    where its conditions were those of the other rounds). Needs 3 rounds or more."""
+    if len(rounds) < 3:
+        return []
+    out = []
+    for rnd, figs, cond in rounds:
+        off = {}
+        for name, higher_is_better in figures.items():
+            values = [f.get(name) for _, f, _ in rounds if f.get(name) is not None]
+            value = figs.get(name)
+            if value is None or len(values) < 3:
+                continue
+            median = statistics.median(values)
+            if not median:
+                continue
+            change = value / median - 1
+            if (change < -SLOW_FRACTION) if higher_is_better else (change > SLOW_FRACTION):
+                off[name] = round(change, 4)
+        if not off:
+            continue
+        why = reasons(cond, _others(rounds, rnd))
+        if not why:
+            why = ["no recorded cause (start-up choices, other processes and runnable threads as in the "
+                   "other rounds)"]
+        out.append({"round": rnd, "off": off, "reasons": why})
+    return out

@@ -1,0 +1,137 @@
+"""Why a round of a side-by-side benchmark was slow (issue 38, item 4): benchmarks/round_conditions.py.
+
+The causes seen on the 2-core machines (a start-up probe that picked another kernel, another
+process busy or a server left running, more runnable threads than cores) are recorded per round
+and named for the rounds whose figures fall more than 5% off the median of the rounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import round_conditions as rc  # noqa: E402
+import serving_throughput as serving  # noqa: E402
+
+
+def test_the_front_end_logs_the_cores_kernel_choices_and_the_benchmark_reads_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The core reports its start-up choices with READY; the front end logs them as one line (what
+    a server's log holds); round_conditions reads that line back."""
+    from engine.async_llm import AsyncLLM
+    from engine.config import EngineConfig
+    from engine.model.kernel_choices import format_choices, parse_choices
+
+    shape = tmp_path / "tiny.yaml"  # a tiny random-weight model (tests/test_limits.py's shape)
+    shape.write_text(yaml.safe_dump({"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                     "num_key_value_heads": 2, "intermediate_size": 48, "vocab_size": 64,
+                                     "max_position_embeddings": 256}))  # fmt: skip
+    cfg = EngineConfig.from_kwargs(str(shape), dtype="float32", num_blocks=16)
+    caplog.set_level(logging.INFO, logger="engine.async_llm")
+    llm = AsyncLLM.from_config(cfg, multiprocess=False, ready_timeout_s=120)
+    try:
+        assert llm.client.ready is not None
+        reported = llm.client.ready.choices
+    finally:
+        llm.shutdown()
+    assert reported["dtype"] == "float32" and int(reported["threads"]) >= 1
+    assert reported["float32_linear"] in ("blas", "onednn-prepacked", "onednn-prepacked+gemv")
+    line = next(r.getMessage() for r in caplog.records if "start-up choices" in r.getMessage())
+    assert line == format_choices(reported) and parse_choices(line) == reported
+    log = f"2026-12-05 20:32:38,294 INFO engine.async_llm: {line}\n2026-12-05 INFO servelab.serve: serving\n"
+    assert rc.startup_choices(log) == reported
+    assert rc.startup_choices("vLLM API server version 0.32.0\nINFO: Uvicorn running") == {}
+
+
+def _cond(choice: str = "prepacked", busy: list | None = None, runnable: float | None = 2.0) -> dict:
+    return rc.RoundConditions(choices={"float32_linear": f"{choice} (probe: oneDNN 1.30x the BLAS)",
+                                       "dtype": "float32 (pinned)"},
+                              busy=busy or [], runnable_mean=runnable, cores=2).as_dict()
+
+
+def test_slow_rounds_are_named_with_what_differed() -> None:
+    fig = {"output_throughput": 500.0, "median_ttft_ms": 260.0, "median_tpot_ms": 30.0}
+    busy = [{"pid": 4242, "name": "python", "cpu_share": 0.85, "server": False, "cmd": "python spin.py"}]
+    left = [{"pid": 77, "name": "servelab-serve", "cpu_share": 0.0, "server": True, "cmd": "servelab-serve --port 1"}]
+    rounds = [
+        (0, fig, _cond()),
+        (1, {**fig, "output_throughput": 440.0}, _cond(choice="plain")),  # -12%: another kernel
+        (2, {**fig, "median_ttft_ms": 300.0}, _cond(busy=busy)),  # TTFT +15%: a busy neighbour
+        (3, fig, _cond()),
+        (4, {**fig, "median_tpot_ms": 33.0}, _cond(runnable=3.6)),  # TPOT +10%: 3.6 runnable on 2 cores
+        (5, {**fig, "output_throughput": 470.0}, _cond()),  # -6%, nothing recorded
+        (6, {**fig, "output_throughput": 490.0}, _cond(busy=left)),  # -2%: not slow, not listed
+    ]
+    slow = {s["round"]: s for s in rc.slow_rounds(rounds, serving.SLOW_FIGURES)}
+    assert sorted(slow) == [1, 2, 4, 5]
+    assert slow[1]["off"] == {"output_throughput": pytest.approx(440 / 500 - 1)}
+    assert slow[1]["reasons"] == ["start-up choice float32_linear: plain (probe: oneDNN 1.30x the BLAS), the other "
+                                  "rounds prepacked (pin it with SERVELAB_ONEDNN_FP32=1 (prepacked) or 0 (plain))"]
+    assert slow[2]["reasons"] == ["busy outside the benchmark: pid 4242 python (85% of a core) python spin.py"]
+    assert slow[4]["reasons"] == ["oversubscribed: 3.6 runnable threads on average on 2 cores (the other rounds 2.0)"]
+    assert slow[5]["reasons"][0].startswith("no recorded cause")
+    lines = serving.format_slow_rounds("servelab", list(slow.values()))
+    assert lines[0].startswith("slow round: servelab round 2 (out tok/s -12.0% against the median): start-up choice")
+    assert "TTFT p50 +15.4%" in lines[1]
+    assert rc.slow_rounds(rounds[:2], serving.SLOW_FIGURES) == []  # fewer than 3 rounds: no median to be off
+
+
+def test_a_left_server_is_named_even_when_idle() -> None:
+    left = [{"pid": 77, "name": "python", "cpu_share": 0.0, "server": True, "cmd": "servelab-serve --port 1"}]
+    assert rc.reasons(_cond(busy=left), [_cond()]) == [
+        "a server left running: pid 77 python (0% of a core) servelab-serve --port 1"]
+    assert rc.reasons(_cond(runnable=2.4), [_cond()]) == []  # within half a thread of the cores: not counted
+
+
+def _detached(*args: str) -> int:
+    """A process that is not this one's child (its parent exits): how a neighbour or a left server
+    looks. Returns its pid."""
+    code = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:], start_new_session=True, "
+            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
+def test_busy_processes_finds_a_neighbour_and_a_left_server_but_not_its_own() -> None:
+    spin = _detached(sys.executable, "-c", "import time\nt = time.time() + 30\nwhile time.time() < t: pass")
+    idle = _detached(sys.executable, "-c", "import time; time.sleep(30)", "servelab-serve", "--port", "1")
+    own = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 30\nwhile time.time() < t: pass"])
+    try:
+        time.sleep(0.3)
+        found = {p["pid"]: p for p in rc.busy_processes(window_s=1.0)}
+        assert spin in found and found[spin]["cpu_share"] >= rc.BUSY_SHARE and not found[spin]["server"]
+        assert idle in found and found[idle]["server"]
+        assert own.pid not in found and os.getpid() not in found
+    finally:
+        own.kill()
+        for pid in (spin, idle):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_the_runnable_sampler_reads_proc_stat(tmp_path: Path) -> None:
+    fake = tmp_path / "stat"
+    fake.write_text("cpu  1 2 3\nprocs_running 4\nprocs_blocked 0\n")
+    with rc.RunnableSampler(interval_s=0.01, stat=fake) as s:
+        time.sleep(0.1)
+    assert s.samples and s.mean == 3.0  # the sampler's own thread is not counted
+    with rc.RunnableSampler(interval_s=0.01, stat=tmp_path / "missing") as s:
+        time.sleep(0.05)
+    assert s.mean is None
+    if Path("/proc/stat").exists():
+        with rc.RunnableSampler(interval_s=0.01) as s:
+            time.sleep(0.1)
+        assert s.mean is not None and s.mean >= 0
