@@ -40,7 +40,10 @@ from engine.model.kernel_choices import parse_choices
 SLOW_FRACTION = 0.05  # a figure this much worse than the median of the rounds makes a round slow
 BUSY_SHARE = 0.2  # of one core, averaged over the sample
 OVERSUBSCRIBED_MARGIN = 0.5  # mean runnable threads above the cores (and the other rounds) by this
-SERVER_MARKERS = ("servelab-serve", "engine.entrypoints", "vllm", "llama_cpp.server", "llama-server")
+# What a serving process's command line holds (a script, or the module run with -m): servelab's,
+# vLLM's OpenAI server, llama.cpp's (llama-cpp-python's module, or the C++ llama-server).
+SERVER_MARKERS = ("servelab-serve", "engine.entrypoints.serve", "vllm.entrypoints", "vllm serve",
+                  "llama_cpp.server", "llama-server")
 
 # How to make each choice the same in every round.
 PINS = {
@@ -69,10 +72,13 @@ def choice_value(text: str) -> str:
 
 
 def _own_pids(server_pgid: int | None) -> set[int]:
+    """This benchmark's processes: itself, what started it (a shell, `timeout`), its children, and
+    the server's process group."""
     me = psutil.Process()
     pids = {me.pid}
     with contextlib.suppress(psutil.Error):
         pids |= {p.pid for p in me.children(recursive=True)}
+        pids |= {p.pid for p in me.parents()}
     if server_pgid is not None:
         for p in psutil.process_iter(["pid"]):
             try:

@@ -114,7 +114,7 @@ def test_busy_processes_finds_a_neighbour_and_a_left_server_but_not_its_own() ->
         found = {p["pid"]: p for p in rc.busy_processes(window_s=1.0)}
         assert spin in found and found[spin]["cpu_share"] >= rc.BUSY_SHARE and not found[spin]["server"]
         assert idle in found and found[idle]["server"]
-        assert own.pid not in found and os.getpid() not in found
+        assert own.pid not in found and os.getpid() not in found and os.getppid() not in found  # ours, what started us
     finally:
         own.kill()
         for pid in (spin, idle):
@@ -135,3 +135,12 @@ def test_the_runnable_sampler_reads_proc_stat(tmp_path: Path) -> None:
         with rc.RunnableSampler(interval_s=0.01) as s:
             time.sleep(0.1)
         assert s.mean is not None and s.mean >= 0
+
+
+def test_what_looks_like_a_server() -> None:
+    for cmd in (["python", "-m", "engine.entrypoints.serve", "--port", "8000"], ["/usr/bin/servelab-serve"],
+                ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m"], ["vllm", "serve", "m"],
+                ["python", "-m", "llama_cpp.server", "--model", "m.gguf"], ["./llama-server", "-m", "m.gguf"]):
+        assert rc.looks_like_server(cmd), cmd
+    # the benchmark's own command (run under `timeout`) names its peer: not a server
+    assert not rc.looks_like_server(["timeout", "1500", "python", "benchmarks/serving_throughput.py", "--peer", "vllm"])
