@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -245,6 +246,18 @@ def format_slow_rounds(server: str, slow: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def format_runnable(servers: dict[str, dict[str, Any]]) -> str:
+    """Each server's median over the rounds of the mean runnable threads while it was measured
+    (round_conditions.RunnableSampler), against the cores: above the cores, threads waited."""
+    parts, cores = [], None
+    for server, fig in servers.items():
+        values = [c["runnable_mean"] for c in fig.get("conditions", []) if c.get("runnable_mean") is not None]
+        if values:
+            cores = cores or fig["conditions"][0].get("cores")
+            parts.append(f"{server} {statistics.median(values):.1f}")
+    return f"runnable threads while measured (median of the rounds' means, {cores} cores): " + ", ".join(parts) if parts else ""
+
+
 def report(res: dict) -> None:
     m, w = res["machine"], res["workload"]
     print()
@@ -268,6 +281,9 @@ def report(res: dict) -> None:
         if "ratio_servelab_over_peer" in row:
             r = row["ratio_servelab_over_peer"]
             print(f"  {'servelab/peer':<10}" + "".join(f"{format_spread(r[k], '.2f'):>22}" for k in KEYS))
+        runnable = format_runnable(row["servers"])
+        if runnable:
+            print("  " + runnable)
         for server, fig in row["servers"].items():
             for line in format_slow_rounds(server, fig.get("slow_rounds", [])):
                 print("  " + line)

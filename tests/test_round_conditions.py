@@ -144,3 +144,11 @@ def test_what_looks_like_a_server() -> None:
         assert rc.looks_like_server(cmd), cmd
     # the benchmark's own command (run under `timeout`) names its peer: not a server
     assert not rc.looks_like_server(["timeout", "1500", "python", "benchmarks/serving_throughput.py", "--peer", "vllm"])
+
+
+def test_the_report_gives_each_servers_runnable_threads() -> None:
+    servers = {"servelab": {"conditions": [_cond(runnable=2.2), _cond(runnable=2.3), _cond(runnable=2.1)]},
+               "vllm": {"conditions": [_cond(runnable=3.3), _cond(runnable=None), _cond(runnable=3.5)]}}
+    assert serving.format_runnable(servers) == ("runnable threads while measured (median of the rounds' means, "
+                                                "2 cores): servelab 2.2, vllm 3.4")
+    assert serving.format_runnable({"servelab": {"conditions": []}}) == ""
