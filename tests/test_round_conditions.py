@@ -152,3 +152,19 @@ def test_the_report_gives_each_servers_runnable_threads() -> None:
     assert serving.format_runnable(servers) == ("runnable threads while measured (median of the rounds' means, "
                                                 "2 cores): servelab 2.2, vllm 3.4")
     assert serving.format_runnable({"servelab": {"conditions": []}}) == ""
+
+
+def test_a_failure_to_name_the_choices_does_not_stop_the_engine(monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    from engine.config import EngineConfig
+    from engine.core import core_proc
+
+    def broken(config: EngineConfig) -> dict[str, str]:
+        raise RuntimeError("probe exploded")
+
+    monkeypatch.setattr(core_proc, "startup_choices", broken)
+    engine = type("E", (), {"config": EngineConfig()})()
+    with caplog.at_level(logging.WARNING, logger="engine.core.core_proc"):
+        assert core_proc._choices(engine) == {}
+    assert "probe exploded" in caplog.text
+    assert core_proc._choices(object()) == {}

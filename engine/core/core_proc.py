@@ -239,9 +239,16 @@ def announce_ready(proc: EngineCoreProc) -> None:
 
 
 def _choices(engine: Any) -> dict[str, str]:
-    """The engine's start-up kernel choices; {} for an engine without a config (test doubles)."""
+    """The engine's start-up kernel choices; {} for an engine without a config (test doubles), or
+    where naming them fails (logged): a report of the choices never stops an engine that runs."""
     config = getattr(engine, "config", None)
-    return startup_choices(config) if isinstance(config, EngineConfig) else {}
+    if not isinstance(config, EngineConfig):
+        return {}
+    try:
+        return startup_choices(config)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("engine start-up choices not reported: %s", exc)
+        return {}
 
 
 def build_engine(
