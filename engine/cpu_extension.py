@@ -15,7 +15,8 @@ torch or a home folder shared with another CPU never loads a stale or foreign bu
 A finished build is loaded as it is (`torch.ops.load_library`) by any venv: torch's own loader
 writes the venv's include paths into the build's ninja file, so a second venv (a fresh clone,
 the gate's baseline venv) rebuilt the same kernels for a minute, and the first one rebuilt them
-again after it. The `ready` stamp, written once a build loaded, says which torch built it.
+again after it. The `servelab-ready` stamp (READY_STAMP), written once a build loaded, names the
+torch that built it.
 Where no C++ toolchain builds one, the result is False and the caller runs its torch-ops
 fallback (correct, only slower).
 """
