@@ -71,22 +71,21 @@ def choice_value(text: str) -> str:
     return text.split(" (", 1)[0]
 
 
-def _own_pids(server_pgid: int | None) -> set[int]:
-    """This benchmark's processes: itself, what started it (a shell, `timeout`), its children, and
-    the server's process group."""
+def _own_pids() -> set[int]:
+    """This benchmark's processes: itself, what started it (a shell, `timeout`) and its children."""
     me = psutil.Process()
     pids = {me.pid}
     with contextlib.suppress(psutil.Error):
         pids |= {p.pid for p in me.children(recursive=True)}
         pids |= {p.pid for p in me.parents()}
-    if server_pgid is not None:
-        for p in psutil.process_iter(["pid"]):
-            try:
-                if os.getpgid(p.pid) == server_pgid:
-                    pids.add(p.pid)
-            except (OSError, psutil.Error):
-                continue
     return pids
+
+
+def _in_group(pid: int, pgid: int | None) -> bool:
+    try:
+        return pgid is not None and os.getpgid(pid) == pgid
+    except OSError:
+        return False
 
 
 def looks_like_server(cmdline: list[str]) -> bool:
@@ -99,10 +98,10 @@ def busy_processes(server_pgid: int | None = None, window_s: float = 0.5,
     """Processes outside this benchmark (this process, its children) and the server's process group
     that used at least `min_share` of a core over `window_s`, or that look like a server (whatever
     they used): [{"pid", "name", "cpu_share", "server"}], busiest first."""
-    ours = _own_pids(server_pgid)
+    ours = _own_pids()
     procs = []
     for p in psutil.process_iter(["pid", "name", "cmdline"]):
-        if p.pid in ours:
+        if p.pid in ours or _in_group(p.pid, server_pgid):
             continue
         try:
             p.cpu_percent(None)  # primes the counter

@@ -77,15 +77,20 @@ def extension_name(source: str, extra_cflags: tuple[str, ...] = (), unit: str | 
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock older than this was left by a killed one
 
 
-def _clear_stale_lock(name: str) -> None:
+def _build_folder(name: str) -> Path:
+    """torch's build folder for the extension `name` (made if missing)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def _clear_stale_lock(name: str, folder: Path | None = None) -> None:
     """torch's build lock waits forever for a lock file that a killed build left behind; a lock
     older than STALE_LOCK_S goes (with the half-built folder), so the next build starts clean."""
     import shutil
     import time
 
-    from torch.utils.cpp_extension import _get_build_directory
-
-    folder = Path(_get_build_directory(name, verbose=False))
+    folder = folder or _build_folder(name)
     lock = folder / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
@@ -99,13 +104,12 @@ def _clear_stale_lock(name: str) -> None:
 READY_STAMP = "servelab-ready"
 
 
-def _load_prebuilt(name: str) -> bool:
-    """Load the finished build of `name` without torch's build step (module note); False when
-    there is none stamped ready by this torch, or it does not load (then it is built again)."""
+def _load_prebuilt(name: str, folder: Path) -> bool:
+    """Load the finished build of `name` in `folder` without torch's build step (module note);
+    False when there is none stamped ready by this torch, or it does not load (then it is built
+    again)."""
     import torch
-    from torch.utils.cpp_extension import _get_build_directory
 
-    folder = Path(_get_build_directory(name, verbose=False))
     library = folder / f"{name}.so"
     try:
         if (folder / READY_STAMP).read_text() != torch.__version__ or not library.is_file():
@@ -118,11 +122,9 @@ def _load_prebuilt(name: str) -> bool:
     return True
 
 
-def _stamp_ready(name: str) -> None:
+def _stamp_ready(name: str, folder: Path) -> None:
     import torch
-    from torch.utils.cpp_extension import _get_build_directory
 
-    folder = Path(_get_build_directory(name, verbose=False))
     if (folder / f"{name}.so").is_file():
         tmp = folder / f"{READY_STAMP}.{os.getpid()}"
         tmp.write_text(torch.__version__)
@@ -143,8 +145,9 @@ def load_cpu_ops(
 
             unit = translation_unit(source)
             name = extension_name(source, extra_cflags, unit)
-            if not _load_prebuilt(name):
-                _clear_stale_lock(name)
+            folder = _build_folder(name)
+            if not _load_prebuilt(name, folder):
+                _clear_stale_lock(name, folder)
                 load_inline(  # the text, not the path: the build command is the same from any checkout
                     name=name,
                     cpp_sources=[unit],
@@ -153,7 +156,7 @@ def load_cpu_ops(
                     is_python_module=False,
                     verbose=False,
                 )
-                _stamp_ready(name)
+                _stamp_ready(name, folder)
             register_fakes()
             _built[source] = True
         except Exception as exc:  # no compiler, no headers: the torch path is correct, just slower

@@ -11,7 +11,8 @@ import torch
 from engine.attention.cpu_paged_attention import paged_attention_op
 from engine.model.batch_invariance import machine_lacks, planned_step_weights
 
-pytestmark = pytest.mark.skipif(machine_lacks() is not None, reason=f"model.batch_invariant needs {machine_lacks()}")
+LACKS = machine_lacks()
+pytestmark = pytest.mark.skipif(LACKS is not None, reason=f"model.batch_invariant needs {LACKS}")
 
 WORDS = ["the", "river", "city", "old", "machine", "music", "garden", "winter", "letter", "bright", "quiet", "north", "story", "mountain", "silver", "paper", "window", "friend", "market", "harbour"]
 PROMPTS = [f"Write about {WORDS[i]}" + " and".join(f" {w}" for w in WORDS[: (i * 7) % 13]) + "." for i in range(20)]

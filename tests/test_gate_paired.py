@@ -365,11 +365,11 @@ class _FakeWorker:
         pass
 
 
-def _fake_gate(monkeypatch, tmp_path: Path, **changes) -> tuple:
+def _fake_gate(monkeypatch, tmp_path: Path, worker: type | None = None, **changes) -> tuple:
     from workloads import paired_gate
 
     _FakeWorker.started = []
-    monkeypatch.setattr(paired_gate, "Worker", _FakeWorker)
+    monkeypatch.setattr(paired_gate, "Worker", worker or _FakeWorker)
     monkeypatch.setattr(paired_gate, "resolve_baseline", lambda repo, ref: "0" * 40)
     monkeypatch.setattr(paired_gate, "materialise", lambda repo, commit: tmp_path / "tree")
     monkeypatch.setattr(paired_gate, "python_for", lambda tree, repo, cache: ("python", "same"))
@@ -442,23 +442,19 @@ def test_the_float32_kernel_probe_runs_once_and_both_sides_get_its_outcome(monke
     """oneDNN-vs-BLAS is decided by a timing probe at each process's start: two workers could run
     different float32 kernels on identical code. The gate probes once and pins it for both."""
     from engine.model import cpu_linear
-    from workloads import paired_gate
 
     monkeypatch.delenv("SERVELAB_ONEDNN_FP32", raising=False)
     calls = []
     monkeypatch.setattr(cpu_linear, "onednn_float32_faster", lambda: calls.append(1) or probe_says)
-    notes: list[str] = []
-    monkeypatch.setattr(paired_gate, "Worker", _EnvWorker)
-    _fake_gate(monkeypatch, tmp_path, min_pairs=2, max_pairs=2, generations=1, discard_pairs=0)
-    monkeypatch.setattr(paired_gate, "Worker", _EnvWorker)  # _fake_gate set its own: set ours again
     _EnvWorker.envs = {}
-    paired_gate.run_paired_gate(tmp_path, "HEAD", GateSettings.load(None, min_pairs=2, max_pairs=2, generations=1),
-                                log=notes.append, out_dir=tmp_path / "out2")  # fmt: skip
+    _, started = _fake_gate(monkeypatch, tmp_path, worker=_EnvWorker, min_pairs=4, max_pairs=4, generations=2,
+                            discard_pairs=0)  # fmt: skip
     want = "1" if probe_says else "0"
     assert {n: e.get("SERVELAB_ONEDNN_FP32") for n, e in _EnvWorker.envs.items()} == {
         "baseline": want, "candidate": want}
-    assert any(f"pinned with SERVELAB_ONEDNN_FP32={want}" in n for n in notes), notes
-    assert len(calls) == 2  # once per gate run (two runs here), never per worker
+    saved = json.loads((tmp_path / "out" / "gate.json").read_text())
+    assert any(f"pinned with SERVELAB_ONEDNN_FP32={want}" in n for n in saved["notes"]), saved["notes"]
+    assert len(started) == 4 and len(calls) == 1  # once per gate run, never per worker (4 started here)
 
 
 def test_a_pin_set_by_the_user_is_kept_and_dtype_auto_is_resolved_once(monkeypatch):
@@ -469,5 +465,7 @@ def test_a_pin_set_by_the_user_is_kept_and_dtype_auto_is_resolved_once(monkeypat
     env, note = paired_gate.pinned_probes()
     assert env == {} and "SERVELAB_ONEDNN_FP32=0 from the environment" in note
     monkeypatch.setattr(platform, "fastest_cpu_dtype", lambda: ("bfloat16", "GEMM probe: bfloat16 1.20x float32"))
-    assert paired_gate.pinned_dtype("auto", "cpu", "smollm2") == "bfloat16"
-    assert paired_gate.pinned_dtype("float32", "cpu", "smollm2") == "float32"
+    auto = paired_gate.build_job(GateSettings.load(None, overrides=["model.dtype=auto", "workload.num_requests=2"]))
+    assert auto["engine"]["model"]["dtype"] == "bfloat16"  # resolved once, in the job both sides get
+    pinned = paired_gate.build_job(GateSettings.load(None, overrides=["workload.num_requests=2"]))
+    assert pinned["engine"]["model"]["dtype"] == "float32"  # the ci_gate experiment's own pin

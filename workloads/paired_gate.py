@@ -137,6 +137,7 @@ class GateResult:
 def build_job(settings: GateSettings) -> dict[str, Any]:
     """The requests (token ids) and engine sections both workers run, composed as servelab-run does."""
     from conf.schema import RunConfig, compose_typed
+    from engine.platform import resolve_engine_dtype
     from engine.tokenizer import get_tokenizer
     from workloads.experiment import _max_model_len
     from workloads.factory import build_workload
@@ -144,8 +145,11 @@ def build_job(settings: GateSettings) -> dict[str, Any]:
     cfg = compose_typed(RunConfig, "run", [f"experiment={settings.experiment}", *settings.overrides])
     engine_config = cfg.engine_config()
     engine_config.device.num_threads = settings.threads
-    engine_config.model.dtype = pinned_dtype(engine_config.model.dtype, engine_config.device.device,
-                                             engine_config.model.model)  # fmt: skip
+    # "auto" resolved once, here: on a CPU with avx512_bf16 and no AMX a GEMM probe decides it at each
+    # process's start (engine/platform.py), and noise could tip it one way in one worker, the other way
+    # in the next. Both sides run the dtype the job names.
+    engine_config.model.dtype = resolve_engine_dtype(engine_config.model.dtype, engine_config.device.device,
+                                                     engine_config.model.model)  # fmt: skip
     specs, _ = build_workload(cfg.workload, get_tokenizer(engine_config.model), _max_model_len(engine_config))
     specs = [s for s in specs if not s.is_warmup]
     if any(s.prompt_token_ids is None for s in specs):
@@ -157,15 +161,6 @@ def build_job(settings: GateSettings) -> dict[str, Any]:
         "threads": settings.threads,
         "warmup_runs": settings.warmup_runs,
     }
-
-
-def pinned_dtype(dtype: str, device: str, model: str) -> str:
-    """`dtype` with "auto" resolved once, here: on a CPU with avx512_bf16 and no AMX, auto is decided
-    by a GEMM probe at each process's start (engine/platform.py), and machine noise may decide it
-    one way for one worker and the other way for the next. Both sides run the dtype it names."""
-    from engine.platform import resolve_engine_dtype
-
-    return resolve_engine_dtype(dtype, device, model)
 
 
 def pinned_probes() -> tuple[dict[str, str], str]:

@@ -76,18 +76,11 @@ def write_results(
 
         summary["dtype"] = resolve_engine_dtype(cfg.model.dtype, cfg.device.device, cfg.model.model)
         on_cpu = cfg.target.kind in ENGINE_TARGETS and resolve_device(cfg.device.device, check=False).type == "cpu"
-        if summary["dtype"] == "float32" and on_cpu:
-            from engine.model.cpu_linear import float32_linear_kernel
-
-            # decided by a start-up probe: two runs that differ here ran different kernels
-            summary["float32_linear"] = float32_linear_kernel()
-        elif summary["dtype"] == "bfloat16" and on_cpu:
-            from engine.model import amx_linear
-
-            # decode-sized steps' linears: by the CPU flags (amx_bf16, avx512_bf16) and the environment
-            summary["bfloat16_linear"] = amx_linear.kind()
-        if on_cpu:  # which weights each step size multiplied (engine/model/batch_invariance.py)
+        if on_cpu:  # the linears' kernel, and which weights each step size multiplied
             from engine.model.batch_invariance import planned_step_weights
+            from engine.model.kernel_choices import cpu_linear_choice
+
+            summary.update(cpu_linear_choice(summary["dtype"]))
 
             summary["linear_weights"] = planned_step_weights(cfg.model, summary["dtype"])
             summary["batch_invariant"] = cfg.model.batch_invariant

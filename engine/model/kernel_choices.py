@@ -19,15 +19,23 @@ from engine.platform import resolve_device, resolve_engine_dtype
 LOG_PREFIX = "engine start-up choices: "
 
 
+def cpu_linear_choice(dtype: str) -> dict[str, str]:
+    """What runs a CPU engine's linears in `dtype`: {"float32_linear": ...} (decided by a start-up
+    probe: two processes that differ here ran different kernels), {"bfloat16_linear": ...} (the
+    decode-sized steps' linears, by the CPU flags and the environment), or {} for another dtype."""
+    if dtype == "float32":
+        return {"float32_linear": float32_linear_kernel()}
+    if dtype == "bfloat16":
+        return {"bfloat16_linear": amx_linear.kind()}
+    return {}
+
+
 def startup_choices(config: EngineConfig) -> dict[str, str]:
     """{"dtype", "threads", and on a CPU "float32_linear" or "bfloat16_linear"}: what this process runs."""
     dtype = resolve_engine_dtype(config.model.dtype, config.device.device, config.model.model)
     choices = {"dtype": dtype, "threads": str(torch.get_num_threads())}
     if resolve_device(config.device.device, check=False).type == "cpu":
-        if dtype == "float32":
-            choices["float32_linear"] = float32_linear_kernel()
-        elif dtype == "bfloat16":
-            choices["bfloat16_linear"] = amx_linear.kind()
+        choices |= cpu_linear_choice(dtype)
     return choices
 
 
