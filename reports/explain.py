@@ -51,6 +51,15 @@ def _ops_cell(entry: dict[str, Any]) -> str:
     )
 
 
+def _family(report: dict[str, Any]) -> str:
+    """The sentence on the contributors' simultaneous intervals (absent from reports before they were)."""
+    if "components" not in report:
+        return ""
+    return (f" The contributors' intervals are simultaneous over {report['components']} components (Bonferroni: "
+            f"{1 - report['alpha']:.0%} that all hold, {report['component_confidence']:.2%} each), so identical code "
+            f"names none at least {1 - report['alpha']:.0%} of the time.")
+
+
 def explain_section(report: dict[str, Any]) -> str:
     """The section's HTML (module docstring)."""
     ch = report["change"]
@@ -58,11 +67,12 @@ def explain_section(report: dict[str, Any]) -> str:
            f"<p>{report['baseline_ms_per_token']:.2f} → {report['candidate_ms_per_token']:.2f} ms per output token "
            f"({report['change_pct']:+.1f}%; change {ch['point']:+.3f} ms, 95% CI {ch['low']:+.3f} .. "
            f"{ch['high']:+.3f}; {report['repeats']} paired repeats, profiled). A contributor is beyond noise "
-           f"when its interval excludes zero and it is at least {report['min_effect']:.0%} of the baseline.</p>"]  # fmt: skip
+           f"when its interval excludes zero and it is at least {report['min_effect']:.0%} of the baseline.{_family(report)}"
+           "</p>"]  # fmt: skip
     if not report["contributors"]:
         out.append("<p><b>No component changed beyond noise.</b></p>")
     else:
-        out.append("<table><tr><th>contributor</th><th>share</th><th>ms / output token</th><th>95% CI</th>"
+        out.append("<table><tr><th>contributor</th><th>share</th><th>ms / output token</th><th>interval</th>"
                    "<th>operators that moved</th></tr>")  # fmt: skip
         for e in report["contributors"]:
             out.append(f"<tr><td>{escape(e['name'])}</td><td>{e['share']:.0%}</td><td>{e['contribution']:+.3f}</td>"
@@ -140,15 +150,18 @@ def reps_from_run(run_dir: Path) -> dict[str, Any]:
 
 def explain_runs(a: list[Path], b: list[Path]) -> dict[str, Any]:
     """servelab-compare --explain: one rep per run folder, run i of A paired with run i of B;
-    with one run a side, each run's profiled steps are split into two halves (within-run noise only)."""
+    with one run a side, each run's profiled steps are split into up to five consecutive segments,
+    segment k of A paired with segment k of B (within-run noise only: said in the report's notes)."""
     from workloads.explain import explain
 
     base, cand = [reps_from_run(p) for p in a], [reps_from_run(p) for p in b]
     notes = []
     n = min(len(base), len(cand))
     if n < 2:
-        base, cand = _halves(base[0]), _halves(cand[0])
-        notes.append("one run a side: its profiled steps split in two halves; the intervals hold within-run noise only")
+        k = max(min(SEGMENTS, len(base[0]["steps"]) // 2, len(cand[0]["steps"]) // 2), 2)
+        base, cand = _segments(base[0], k), _segments(cand[0], k)
+        notes.append(f"one run a side: its profiled steps split in {k} consecutive segments; the intervals hold "
+                     "within-run noise only")  # fmt: skip
     else:
         base, cand = base[:n], cand[:n]
     report = explain(base, cand, same_work=False)
@@ -156,9 +169,13 @@ def explain_runs(a: list[Path], b: list[Path]) -> dict[str, Any]:
     return report
 
 
-def _halves(rep: dict[str, Any]) -> list[dict[str, Any]]:
+SEGMENTS = 5  # a single run's pairs: the simultaneous intervals of 2 halves (t at 1 - 0.05/15, 1 df) hold anything
+
+
+def _segments(rep: dict[str, Any], k: int) -> list[dict[str, Any]]:
+    """`rep`'s steps in `k` consecutive parts of near-equal length, each a rep of its own."""
     steps = rep["steps"]
-    mid = max(len(steps) // 2, 1)
-    parts = [steps[:mid], steps[mid:]]
+    bounds = [round(i * len(steps) / k) for i in range(k + 1)]
+    parts = [steps[lo:hi] for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
     return [{"wall_s": sum(s[p] for s in part for p in ("schedule", "prepare", "forward", "sample", "update", "other")),
              "output_tokens": sum(s["requests"] for s in part), "steps": part} for part in parts]  # fmt: skip

@@ -75,7 +75,7 @@ def test_gate_workers_explain_a_slower_forward(tmp_path) -> None:
     settings = GateSettings.load(None, warmup_runs=1, overrides=[
         "model.num_layers_override=1", "workload.num_requests=3", "workload.output_len.low=4",
         "workload.output_len.high=5"])  # fmt: skip
-    report = explain_refs(repo, "HEAD", None, settings, tmp_path / "out", repeats=3, candidate_slowdown=3.0,
+    report = explain_refs(repo, "HEAD", None, settings, tmp_path / "out", repeats=5, candidate_slowdown=3.0,
                           log=lambda _: None)  # fmt: skip
     assert report["contributors"][0]["component"] == "forward › host"
     assert report["contributors"][0]["share"] >= 0.6

@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("base", help="the baseline commit (any git ref)")
     parser.add_argument("cand", nargs="?", help="the candidate commit (default: the checkout, uncommitted work too)")
     parser.add_argument("--repo", default=".", help="the checkout (default: the working directory)")
-    parser.add_argument("--repeats", type=int, default=4, help="profiled pairs (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="profiled pairs; the contributors' intervals are simultaneous, so 3 pairs name only "
+                        "large changes (default: %(default)s)")
     parser.add_argument("--config", help="paired gate config (default: conf/gate/paired.yaml)")
     parser.add_argument("--out", help="folder for explain.json / explain.html (default: a temporary one)")
     parser.add_argument("--candidate-slowdown", type=float, default=0.0, help="TEST ONLY: as servelab-gate's")

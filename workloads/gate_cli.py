@@ -44,7 +44,7 @@ def add_paired_arguments(parser: argparse.ArgumentParser) -> None:
         "the gate's power (benchmarks/gate_power.py)",
     )
     group.add_argument(
-        "--explain-repeats", type=int, default=3, metavar="N",
+        "--explain-repeats", type=int, default=5, metavar="N",
         help="on FAIL, N profiled pairs decompose the change (servelab-explain; explain.html and explain.json "
         "beside gate.json); 0: none (default: %(default)s)",
     )
