@@ -5,8 +5,9 @@ a small activation block. oneDNN's prepacked kernel (engine/model/cpu_linear.py)
 shapes at about half the machine's read bandwidth; this kernel lays each weight out as the
 tile unit reads it (32 output columns x 32 inputs per 2 KiB, in the order it is read) and
 runs 2 x 2 tiles of 16 x 16 results per step over the reduction, 12-30% faster per step at
-SmolLM2's shapes, batch 64 (benchmarks/cpu_decode_step.py --linears). For prefill-sized
-batches oneDNN's kernels are faster and stay in use (`DECODE_MAX_ROWS`).
+SmolLM2's shapes, batch 64 (benchmarks/cpu_decode_step.py --linears). On AMX they also beat
+oneDNN's prepacked kernels at prefill sizes up to 1,024 rows (`AMX_MAX_ROWS`; a 512-token step
+99 -> 85 ms); on AVX512-BF16 oneDNN takes over past `DECODE_MAX_ROWS`; `max_rows()` says which.
 
 On a CPU with AVX512-BF16 and no AMX (AMD Zen 4 / Zen 5) the same layout feeds `vdpbf16ps`:
 each 64-byte line of a block holds one pair of inputs for 16 output columns, so a step loads the
@@ -60,8 +61,17 @@ import torch
 
 from engine.cpu_extension import load_cpu_ops
 
-# Up to this many rows a step's linears run here; above, oneDNN's prepacked kernels are faster.
+# Up to this many rows a step's linears run here on AVX512-BF16; above, oneDNN's prepacked kernels
+# are faster.
 DECODE_MAX_ROWS = 128
+# The same on AMX tiles, where these kernels beat oneDNN's prepacked ones well past decode sizes:
+# SmolLM2's 30 layers on 2 Sapphire Rapids cores, a whole prefill step (4-8 prompts of 128
+# tokens, bfloat16, median of 8): 512 rows 99 -> 85 ms, 768 rows 145 -> 121 ms, 1,024 rows
+# 183 -> 162 ms; past that each 32-row block re-reads weights that no longer share the cache
+# with the activations and oneDNN wins (1,536 rows 205 against 275 ms, 2,048 rows 293 against
+# 418 ms). Per matrix at 512 rows: o 0.25 -> 0.19 ms, down 0.71 -> 0.44 ms, gate_up with
+# silu * up 1.69 -> 1.10 ms, qkv about even (docs/benchmarks-log.md, 2026-12-05).
+AMX_MAX_ROWS = 1024
 # Up to how many rows a quant_pack weight is read rather than the bfloat16 one, by its block kind:
 # past that vdpbf16ps's throughput, not the stream, sets the pace and the bfloat16 kernels win,
 # and a Q8_0 byte takes two vdpbf16ps words where bfloat16 takes one. benchmarks/quant_linears.py
@@ -132,6 +142,13 @@ def kind() -> str:
     if not available():
         return "onednn"
     return "amx" if "amx_bf16" in cpu_flags() else "avx512_bf16"
+
+
+def max_rows() -> int:
+    """Up to how many rows a step's linears run on these kernels (module constants): 1,024 on
+    AMX tiles, 128 on AVX512-BF16 (0 where neither runs)."""
+    k = kind()
+    return {"amx": AMX_MAX_ROWS, "avx512_bf16": DECODE_MAX_ROWS}.get(k, 0)
 
 
 def pack(weight: torch.Tensor, interleave: int = 0) -> torch.Tensor:

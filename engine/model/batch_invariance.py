@@ -4,7 +4,7 @@ which weights each step size multiplies (`step_weights`, in the start-up log).
 Why it is a switch. On a CPU with AVX512-BF16 and a GGUF checkpoint the engine picks kernels by
 how many rows a step has: up to `amx_linear.QUANT_MAX_ROWS` rows (6 for Q4_1, 2 for Q8_0) the
 linears multiply the checkpoint's own blocks, past that the loader's bfloat16 rounding of them
-(the decode kernels up to `DECODE_MAX_ROWS`, then oneDNN's, whose sums run in an order of its
+(the decode kernels up to `amx_linear.max_rows()`, then oneDNN's, whose sums run in an order of its
 own choosing per shape); attention takes prefill paths for a prompt's rows (16-row query
 blocks) and a decode path for one-row queries, and splits its work by the step's row count. So
 a greedy request's tokens changed with the load beside it: 12 of 20 prompts came out different

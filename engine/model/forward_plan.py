@@ -4,7 +4,7 @@ prepacked, as a flat list of op calls.
 Same ops in the same order as the modules' forward (so the same numbers, bit for bit), without
 ~10 module calls and per-op eligibility checks per layer: at a decode step of SmolLM2 (30
 layers, ~45 ms) that Python costs a few milliseconds. Per step it picks the linears' kernels by
-row count: the AMX / AVX512-BF16 decode kernels up to `amx_linear.DECODE_MAX_ROWS` rows (each
+row count: the AMX / AVX512-BF16 kernels up to `amx_linear.max_rows()` rows (each
 call naming the next one's weight, so its threads prefetch it), the GEMV for a few float32 rows,
 else oneDNN's prepacked kernels at padded row counts (`cpu_linear.padded_rows`). A
 batch-invariant plan (`model.batch_invariant`) runs the decode kernels' bfloat16 packs at every
@@ -42,7 +42,7 @@ QuantPacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 @dataclass(frozen=True, slots=True)
 class AmxPacks:
     """A dense layer's matrices in the AMX kernels' layout (engine/model/amx_linear.py), for
-    steps of at most `amx_linear.DECODE_MAX_ROWS` rows; gate_up packed for the fused silu * up.
+    steps of at most `amx_linear.max_rows()` rows; gate_up packed for the fused silu * up.
     `quant`: the same four from the checkpoint's own blocks (amx_linear.quant_pack), for steps
     of at most `amx_linear.quant_max_rows` of each rows, where every one of them reproduces its weight."""
 
@@ -200,8 +200,8 @@ def planned_forward(
     """The layers and the final norm on the embedded tokens x [T, H] -> [T, H]."""
     ops, eps = plan.ops, plan.eps
     t = x.shape[0]
-    # decode-sized steps (every step, batch-invariant): AMX kernels
-    amx = plan.amx_ops if t <= amx_linear.DECODE_MAX_ROWS or plan.batch_invariant else None
+    # up to max_rows() (every step, batch-invariant): AMX / AVX512-BF16 kernels
+    amx = plan.amx_ops if t <= amx_linear.max_rows() or plan.batch_invariant else None
     quant = amx is not None and t <= plan.quant_max_rows  # a few rows: the checkpoint's blocks
     gemv = plan.gemv_ops is not None and t <= cpu_gemv.max_rows(plan.dtype)  # a few rows: packed_linear's GEMV
     rows = t if amx is not None or gemv else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
@@ -254,7 +254,7 @@ def warm_up_linears(plan: ForwardPlan, max_rows: int) -> float:
     lp = plan.layers[0]  # every layer has the same shapes
     hidden = plan.sizes[1]
     q_size = lp.attn.q_size
-    low = amx_linear.DECODE_MAX_ROWS + 1 if plan.amx_ops is not None else 1
+    low = amx_linear.max_rows() + 1 if plan.amx_ops is not None else 1
     if plan.batch_invariant:  # no step runs oneDNN's linears
         return 0.0
     for rows in sorted({padded_rows(r) for r in range(low, max(max_rows, low) + 1)}):
