@@ -223,3 +223,43 @@ def test_offline_summary_takes_vllm_best_per_round(capsys: pytest.CaptureFixture
     offline.report(res)
     out = capsys.readouterr().out
     assert "servelab / vLLM-best: 0.50x" in out and "avx512_bf16" in out
+
+
+def test_c1_inprocess_figures_and_floors(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/c1_inprocess.py: TPOT over the tokens after the first, per-round medians, the
+    same-round ratio and the floor multiple from the bytes each side reads."""
+    import c1_inprocess as c1
+
+    assert c1.tpot_s([0.5]) is None and c1.tpot_s([0.1, 0.2, 0.4]) == pytest.approx(0.15)
+    fig = c1.round_figures({"requests": [{"ttft_s": 0.05, "token_times": [0.05, 0.06, 0.07]},
+                                         {"ttft_s": 0.07, "token_times": [0.07, 0.09, 0.11]}]})  # fmt: skip
+    assert fig["tpot_ms"] == pytest.approx(15.0) and fig["ttft_ms"] == pytest.approx(60.0)
+    rounds = [{"round": 0, "side": "servelab", "tpot_ms": 8.0, "ttft_ms": 40.0},
+              {"round": 0, "side": "llamacpp", "tpot_ms": 10.0, "ttft_ms": 50.0},
+              {"round": 1, "side": "llamacpp", "tpot_ms": 12.0, "ttft_ms": 60.0},
+              {"round": 1, "side": "servelab", "tpot_ms": 9.0, "ttft_ms": 45.0}]  # fmt: skip
+    s = c1.summarize(rounds, {"servelab": 96e6, "llamacpp": 100e6}, 24e9, 2)
+    assert s["sides"]["servelab"]["floor_ms"] == pytest.approx(4.0)
+    assert s["sides"]["servelab"]["tpot_over_floor"]["median"] == pytest.approx(2.125)
+    assert s["ratio"]["tpot_ms"]["min"] == pytest.approx(0.75) and s["ratio"]["tpot_ms"]["max"] == pytest.approx(0.8)
+    text = "\n".join(c1.format_summary(s))
+    assert "96.0 MB" in text and "servelab / llama.cpp, same round: TPOT 0.78 (0.75-0.80)x" in text
+
+
+def test_c1_inprocess_servelab_worker_reads_the_blocks() -> None:
+    """The servelab side in a process of its own, as a round runs it: every prompt's token times
+    after its warm-up, and the bytes its batch-1 step reads from its start-up packs."""
+    import json
+    import subprocess
+
+    job = {"threads": 1, "prompts": [[1000 + i for i in range(8)], [2000 + i for i in range(8)]], "output_len": 4,
+           "warmup": 1}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(Path(serving.__file__).with_name("c1_inprocess.py")), "--worker"],
+                          input=json.dumps(job), capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(res["requests"]) == 1 and len(res["requests"][0]["token_times"]) == 4
+    times = res["requests"][0]["token_times"]
+    assert res["requests"][0]["ttft_s"] == times[0] and times == sorted(times)
+    if res["step_bytes"] is not None:  # a CPU whose decode kernels read the GGUF's blocks
+        assert 50e6 < res["step_bytes"] < 150e6

@@ -147,18 +147,28 @@ def _describe(base: str, layer_kinds: set[str], head_kind: str | None) -> dict[s
     return out
 
 
+def block_step_bytes(model: LlamaForCausalLM) -> tuple[float, float] | None:
+    """(bytes of the checkpoint's own blocks a step of up to `quant_max_rows` rows reads, bytes of
+    the bfloat16 packs it would read instead), or None where the model reads no blocks."""
+    plan = model.model.plan
+    if plan is None or plan.batch_invariant or not plan.quant:
+        return None
+    quant = [t for lp in plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant]
+    bf16 = [t for lp in plan.layers if lp.amx for t in lp.amx.matrices(False)]
+    heads = [(model.quant_lm_head, model.amx_lm_head)] if model.quant_lm_head is not None else []
+    read = sum(t.nbytes for t in quant + [q for q, _ in heads])
+    full = sum(t.nbytes for t in bf16 + [b for _, b in heads if b is not None])
+    return float(read), float(full)
+
+
 def log_step_weights(model: LlamaForCausalLM) -> None:
     """The start-up log line of `step_weights`, with a step's weight bytes where quant packs exist."""
     plan = model.model.plan
     line = f"linear weights by step size: {step_weights(model)}"
     if plan is not None and plan.batch_invariant:
         line += " (model.batch_invariant: the same weights and sums at every step size)"
-    elif plan is not None and plan.quant:
-        quant = [t for lp in plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant]
-        bf16 = [t for lp in plan.layers if lp.amx for t in lp.amx.matrices(False)]
-        heads = [(model.quant_lm_head, model.amx_lm_head)] if model.quant_lm_head is not None else []
-        read = sum(t.nbytes for t in quant + [q for q, _ in heads]) / 1e6
-        full = sum(t.nbytes for t in bf16 + [b for _, b in heads if b is not None]) / 1e6
+    elif plan is not None and (step_bytes := block_step_bytes(model)) is not None:
+        read, full = step_bytes[0] / 1e6, step_bytes[1] / 1e6
         # benchmarks read "read the checkpoint's own blocks: X MB a step" from this line
         line += (f"; steps of up to {plan.quant_max_rows} rows read the checkpoint's own blocks: {read:.1f} MB a step, "
                  f"not {full:.1f} MB of bfloat16")

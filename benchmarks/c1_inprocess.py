@@ -1,0 +1,210 @@
+"""Batch 1 in process: servelab's offline engine against llama.cpp on the same GGUF file (issue 38, item 3).
+
+Both engines read the same file's Q4_1 / Q8_0 blocks as stored: servelab's block kernels
+(`model.quantized_decode=true`, its default) and llama-cpp-python's `Llama` (`make
+peers-llamacpp`). Like for like:
+- the same prompts (random token ids, `--input-len`), the same number of output tokens
+  (`--output-len`, EOS ignored on both sides), greedy, one request at a time, `--threads` threads
+  on both sides, a context of 2,048 tokens;
+- each side runs in a fresh process of its own per round (llama.cpp in its side venv:
+  benchmarks/llamacpp_c1_worker.py), one at a time, in ABBA order over `--rounds`; each process
+  decodes `--warmup` prompts at the measured shape first and drops them;
+- per round and side: the median over the prompts of TPOT (time between the first and the last
+  token over the tokens between) and of TTFT (the prompt's evaluation and the first token);
+  reported as the median (min-max) over the rounds, the ratio servelab / llama.cpp in the same round;
+- the floor: the bytes a batch-1 step reads (servelab: its block packs and the quantized LM head,
+  as its start-up log says; llama.cpp: the GGUF's matmul tensors as stored) at the read
+  bandwidth `torch.sum` reaches on the same threads in the same run.
+
+    .venv/bin/python benchmarks/c1_inprocess.py --rounds 3 --json c1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peers import ROOT, cpu_flags, cpu_model, format_flags, memory_bandwidth  # noqa: E402
+from serving_sides import random_prompts  # noqa: E402
+from side_by_side import abba_order, format_cv, format_spread, gguf_matmul_bytes, ratio_spread, spread  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from workloads.targets.peer import DEFAULT_LLAMACPP_VENV, PeerMissingError, check_llamacpp  # noqa: E402
+
+WORKER_TIMEOUT_S = 1800
+
+
+def tpot_s(token_times: list[float]) -> float | None:
+    """Mean seconds between tokens after the first (None under 2 tokens)."""
+    if len(token_times) < 2:
+        return None
+    return (token_times[-1] - token_times[0]) / (len(token_times) - 1)
+
+
+def servelab_worker() -> None:
+    """`--worker`: the servelab side of one round, job on stdin, JSON on stdout (as llamacpp_c1_worker)."""
+    job = json.load(sys.stdin)
+    torch.set_num_threads(job["threads"])
+    from engine.llm import LLM
+    from engine.model.batch_invariance import block_step_bytes
+    from engine.sampling_params import SamplingParams
+    from workloads.explain_probe import find_model
+
+    llm = LLM(model="smollm2", max_num_seqs=1, max_model_len=2048)
+    params = SamplingParams(max_tokens=job["output_len"], temperature=0.0, ignore_eos=True)
+
+    def one(prompt: list[int]) -> dict[str, Any]:
+        t0 = time.time()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        times = out.metrics.token_times
+        return {"ttft_s": times[0] - t0, "token_times": [t - t0 for t in times]}
+
+    for prompt in job["prompts"][: job["warmup"]]:
+        one(prompt)
+    requests = [one(p) for p in job["prompts"][job["warmup"] :]]
+    model = find_model(llm)
+    step_bytes = block_step_bytes(model) if model is not None else None
+    llm.engine_core.shutdown()
+    print(json.dumps({"requests": requests, "step_bytes": step_bytes[0] if step_bytes else None}))
+
+
+def run_side(side: str, job: dict[str, Any], llama_python: Path) -> dict[str, Any]:
+    """One round of `side` in a fresh process; its JSON."""
+    if side == "servelab":
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker"]
+    else:
+        cmd = [str(llama_python), str(Path(__file__).with_name("llamacpp_c1_worker.py"))]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": str(job["threads"])}  # fmt: skip
+    proc = subprocess.run(cmd, input=json.dumps(job), capture_output=True, text=True, env=env,
+                          timeout=WORKER_TIMEOUT_S, check=False)  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{side} worker failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def round_figures(res: dict[str, Any]) -> dict[str, float | None]:
+    """A round's medians over its prompts: TPOT and TTFT in ms."""
+    tpots = [t for r in res["requests"] if (t := tpot_s(r["token_times"])) is not None]
+    return {"tpot_ms": 1e3 * statistics.median(tpots) if tpots else None,
+            "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in res["requests"])}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--rounds", type=int, default=3, help="ABBA rounds, a fresh process per side each (default: 3)")
+    p.add_argument("--prompts", type=int, default=8, help="measured prompts per round and side (default: 8)")
+    p.add_argument("--warmup", type=int, default=2, help="prompts decoded first and dropped (default: 2)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens, EOS ignored (default: 128)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="both sides' threads "
+                   "(default: torch's, %(default)s here)")  # fmt: skip
+    p.add_argument("--llamacpp-venv", type=Path, default=DEFAULT_LLAMACPP_VENV, help="llama-cpp-python's side venv")
+    p.add_argument("--json", type=Path, help="write every round's figures and the summary here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.prompts < 1 or args.warmup < 0 or args.output_len < 2 or args.input_len < 1:
+        p.error("--rounds, --prompts, --input-len need 1 or more, --output-len 2 or more, --warmup 0 or more")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        servelab_worker()
+        return 0
+    try:
+        llama_python = check_llamacpp(args.llamacpp_venv.expanduser())
+    except PeerMissingError as e:
+        print(f"c1_inprocess: {e}", file=sys.stderr)
+        return 2
+    from engine.config import ModelConfig
+    from engine.model.loader import resolve_model
+    from engine.model.source import embedded_gguf_path
+
+    gguf = embedded_gguf_path()
+    torch.set_num_threads(args.threads)
+    bandwidth = memory_bandwidth()
+    vocab = resolve_model(ModelConfig())[0].vocab_size
+    prompts = random_prompts(args.warmup + args.prompts, args.input_len, vocab, seed=38)
+    job = {"model": str(gguf), "threads": args.threads, "prompts": prompts, "output_len": args.output_len,
+           "warmup": args.warmup}  # fmt: skip
+    rounds: list[dict[str, Any]] = []
+    versions: dict[str, str] = {}
+    step_bytes = {"llamacpp": float(gguf_matmul_bytes(gguf)), "servelab": None}
+    for rnd, order in enumerate(abba_order(args.rounds, "servelab", "llamacpp")):
+        for side in order:
+            print(f"[{side}] round {rnd + 1}", flush=True)
+            res = run_side(side, job, llama_python)
+            fig = round_figures(res)
+            if side == "servelab" and res.get("step_bytes"):
+                step_bytes["servelab"] = float(res["step_bytes"])
+            if side == "llamacpp":
+                versions["llama-cpp-python"] = res.get("version", "?")
+            rounds.append({"round": rnd, "side": side, **fig})
+            print(f"  TPOT p50 {fig['tpot_ms']:.2f} ms  TTFT p50 {fig['ttft_ms']:.1f} ms", flush=True)
+    bandwidth_after = memory_bandwidth()
+    bw = statistics.median([bandwidth, bandwidth_after])
+    summary = summarize(rounds, step_bytes, bw, args.rounds)
+    print()
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; flags: {format_flags(cpu_flags())}; torch {torch.__version__}; "
+          f"llama-cpp-python {versions.get('llama-cpp-python', '?')}")  # fmt: skip
+    print(f"workload: {args.prompts} prompts (+{args.warmup} warm-up) x {args.input_len} random tokens, {args.output_len} "
+          f"output tokens, greedy, EOS ignored, batch 1, {args.threads} threads, the same GGUF ({gguf.name}); "
+          f"{args.rounds} rounds ABBA, a fresh process per side and round")  # fmt: skip
+    print(f"read bandwidth (torch.sum, {args.threads} threads): {bw / 1e9:.1f} GB/s (before {bandwidth / 1e9:.1f}, "
+          f"after {bandwidth_after / 1e9:.1f})")  # fmt: skip
+    for line in format_summary(summary):
+        print(line)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds,
+                                         "summary": summary, "versions": versions, "bandwidth": bw}, indent=2))  # fmt: skip
+    return 0
+
+
+def summarize(rounds: list[dict[str, Any]], step_bytes: dict[str, float | None], bandwidth: float,
+              n: int) -> dict[str, Any]:  # fmt: skip
+    """Per side the spread over rounds of TPOT and TTFT, same-round ratios, the floor multiples."""
+    by = {s: [next((r for r in rounds if r["side"] == s and r["round"] == k), None) for k in range(n)]
+          for s in ("servelab", "llamacpp")}  # fmt: skip
+    out: dict[str, Any] = {"sides": {}, "ratio": {}}
+    for side, rs in by.items():
+        floor_ms = 1e3 * step_bytes[side] / bandwidth if step_bytes[side] else None
+        tpot = [r["tpot_ms"] if r else None for r in rs]
+        out["sides"][side] = {"tpot_ms": spread(tpot), "ttft_ms": spread(r["ttft_ms"] if r else None for r in rs),
+                              "step_bytes": step_bytes[side], "floor_ms": floor_ms,
+                              "tpot_over_floor": spread(t / floor_ms if t and floor_ms else None for t in tpot)}  # fmt: skip
+    for key in ("tpot_ms", "ttft_ms"):
+        out["ratio"][key] = ratio_spread([r[key] if r else None for r in by["servelab"]],
+                                         [r[key] if r else None for r in by["llamacpp"]])  # fmt: skip
+    return out
+
+
+def format_summary(summary: dict[str, Any]) -> list[str]:
+    lines = [f"  {'side':<10} {'TPOT p50 ms':>22} {'TTFT p50 ms':>24} {'step reads':>12} {'floor ms':>9} "
+             f"{'TPOT / floor':>20}"]  # fmt: skip
+    for side, s in summary["sides"].items():
+        mb = f"{s['step_bytes'] / 1e6:.1f} MB" if s["step_bytes"] else "n/a"
+        floor = f"{s['floor_ms']:.2f}" if s["floor_ms"] else "n/a"
+        lines.append(f"  {side:<10} {format_spread(s['tpot_ms'], '.2f'):>22} {format_spread(s['ttft_ms']):>24} "
+                     f"{mb:>12} {floor:>9} {format_spread(s['tpot_over_floor'], '.2f') + 'x':>20}")  # fmt: skip
+        lines.append(f"  {'':<10} {format_cv(s['tpot_ms']):>22} {format_cv(s['ttft_ms']):>24}")
+    r = summary["ratio"]
+    lines.append(f"  servelab / llama.cpp, same round: TPOT {format_spread(r['tpot_ms'], '.2f')}x, "
+                 f"TTFT {format_spread(r['ttft_ms'], '.2f')}x")  # fmt: skip
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
