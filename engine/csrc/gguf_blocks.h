@@ -133,6 +133,11 @@ static inline void dp_row_groups(const uint32_t* xw, int64_t KW, int64_t KC, flo
 // are two chains already. No software prefetch: the hardware's prefetcher keeps up with a
 // block's stream (prefetching the next block, as the bfloat16 kernel does, measured no faster).
 // Rows land as dp_rows puts them.
+#ifndef SERVELAB_QUANT_PREFETCH
+#define SERVELAB_QUANT_PREFETCH 2048
+#endif
+constexpr int64_t kQuantPrefetch = SERVELAB_QUANT_PREFETCH;
+
 template <BlockKind K, int R>
 static inline void quant_rows(const uint32_t* xw, int64_t KW, const float* sx, int64_t KB, float* cf, int j0,
                               const uint8_t* wb) {
@@ -144,6 +149,8 @@ static inline void quant_rows(const uint32_t* xw, int64_t KW, const float* sx, i
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* t = wb + kb * L::kBytes;
     const uint32_t* xk = xw + kb * 16;
+    for (int64_t off = 0; off < L::kBytes; off += 64)  // this thread's stream, kQuantPrefetch bytes on
+      _mm_prefetch(reinterpret_cast<const char*>(t + kQuantPrefetch + off), _MM_HINT_T0);
     __m512 A[S][R][2], B[q4 ? 1 : R][2];
     for (int r = 0; r < R; ++r) {
       for (int s = 0; s < S; ++s) A[s][r][0] = A[s][r][1] = _mm512_setzero_ps();

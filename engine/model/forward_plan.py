@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -265,17 +266,34 @@ def warm_up_linears(plan: ForwardPlan, max_rows: int) -> float:
     return time.perf_counter() - t0
 
 
-def on_huge_pages(plan: ForwardPlan, head: torch.Tensor | None) -> tuple[ForwardPlan, torch.Tensor | None]:
-    """The plan (and the packed LM head) with the decode kernels' packed matrices, every
-    layer's and the head's, moved into one buffer of huge pages: a small-batch step streams all
-    of them from memory, and with 4 KiB pages it pays a page walk every 4 KiB. On a 2-core Zen 4
-    (AVX512-BF16), SmolLM2's decode linears: 1.12x at 16 rows, 1.02-1.06x at 32-128, 0.97x at 1
-    (benchmarks/decode_weight_pages.py, docs/benchmarks.md). A plan with `amx_ops` set (every
-    layer has its packs: build_plan). The quant packs stay where they are: they serve steps of
-    a few rows only, where huge pages gained nothing."""
-    flat = [t for lp in plan.layers if lp.amx is not None for t in lp.amx.matrices(False)]
-    moved = copies_on_huge_pages(flat + ([head] if head is not None else []))
-    layers = tuple(dataclasses.replace(lp, amx=AmxPacks(moved[4 * i], moved[4 * i + 1], moved[4 * i + 2], moved[4 * i + 3],
-                                                         lp.amx.quant if lp.amx is not None else None))
-                   for i, lp in enumerate(plan.layers))  # fmt: skip
-    return dataclasses.replace(plan, layers=layers), (moved[-1] if head is not None else None)
+def on_huge_pages(plan: ForwardPlan, heads: Sequence[torch.Tensor | None]) -> tuple[ForwardPlan, list[torch.Tensor | None]]:
+    """The plan (and the packed LM heads, None kept) with the decode kernels' packed matrices,
+    every layer's bfloat16 and quant packs and the heads, moved into one buffer of huge pages: a
+    small-batch step streams all of them from memory, and with 4 KiB pages it pays a page walk
+    every 4 KiB and the hardware prefetcher stops at each page's end. On a 2-core Zen 4
+    (AVX512-BF16), SmolLM2's bfloat16 decode linears: 1.12x at 16 rows, 1.02-1.06x at 32-128,
+    0.97x at 1 (benchmarks/decode_weight_pages.py, docs/benchmarks.md). On 2 Sapphire Rapids cores
+    the quant packs' batch-1 step (Q4_1 layers, Q8_0 LM head) ran at about half the read bandwidth
+    on 4 KiB pages: docs/benchmarks-log.md (2026-12-06). A plan with `amx_ops` set (every layer
+    has its packs: build_plan)."""
+    layers_in = [lp.amx for lp in plan.layers if lp.amx is not None]
+    flat = [t for packs in layers_in for t in packs.matrices(False)]
+    quant = [t for packs in layers_in if packs.quant is not None for t in packs.quant]
+    kept = [h for h in heads if h is not None]
+    moved = copies_on_huge_pages(flat + quant + kept)
+    nf, nq = len(flat), len(quant)
+    bf16_moved, quant_moved, heads_moved = moved[:nf], moved[nf : nf + nq], moved[nf + nq :]
+    layers, bi, qi = [], 0, 0
+    for lp in plan.layers:
+        if lp.amx is None:
+            layers.append(lp)
+            continue
+        q: QuantPacks | None = None
+        if lp.amx.quant is not None:
+            q = cast(QuantPacks, tuple(quant_moved[qi : qi + 4]))
+            qi += 4
+        qkv, o, gate_up, down = bf16_moved[bi : bi + 4]
+        layers.append(dataclasses.replace(lp, amx=AmxPacks(qkv, o, gate_up, down, q)))
+        bi += 4
+    it = iter(heads_moved)
+    return dataclasses.replace(plan, layers=tuple(layers)), [next(it) if h is not None else None for h in heads]

@@ -292,7 +292,8 @@ class LlamaForCausalLM(nn.Module):
             if found is not None and plan.layers[0].amx is not None and plan.layers[0].amx.quant is not None:
                 self.quant_lm_head = amx_linear.quant_pack(found[1], found[0], head)
         if plan is not None and plan.amx_ops is not None:  # forward_plan.on_huge_pages: why
-            self.model.plan, self.amx_lm_head = on_huge_pages(plan, self.amx_lm_head)
+            self.model.plan, (self.amx_lm_head, self.quant_lm_head) = on_huge_pages(
+                plan, [self.amx_lm_head, self.quant_lm_head])
         if self.batch_invariant:
             batch_invariance.check_plan(self)
         batch_invariance.log_step_weights(self)
