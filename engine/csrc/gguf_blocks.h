@@ -130,13 +130,14 @@ static inline void dp_row_groups(const uint32_t* xw, int64_t KW, int64_t KC, flo
 // against one 32-column block of KB tiles: per tile the block sums A (and B) per row and half in
 // registers, then folded into the accumulators as the header says. Q4_1 at 1-2 rows keeps two
 // interleaved chains of A (one chain is vdpbf16ps's latency, not its throughput); Q8_0's A and B
-// are two chains already. No software prefetch: the hardware's prefetcher keeps up with a
-// block's stream (prefetching the next block, as the bfloat16 kernel does, measured no faster).
-// Rows land as dp_rows puts them.
-#ifndef SERVELAB_QUANT_PREFETCH
-#define SERVELAB_QUANT_PREFETCH 2048
-#endif
-constexpr int64_t kQuantPrefetch = SERVELAB_QUANT_PREFETCH;
+// are two chains already. Each tile asks for the lines kQuantPrefetch bytes further on in this
+// thread's stream (its blocks are contiguous): on 2 Sapphire Rapids cores the hardware's
+// prefetcher alone left SmolLM2's batch-1 step at 13-16 GB/s against `torch.sum`'s 25 (a Q8_0 LM
+// head of 30 MB in 2.3 ms); with it and the packs on huge pages (forward_plan.on_huge_pages) the
+// head takes 1.25 ms and the step 10.1 -> 7.2 ms (2,048 bytes; 1,024: 7.6, 4,096: 7.3-7.7, 8,192:
+// 9.2; docs/benchmarks-log.md, 2026-12-06). On a Zen 4 prefetching the next block measured no
+// faster. Rows land as dp_rows puts them.
+constexpr int64_t kQuantPrefetch = 2048;  // bytes ahead in a thread's stream (quant_rows)
 
 template <BlockKind K, int R>
 static inline void quant_rows(const uint32_t* xw, int64_t KW, const float* sx, int64_t KB, float* cf, int j0,
