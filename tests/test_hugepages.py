@@ -148,3 +148,33 @@ def test_planned_decode_weights_lie_in_one_buffer() -> None:
     llm.reset_prefix_cache()
     alone = [o.outputs[0].token_ids for o in llm.generate([[3, 4, 5, 6], [9] * 20], params, use_tqdm=False)]
     assert moved == alone and all(len(t) == 5 for t in moved)
+
+
+def test_quant_packs_and_head_join_the_buffer() -> None:
+    """With the checkpoint's blocks (model.quantized_decode, the default), prepack moves each
+    layer's quant packs and the quantized LM head into the same huge-page buffer as the bfloat16
+    packs (a batch-1 step streams them; on 4 KiB pages it read at half the bandwidth); the greedy
+    tokens are those of the same packs in tensors of their own."""
+    from engine.llm import LLM
+    from engine.model import amx_linear
+    from engine.sampling_params import SamplingParams
+
+    if not amx_linear.quant_available():
+        pytest.skip("no block kernels here (they need AVX512-BF16 and a C++ toolchain)")
+    llm = LLM(model="smollm2", num_layers_override=2, dtype="bfloat16", num_blocks=32, max_num_seqs=2)
+    model = llm.engine_core.executor.worker.model  # type: ignore[attr-defined]
+    plan = model.model.plan
+    assert plan is not None and plan.quant and model.quant_lm_head is not None
+    quant = [t for lp in plan.layers for t in lp.amx.quant]
+    bf16 = [t for lp in plan.layers for t in lp.amx.matrices(False)]
+    storages = {t.untyped_storage().data_ptr() for t in [*quant, *bf16, model.quant_lm_head, model.amx_lm_head]}
+    assert len(storages) == 1
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    moved = [o.outputs[0].token_ids for o in llm.generate([[3, 4, 5, 6], [9] * 20], params, use_tqdm=False)]
+    model.model.plan = dataclasses.replace(plan, layers=tuple(
+        dataclasses.replace(lp, amx=dataclasses.replace(lp.amx, quant=tuple(t.clone() for t in lp.amx.quant)))
+        for lp in plan.layers))  # fmt: skip
+    model.quant_lm_head = model.quant_lm_head.clone()
+    llm.reset_prefix_cache()
+    alone = [o.outputs[0].token_ids for o in llm.generate([[3, 4, 5, 6], [9] * 20], params, use_tqdm=False)]
+    assert moved == alone and all(len(t) == 5 for t in moved)
