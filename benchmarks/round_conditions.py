@@ -14,7 +14,10 @@ causes were seen on the 2-core machines these comparisons run on, and each is re
   round or run) is named as such;
 - **oversubscription**: `RunnableSampler` counts the threads the kernel has runnable
   (/proc/stat `procs_running`, 20 times a second) while a round is measured; more than the cores
-  on average means threads waited for a core.
+  on average means threads waited for a core;
+- **a neighbour on the host**: the same sampler takes the share of CPU time the hypervisor gave to
+  other guests while the round was measured (/proc/stat's steal column; `STEAL_MARGIN`), which
+  nothing inside the machine shows.
 
 `slow_rounds` takes one server's rounds and names, for each round worse than the median of its
 rounds by more than `SLOW_FRACTION` on a figure, the conditions in which it differed from the
@@ -39,6 +42,7 @@ from engine.model.kernel_choices import parse_choices
 
 SLOW_FRACTION = 0.05  # a figure this much worse than the median of the rounds makes a round slow
 BUSY_SHARE = 0.2  # of one core, averaged over the sample
+STEAL_MARGIN = 0.02  # a round's CPU steal share above this (and the other rounds' by this) is named
 OVERSUBSCRIBED_MARGIN = 0.5  # mean runnable threads above the cores (and the other rounds) by this
 # What a serving process's command line holds (a script, or the module run with -m): servelab's,
 # vLLM's OpenAI server, llama.cpp's (llama-cpp-python's module, or the C++ llama-server).
@@ -125,11 +129,15 @@ def busy_processes(server_pgid: int | None = None, window_s: float = 0.5,
 
 class RunnableSampler:
     """Mean runnable threads on the machine while the block runs (/proc/stat procs_running, this
-    sampler's own thread not counted); `mean` is None where /proc/stat is absent."""
+    sampler's own thread not counted); `mean` is None where /proc/stat is absent. Also `steal`: the
+    share of the CPU time over the block that the hypervisor gave to other guests (the "cpu" line's
+    steal column; None where it is absent): in a VM a neighbour can slow a round that nothing on
+    the machine itself explains."""
 
     def __init__(self, interval_s: float = 0.05, stat: Path = Path("/proc/stat")) -> None:
         self.interval_s, self.stat = interval_s, stat
         self.samples: list[int] = []
+        self._cpu: list[list[int] | None] = []  # the "cpu" line's counters at enter and exit
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="runnable-sampler", daemon=True)
 
@@ -142,6 +150,16 @@ class RunnableSampler:
             return None
         return None
 
+    def _cpu_times(self) -> list[int] | None:
+        """The aggregate "cpu" line's counters (user nice system idle iowait irq softirq steal ...)."""
+        try:
+            for line in self.stat.read_text().splitlines():
+                if line.startswith("cpu "):
+                    return [int(v) for v in line.split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return None
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             n = self._read()
@@ -150,12 +168,25 @@ class RunnableSampler:
             self.samples.append(n)
 
     def __enter__(self) -> RunnableSampler:
+        self._cpu = [self._cpu_times()]
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self._cpu.append(self._cpu_times())
+
+    @property
+    def steal(self) -> float | None:
+        """Steal time over all CPU time between enter and exit (a fraction), or None."""
+        if len(self._cpu) != 2 or self._cpu[0] is None or self._cpu[1] is None:
+            return None
+        a, b = self._cpu
+        if len(a) < 8 or len(b) < 8:
+            return None
+        total = sum(b[:8]) - sum(a[:8])  # guest time is counted in user already
+        return round((b[7] - a[7]) / total, 4) if total > 0 else None
 
     @property
     def mean(self) -> float | None:
@@ -169,10 +200,12 @@ class RoundConditions:
     choices: dict[str, str] = field(default_factory=dict)
     busy: list[dict[str, Any]] = field(default_factory=list)
     runnable_mean: float | None = None
+    steal: float | None = None
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"choices": self.choices, "busy": self.busy, "runnable_mean": self.runnable_mean, "cores": self.cores}
+        return {"choices": self.choices, "busy": self.busy, "runnable_mean": self.runnable_mean, "steal": self.steal,
+                "cores": self.cores}  # fmt: skip
 
 
 def _others(rounds: list[tuple[int, Any, dict[str, Any]]], rnd: int) -> list[dict[str, Any]]:
@@ -197,6 +230,13 @@ def reasons(cond: dict[str, Any], others: list[dict[str, Any]]) -> list[str]:
         if usual_runnable is None or mine > usual_runnable + OVERSUBSCRIBED_MARGIN:
             tail = f" (the other rounds {usual_runnable:.1f})" if usual_runnable is not None else ""
             out.append(f"oversubscribed: {mine:.1f} runnable threads on average on {cores} cores{tail}")
+    steal = cond.get("steal")
+    theirs_steal = [o["steal"] for o in others if o.get("steal") is not None]
+    if steal is not None and steal > STEAL_MARGIN:
+        usual_steal = statistics.median(theirs_steal) if theirs_steal else None
+        if usual_steal is None or steal > usual_steal + STEAL_MARGIN:
+            tail = f" (the other rounds {usual_steal:.1%})" if usual_steal is not None else ""
+            out.append(f"CPU steal: the hypervisor gave {steal:.1%} of the CPU time to other guests{tail}")
     return out
 
 
@@ -226,7 +266,7 @@ def slow_rounds(rounds: list[tuple[int, dict[str, Any], dict[str, Any]]],
             continue
         why = reasons(cond, _others(rounds, rnd))
         if not why:
-            why = ["no recorded cause (start-up choices, other processes and runnable threads as in the "
-                   "other rounds)"]
+            why = ["no recorded cause (start-up choices, other processes, runnable threads and CPU steal as "
+                   "in the other rounds)"]
         out.append({"round": rnd, "off": off, "reasons": why})
     return out

@@ -249,13 +249,19 @@ def format_slow_rounds(server: str, slow: list[dict[str, Any]]) -> list[str]:
 def format_runnable(servers: dict[str, dict[str, Any]]) -> str:
     """Each server's median over the rounds of the mean runnable threads while it was measured
     (round_conditions.RunnableSampler), against the cores: above the cores, threads waited."""
-    parts, cores = [], None
+    parts, steal, cores = [], [], None
     for server, fig in servers.items():
         values = [c["runnable_mean"] for c in fig.get("conditions", []) if c.get("runnable_mean") is not None]
         if values:
             cores = cores or fig["conditions"][0].get("cores")
             parts.append(f"{server} {statistics.median(values):.1f}")
-    return f"runnable threads while measured (median of the rounds' means, {cores} cores): " + ", ".join(parts) if parts else ""
+        stolen = [c["steal"] for c in fig.get("conditions", []) if c.get("steal") is not None]
+        if stolen:
+            steal.append(f"{server} {statistics.median(stolen):.1%} ({min(stolen):.1%}-{max(stolen):.1%})")
+    if not parts:
+        return ""
+    line = f"runnable threads while measured (median of the rounds' means, {cores} cores): " + ", ".join(parts)
+    return line + ("; CPU steal (median, range of the rounds): " + ", ".join(steal) if steal else "")
 
 
 def report(res: dict) -> None:

@@ -56,10 +56,11 @@ def test_the_front_end_logs_the_cores_kernel_choices_and_the_benchmark_reads_the
     assert rc.startup_choices("vLLM API server version 0.32.0\nINFO: Uvicorn running") == {}
 
 
-def _cond(choice: str = "prepacked", busy: list | None = None, runnable: float | None = 2.0) -> dict:
+def _cond(choice: str = "prepacked", busy: list | None = None, runnable: float | None = 2.0,
+          steal: float | None = None) -> dict:  # fmt: skip
     return rc.RoundConditions(choices={"float32_linear": f"{choice} (probe: oneDNN 1.30x the BLAS)",
                                        "dtype": "float32 (pinned)"},
-                              busy=busy or [], runnable_mean=runnable, cores=2).as_dict()
+                              busy=busy or [], runnable_mean=runnable, steal=steal, cores=2).as_dict()
 
 
 def test_slow_rounds_are_named_with_what_differed() -> None:
@@ -74,9 +75,11 @@ def test_slow_rounds_are_named_with_what_differed() -> None:
         (4, {**fig, "median_tpot_ms": 33.0}, _cond(runnable=3.6)),  # TPOT +10%: 3.6 runnable on 2 cores
         (5, {**fig, "output_throughput": 470.0}, _cond()),  # -6%, nothing recorded
         (6, {**fig, "output_throughput": 490.0}, _cond(busy=left)),  # -2%: not slow, not listed
+        (7, {**fig, "median_tpot_ms": 36.0}, _cond(steal=0.12)),  # TPOT +20%: a neighbour on the host
     ]
     slow = {s["round"]: s for s in rc.slow_rounds(rounds, serving.SLOW_FIGURES)}
-    assert sorted(slow) == [1, 2, 4, 5]
+    assert sorted(slow) == [1, 2, 4, 5, 7]
+    assert slow[7]["reasons"] == ["CPU steal: the hypervisor gave 12.0% of the CPU time to other guests"]
     assert slow[1]["off"] == {"output_throughput": pytest.approx(440 / 500 - 1)}
     assert slow[1]["reasons"] == ["start-up choice float32_linear: plain (probe: oneDNN 1.30x the BLAS), the other "
                                   "rounds prepacked (pin it with SERVELAB_ONEDNN_FP32=1 (prepacked) or 0 (plain))"]
@@ -124,13 +127,15 @@ def test_busy_processes_finds_a_neighbour_and_a_left_server_but_not_its_own() ->
 
 def test_the_runnable_sampler_reads_proc_stat(tmp_path: Path) -> None:
     fake = tmp_path / "stat"
-    fake.write_text("cpu  1 2 3\nprocs_running 4\nprocs_blocked 0\n")
+    fake.write_text("cpu  100 0 50 800 0 0 0 50 0 0\nprocs_running 4\nprocs_blocked 0\n")
     with rc.RunnableSampler(interval_s=0.01, stat=fake) as s:
         time.sleep(0.1)
+        fake.write_text("cpu  160 0 70 900 0 0 0 70 0 0\nprocs_running 4\nprocs_blocked 0\n")  # 20 of 200 stolen
     assert s.samples and s.mean == 3.0  # the sampler's own thread is not counted
+    assert s.steal == pytest.approx(0.1)
     with rc.RunnableSampler(interval_s=0.01, stat=tmp_path / "missing") as s:
         time.sleep(0.05)
-    assert s.mean is None
+    assert s.mean is None and s.steal is None
     if Path("/proc/stat").exists():
         with rc.RunnableSampler(interval_s=0.01) as s:
             time.sleep(0.1)
@@ -151,6 +156,9 @@ def test_the_report_gives_each_servers_runnable_threads() -> None:
                "vllm": {"conditions": [_cond(runnable=3.3), _cond(runnable=None), _cond(runnable=3.5)]}}
     assert serving.format_runnable(servers) == ("runnable threads while measured (median of the rounds' means, "
                                                 "2 cores): servelab 2.2, vllm 3.4")
+    servers["servelab"]["conditions"] = [_cond(runnable=2.2, steal=0.01), _cond(runnable=2.3, steal=0.09)]
+    assert serving.format_runnable(servers).endswith("; CPU steal (median, range of the rounds): servelab 5.0% "
+                                                     "(1.0%-9.0%)")
     assert serving.format_runnable({"servelab": {"conditions": []}}) == ""
 
 
