@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peers import ROOT, cpu_flags, cpu_model, format_flags, memory_bandwidth  # noqa: E402
 from serving_sides import random_prompts  # noqa: E402
-from side_by_side import abba_order, format_cv, format_spread, gguf_matmul_bytes, ratio_spread, spread  # noqa: E402
+from side_by_side import abba_order, format_cv, format_spread, ratio_spread, spread, step_read_bytes  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from workloads.targets.peer import DEFAULT_LLAMACPP_VENV, PeerMissingError, check_llamacpp  # noqa: E402
@@ -142,14 +142,14 @@ def main(argv: list[str] | None = None) -> int:
            "warmup": args.warmup}  # fmt: skip
     rounds: list[dict[str, Any]] = []
     versions: dict[str, str] = {}
-    step_bytes = {"llamacpp": float(gguf_matmul_bytes(gguf)), "servelab": None}
+    step_bytes = {"llamacpp": step_read_bytes("llamacpp", 0, gguf)["bytes"], "servelab": None}
     for rnd, order in enumerate(abba_order(args.rounds, "servelab", "llamacpp")):
         for side in order:
             print(f"[{side}] round {rnd + 1}", flush=True)
             res = run_side(side, job, llama_python)
             fig = round_figures(res)
-            if side == "servelab" and res.get("step_bytes"):
-                step_bytes["servelab"] = float(res["step_bytes"])
+            if side == "servelab":
+                step_bytes["servelab"] = step_read_bytes("servelab-blocks", 0, gguf, res.get("step_bytes"))["bytes"]
             if side == "llamacpp":
                 versions["llama-cpp-python"] = res.get("version", "?")
             rounds.append({"round": rnd, "side": side, **fig})

@@ -141,24 +141,23 @@ class RunnableSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="runnable-sampler", daemon=True)
 
-    def _read(self) -> int | None:
+    def _fields(self, prefix: str) -> list[int] | None:
+        """The numbers of the /proc/stat line starting with `prefix`, or None."""
         try:
             for line in self.stat.read_text().splitlines():
-                if line.startswith("procs_running"):
-                    return max(0, int(line.split()[1]) - 1)
-        except (OSError, ValueError, IndexError):
-            return None
-        return None
-
-    def _cpu_times(self) -> list[int] | None:
-        """The aggregate "cpu" line's counters (user nice system idle iowait irq softirq steal ...)."""
-        try:
-            for line in self.stat.read_text().splitlines():
-                if line.startswith("cpu "):
+                if line.startswith(prefix):
                     return [int(v) for v in line.split()[1:]]
         except (OSError, ValueError):
             return None
         return None
+
+    def _read(self) -> int | None:
+        running = self._fields("procs_running")
+        return max(0, running[0] - 1) if running else None
+
+    def _cpu_times(self) -> list[int] | None:
+        """The aggregate "cpu" line's counters (user nice system idle iowait irq softirq steal ...)."""
+        return self._fields("cpu ")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -148,6 +148,9 @@ def reps_from_run(run_dir: Path) -> dict[str, Any]:
             "steps": steps}  # fmt: skip
 
 
+SEGMENTS = 5  # a single run's pairs: the simultaneous intervals of 2 halves (t at 1 - 0.05/15, 1 df) hold anything
+
+
 def explain_runs(a: list[Path], b: list[Path]) -> dict[str, Any]:
     """servelab-compare --explain: one rep per run folder, run i of A paired with run i of B;
     with one run a side, each run's profiled steps are split into up to five consecutive segments,
@@ -167,9 +170,6 @@ def explain_runs(a: list[Path], b: list[Path]) -> dict[str, Any]:
     report = explain(base, cand, same_work=False)
     report["notes"] = notes
     return report
-
-
-SEGMENTS = 5  # a single run's pairs: the simultaneous intervals of 2 halves (t at 1 - 0.05/15, 1 df) hold anything
 
 
 def _segments(rep: dict[str, Any], k: int) -> list[dict[str, Any]]:

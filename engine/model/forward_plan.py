@@ -4,7 +4,7 @@ prepacked, as a flat list of op calls.
 Same ops in the same order as the modules' forward (so the same numbers, bit for bit), without
 ~10 module calls and per-op eligibility checks per layer: at a decode step of SmolLM2 (30
 layers, ~45 ms) that Python costs a few milliseconds. Per step it picks the linears' kernels by
-row count: the AMX / AVX512-BF16 kernels up to `amx_linear.max_rows()` rows (each
+row count: the AMX / AVX512-BF16 kernels up to `amx_linear.max_rows()` rows (`amx_max_rows`; each
 call naming the next one's weight, so its threads prefetch it), the GEMV for a few float32 rows,
 else oneDNN's prepacked kernels at padded row counts (`cpu_linear.padded_rows`). A
 batch-invariant plan (`model.batch_invariant`) runs the decode kernels' bfloat16 packs at every
@@ -92,6 +92,7 @@ class ForwardPlan:
     # model.batch_invariant: the decode kernels' bfloat16 packs at every step size, never the quant
     # packs, the GEMV or oneDNN (engine/model/batch_invariance.py)
     batch_invariant: bool = False
+    amx_max_rows: int = 0  # steps up to this many rows run amx_ops (amx_linear.max_rows(), fixed at build)
 
     @property
     def quant(self) -> bool:
@@ -140,7 +141,8 @@ def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None, batch_invari
     return ForwardPlan(model.embed_tokens.weight.dtype, ops, model.norm.eps, tuple(layers),
                        model.norm.weight.detach(), amx_linear.amx_ops() if with_amx else None, sizes,
                        cpu_gemv.gemv_ops() if with_gemv and not batch_invariant else None,
-                       0 if batch_invariant else quant_rows, batch_invariant)  # fmt: skip
+                       0 if batch_invariant else quant_rows, batch_invariant,
+                       amx_linear.max_rows() if with_amx else 0)  # fmt: skip
 
 
 def _amx_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | None, ...] | None) -> AmxPacks | None:
@@ -201,8 +203,8 @@ def planned_forward(
     """The layers and the final norm on the embedded tokens x [T, H] -> [T, H]."""
     ops, eps = plan.ops, plan.eps
     t = x.shape[0]
-    # up to max_rows() (every step, batch-invariant): AMX / AVX512-BF16 kernels
-    amx = plan.amx_ops if t <= amx_linear.max_rows() or plan.batch_invariant else None
+    # up to amx_max_rows (every step, batch-invariant): AMX / AVX512-BF16 kernels
+    amx = plan.amx_ops if t <= plan.amx_max_rows or plan.batch_invariant else None
     quant = amx is not None and t <= plan.quant_max_rows  # a few rows: the checkpoint's blocks
     gemv = plan.gemv_ops is not None and t <= cpu_gemv.max_rows(plan.dtype)  # a few rows: packed_linear's GEMV
     rows = t if amx is not None or gemv else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
@@ -255,7 +257,7 @@ def warm_up_linears(plan: ForwardPlan, max_rows: int) -> float:
     lp = plan.layers[0]  # every layer has the same shapes
     hidden = plan.sizes[1]
     q_size = lp.attn.q_size
-    low = amx_linear.max_rows() + 1 if plan.amx_ops is not None else 1
+    low = plan.amx_max_rows + 1 if plan.amx_ops is not None else 1
     if plan.batch_invariant:  # no step runs oneDNN's linears
         return 0.0
     for rows in sorted({padded_rows(r) for r in range(low, max(max_rows, low) + 1)}):

@@ -264,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
         plan = self.model.plan
         if (
             self.amx_lm_head is None or plan is None or plan.amx_ops is None or hidden.dtype != torch.bfloat16
-            or (hidden.shape[0] > amx_linear.max_rows() and not plan.batch_invariant)
+            or (hidden.shape[0] > plan.amx_max_rows and not plan.batch_invariant)
             or hidden.device.type != "cpu" or torch.compiler.is_compiling()
         ):  # fmt: skip
             return None
