@@ -114,7 +114,7 @@ def _dense_attention(q, cache, tables, qsl, seq_lens, scale) -> torch.Tensor:  #
 @pytest.mark.parametrize(
     "seq_lens,q_lens",
     [
-        ([37, 5, 16, 17], [1, 1, 1, 1]),  # decode, lengths differ (few rows: one kv head per work item)
+        ([37, 5, 16, 17], [1, 1, 1, 1]),  # decode, lengths differ (few rows: one kv head per work item; AVX-512 under 8 rows even on "amx")
         ([37, 5, 16, 17, 3, 64, 65, 1, 30, 31, 32, 48], [1] * 12),  # decode, rows enough for whole-row items
         ([40, 20], [15, 20]),  # prefill over a cached context (chunk / prefix hit), fresh prefill
         ([33, 12, 7], [1, 5, 7]),  # mixed

@@ -60,6 +60,14 @@ class AttentionBackend(ABC):
     def begin_step(self, metadata: AttentionMetadata) -> None:  # noqa: B027
         """Called once per step before the first layer (precompute per-step state)."""
 
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where this step's `forward` would, for every layer, write k/v with
+        `servelab::write_kv_` at the slot mapping and attend with ONE `servelab::paged_attention`
+        call over all its rows (each row one decoding request, in row order): that call's
+        block table, query_start_loc and seq_lens, so the caller may make those calls itself
+        (engine/model/planned_layers.py). None (the default): call `forward`."""
+        return None
+
     @abstractmethod
     def forward(
         self,

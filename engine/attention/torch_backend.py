@@ -244,6 +244,19 @@ class TorchAttentionBackend(AttentionBackend):
             groups.append(_PrefillGroup(start, end, 1, blocks, seq_len, mask))
         return groups
 
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """AttentionBackend.decode_rows: a step of decode rows only, on the CPU with the C++ ops
+        built, not batch-invariant (its own call), and not observed (engine/hooks.py wraps
+        `forward` in a phase range, which a caller bypassing it would skip)."""
+        dec = self._decode
+        if (
+            dec is None or self._prefills or self.batch_invariant or "forward" in vars(self)
+            or not isinstance(dec.rows, slice) or dec.rows.start != 0 or dec.table.device.type != "cpu"
+            or paged_attention_op() is None or write_kv_op() is None
+        ):  # fmt: skip
+            return None
+        return dec.table, dec.query_start_loc, dec.lens
+
     # ---- per layer ---------------------------------------------------------------------
     def forward(
         self,

@@ -120,6 +120,12 @@ bool paged_prefill_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor 
 #endif
 }
 
+// Fewer query rows than this take the AVX-512 path where AMX is on: a row's tile products leave
+// most of the tile unused, and cold-cache decode of SmolLM2's 30 layers at 256 tokens (2 Sapphire
+// Rapids cores, per layer) ran 14.5-19.3 us on AVX-512 against 17.2-20.6 on AMX at 1 row, even at
+// 2, 46-48 against 49-53 at 4, and 75-76 against 88-90 on AMX's side at 8 (docs/benchmarks-log.md).
+constexpr int64_t kAmxMinRows = 8;
+
 // batch_invariant: the path and the work split chosen without regard to the number of rows (one
 // kv head per item; AMX wherever an item fits), so each row's result depends on its own query and
 // context only (model.batch_invariant).
@@ -142,7 +148,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
   // AMX: bfloat16, head_dim 64 or 128, blocks of whole 16-token tiles, at most 16 query heads per item.
   const int64_t G = q.size(1) / kv_cache.size(3);
   const bool one_item_fits = G <= 16 && (q.size(1) <= 16 || batch_invariant || q.size(0) < 4 * at::get_num_threads());
-  if (q.scalar_type() == torch::kBFloat16 && kv_cache.size(2) % 16 == 0 && one_item_fits && g_amx_enabled &&
+  // Under kAmxMinRows query rows the AVX-512 path is as fast or faster (module note); a
+  // batch-invariant call keeps one path at every row count.
+  const bool enough_rows = batch_invariant || q.size(0) >= kAmxMinRows;
+  if (q.scalar_type() == torch::kBFloat16 && kv_cache.size(2) % 16 == 0 && one_item_fits && enough_rows && g_amx_enabled &&
       amx_tiles_granted()) {
     if (q.size(2) == 64) {
       paged_attention_amx<4>(q, kv_cache, bt.data_ptr<int64_t>(), bt.size(1), qsl.data_ptr<int64_t>(),

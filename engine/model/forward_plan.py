@@ -31,6 +31,7 @@ from engine.hugepages import copies_on_huge_pages
 from engine.model import amx_linear, cpu_gemv
 from engine.model.cpu_kernels import kernels
 from engine.model.cpu_linear import packed_linear, padded_rows
+from engine.model.planned_layers import layers_op
 
 if TYPE_CHECKING:
     from engine.model.layers import GatedMLP
@@ -93,6 +94,13 @@ class ForwardPlan:
     # packs, the GEMV or oneDNN (engine/model/batch_invariance.py)
     batch_invariant: bool = False
     amx_max_rows: int = 0  # steps up to this many rows run amx_ops (amx_linear.max_rows(), fixed at build)
+    # planned_layers: the same layers in one C++ call for a step of decode rows only, with what it
+    # reads flattened once (engine/model/planned_layers.py; set by with_layers_op)
+    layers_op: Any = None
+    norms: tuple[torch.Tensor, ...] = ()  # per layer: input norm, post-attention norm
+    bf16_packs: tuple[torch.Tensor, ...] = ()  # per layer: qkv, o, gate_up, down (AmxPacks.matrices(False))
+    quant_packs: tuple[torch.Tensor, ...] = ()  # the same, the quant packs (empty without them)
+    layer_shape: tuple[int, ...] = ()  # Hq, Hkv, head_dim, qkv width, hidden size, intermediate size
 
     @property
     def quant(self) -> bool:
@@ -138,11 +146,30 @@ def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None, batch_invari
     # steps up to this many rows read the quant packs (0: none left): the fewest any of them allows
     quant_rows = min((amx_linear.quant_max_rows(t) for lp in layers if lp.amx and lp.amx.quant for t in lp.amx.quant),
                      default=0)
-    return ForwardPlan(model.embed_tokens.weight.dtype, ops, model.norm.eps, tuple(layers),
+    plan = ForwardPlan(model.embed_tokens.weight.dtype, ops, model.norm.eps, tuple(layers),
                        model.norm.weight.detach(), amx_linear.amx_ops() if with_amx else None, sizes,
                        cpu_gemv.gemv_ops() if with_gemv and not batch_invariant else None,
                        0 if batch_invariant else quant_rows, batch_invariant,
                        amx_linear.max_rows() if with_amx else 0)  # fmt: skip
+    return with_layers_op(plan)
+
+
+def with_layers_op(plan: ForwardPlan) -> ForwardPlan:
+    """`plan` with `layers_op` and the flat lists it reads, where every layer has its decode
+    kernels' packs, one attention shape and scale, and the op is built (not batch-invariant: that
+    plan's attention runs another path); else `plan` without them."""
+    amx = [lp.amx for lp in plan.layers]
+    attns = {(lp.attn.num_heads, lp.attn.num_kv_heads, lp.attn.head_dim, lp.attn.scale) for lp in plan.layers}
+    op = layers_op() if plan.amx_ops is not None and not plan.batch_invariant and len(attns) == 1 else None
+    if op is None or any(packs is None for packs in amx):
+        return dataclasses.replace(plan, layers_op=None, norms=(), bf16_packs=(), quant_packs=(), layer_shape=())
+    hq, hkv, head_dim, _ = attns.pop()
+    return dataclasses.replace(
+        plan, layers_op=op, norms=tuple(t for lp in plan.layers for t in (lp.in_norm, lp.post_norm)),
+        bf16_packs=tuple(t for packs in amx if packs is not None for t in packs.matrices(False)),
+        quant_packs=tuple(t for packs in amx if packs is not None and packs.quant is not None for t in packs.quant),
+        layer_shape=(hq, hkv, head_dim, *plan.sizes),
+    )
 
 
 def _amx_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | None, ...] | None) -> AmxPacks | None:
@@ -211,6 +238,10 @@ def planned_forward(
     if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them
         x = F.pad(x, (0, 0, 0, rows - t))
         cos, sin = F.pad(cos, (0, 0, 0, 0, 0, rows - t)), F.pad(sin, (0, 0, 0, 0, 0, rows - t))
+    if amx is not None and plan.layers_op is not None:
+        fused = _planned_layers(plan, quant, x, cos, sin, kv_caches, metadata)
+        if fused is not None:
+            return fused
     residual = x
     n_qkv, hidden, inter = plan.sizes
     last = len(plan.layers) - 1
@@ -246,6 +277,23 @@ def planned_forward(
             x = packed_linear(ops.silu_mul(packed_linear(x, lp.gate_up, plain=plain[2])), lp.down, plain=plain[3])
     ops.add_rms_norm_(x, residual, plan.final_norm, eps)
     return x[:t] if rows != t else x
+
+
+def _planned_layers(
+    plan: ForwardPlan, quant: bool, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
+) -> torch.Tensor | None:  # fmt: skip
+    """The layers and the final norm in one `planned_layers` call, where every row of the step
+    is one decoding request and the attention backend would make the op's attention calls
+    (`AttentionBackend.decode_rows`); None otherwise."""
+    first = plan.layers[0].attn
+    rows = first.attn_backend.decode_rows()
+    cache = kv_caches[0]
+    if rows is None or cache.dtype != x.dtype or not cache.is_contiguous() or not x.is_contiguous():
+        return None
+    return plan.layers_op(x, cos, sin, kv_caches, metadata.slot_mapping, *rows, plan.norms,
+                          plan.quant_packs if quant else plan.bf16_packs, plan.final_norm, plan.layer_shape,
+                          plan.eps, first.scale)  # fmt: skip
 
 
 @torch.inference_mode()
@@ -298,4 +346,4 @@ def on_huge_pages(plan: ForwardPlan, heads: Sequence[torch.Tensor | None]) -> tu
         layers.append(dataclasses.replace(lp, amx=AmxPacks(qkv, o, gate_up, down, q)))
         bi += 4
     it = iter(heads_moved)
-    return dataclasses.replace(plan, layers=tuple(layers)), [next(it) if h is not None else None for h in heads]
+    return with_layers_op(dataclasses.replace(plan, layers=tuple(layers))), [next(it) if h is not None else None for h in heads]

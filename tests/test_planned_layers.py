@@ -1,0 +1,134 @@
+"""The decoder layers in one C++ call (engine/model/planned_layers.py) against the planned
+forward's Python loop: the same hidden states bit for bit on every decode step, with the
+bfloat16 packs (dummy weights) and the checkpoint's quant packs (the real SmolLM2 GGUF); steps
+with prefill rows and observed attention keep the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from engine.hooks import NULL_HOOKS, NullHooks, observe_attention
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+
+def _model(llm: LLM) -> Any:
+    return llm.engine_core.executor.worker.model  # type: ignore[attr-defined]
+
+
+def _needs_op(llm: LLM) -> Any:
+    plan = _model(llm).model.plan
+    if plan is None or plan.layers_op is None:
+        pytest.skip("planned_layers needs the decode kernels (a CPU with AMX or AVX512-BF16) and a C++ toolchain")
+    return plan
+
+
+def _run_both(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[Any], list[list[torch.Tensor]], int]:
+    """Tokens and every step's hidden states with the op and without it (the Python loop), and
+    how many steps the op ran."""
+    inner = _model(llm).model
+    plan = inner.plan
+    calls = [0]
+
+    def counting(*args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return plan.layers_op(*args)
+
+    with_op = dataclasses.replace(plan, layers_op=counting)
+    without = dataclasses.replace(plan, layers_op=None)
+    forward = inner.forward
+    hidden: list[list[torch.Tensor]] = [[], []]
+    tokens = []
+    side = [0]  # 0: with the op, 1: without
+
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = forward(*args, **kwargs)
+        hidden[side[0]].append(out.clone())
+        return out
+
+    inner.forward = recording
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    try:
+        for side[0], p in enumerate((with_op, without)):
+            inner.plan = p
+            llm.reset_prefix_cache()
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    finally:
+        inner.forward, inner.plan = forward, plan
+    return tokens, hidden, calls[0]
+
+
+@torch.inference_mode()
+def test_op_equals_the_python_loop_with_bfloat16_packs() -> None:
+    llm = LLM(model="smollm2", load_format="dummy", num_layers_override=3, dtype="bfloat16", num_blocks=64,
+              max_num_seqs=3, max_num_batched_tokens=32)  # fmt: skip
+    _needs_op(llm)
+    prompts = [list(range(100, 140)), [7, 8, 9] * 7, [5, 6]]  # chunked prefill, mixed steps, then 1-3 decode rows
+    tokens, hidden, calls = _run_both(llm, prompts, 6)
+    assert tokens[0] == tokens[1]
+    assert len(hidden[0]) == len(hidden[1]) > 5
+    for a, b in zip(hidden[0], hidden[1], strict=True):
+        assert torch.equal(a, b)
+    # decode-only steps ran the op; the steps with prefill rows (at least the first two) did not
+    assert 3 <= calls <= len(hidden[0]) - 2
+
+
+@torch.inference_mode()
+def test_op_equals_the_python_loop_with_the_checkpoints_quant_packs() -> None:
+    llm = LLM(model="smollm2", max_num_seqs=1, max_model_len=512)
+    plan = _needs_op(llm)
+    if not plan.quant_packs:
+        pytest.skip("no quant packs: the CPU lacks AVX512-BF16 for the GGUF block kernels")
+    tokens, hidden, calls = _run_both(llm, [list(range(200, 232))], 8)
+    assert tokens[0] == tokens[1]
+    assert calls == 7  # every step after the prompt's
+    for a, b in zip(hidden[0], hidden[1], strict=True):
+        assert torch.equal(a, b)
+
+
+class _Phases(NullHooks):
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def phase(self, name: str) -> Any:
+        self.names.append(name)
+        return super().phase(name)
+
+
+@torch.inference_mode()
+def test_observed_attention_and_batch_invariant_plans_keep_the_loop() -> None:
+    """engine/hooks.observe_attention wraps each layer's attention call in a phase range: with
+    hooks on, the op must not bypass it; a batch-invariant plan has no op at all."""
+    llm = LLM(model="smollm2", load_format="dummy", num_layers_override=2, dtype="bfloat16", num_blocks=32,
+              max_num_seqs=1)  # fmt: skip
+    plan = _needs_op(llm)
+    backend = plan.layers[0].attn.attn_backend
+    hooks = _Phases()
+    observe_attention(backend, hooks)
+    try:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        assert backend.decode_rows() is None
+    finally:
+        observe_attention(backend, NULL_HOOKS)
+    assert hooks.names.count("attention") == 4 * 2  # every step, every layer: no step took the op
+    invariant = LLM(model="smollm2", load_format="dummy", num_layers_override=2, dtype="bfloat16", num_blocks=32,
+                    max_num_seqs=1, batch_invariant=True)  # fmt: skip
+    assert _model(invariant).model.plan.layers_op is None
+
+
+def test_op_rejects_mismatched_lists() -> None:
+    from engine.model.planned_layers import layers_op
+
+    op = layers_op()
+    if op is None:
+        pytest.skip("planned_layers needs the decode kernels (a CPU with AMX or AVX512-BF16) and a C++ toolchain")
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 16, 1, 64, dtype=torch.bfloat16)
+    ids = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="2 norms and 4 packed matrices per KV cache"):
+        op(x, x, x, [cache], ids, ids.view(1, 1), torch.tensor([0, 1]), ids + 1, [x], [x], x, [1, 1, 64, 192, 64, 64],
+           1e-5, 0.125)  # fmt: skip
