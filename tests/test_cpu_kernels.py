@@ -118,6 +118,8 @@ def _dense_attention(q, cache, tables, qsl, seq_lens, scale) -> torch.Tensor:  #
         ([37, 5, 16, 17, 3, 64, 65, 1, 30, 31, 32, 48], [1] * 12),  # decode, rows enough for whole-row items
         ([40, 20], [15, 20]),  # prefill over a cached context (chunk / prefix hit), fresh prefill
         ([33, 12, 7], [1, 5, 7]),  # mixed
+        ([100], [1]),  # one decode row: its context in segments over the threads, merged (AVX-512 path)
+        ([300], [1]),
     ],
 )
 @pytest.mark.parametrize("d", [64, 128])
@@ -135,6 +137,22 @@ def test_paged_attention_matches_dense_reference(dtype, seq_lens, q_lens, d, pat
             _check_paged_attention(dtype, seq_lens, q_lens, d, 9, 3, poison)
     finally:
         set_amx_attention(True)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@torch.inference_mode()
+def test_paged_attention_segments_of_one_rows_context(threads: int) -> None:
+    """A decode step of one row has fewer work items than twice the threads: its context is
+    attended in segments whose partial softmax sums are merged (2 at 2 threads, 3 at 4, none at
+    1); every split against the dense reference, SmolLM2's 9 / 3 heads and 6 / 2."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype in DTYPES:
+            _check_paged_attention(dtype, [300], [1], 64, 9, 3)
+            _check_paged_attention(dtype, [70], [1], 128, 6, 2)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _check_paged_attention(dtype, seq_lens, q_lens, d, hq, hkv, poison=False) -> None:  # type: ignore[no-untyped-def]

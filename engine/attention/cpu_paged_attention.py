@@ -30,6 +30,13 @@ CPU has AVX512-BF16, and values two tokens a step by vdpbf16ps with the probabil
 bfloat16; cache blocks prefetched into L2 four ahead), AMX for bfloat16 where the CPU has it (a query row's scores against 16
 cached tokens are one tile product: see the kernel's note; cold-cache decode at SmolLM2's
 shape, 30 layers: 0.57 against 0.67 ms per layer on the AVX-512 path), else scalar C++.
+Calls of fewer than 8 query rows stay on the AVX-512 path even there (as fast or faster at 1-4
+rows, paged_attention.cpp `kAmxMinRows`). With fewer work items than twice the threads (a decode
+step of a row or two), the AVX-512 path cuts each item's context into segments of whole blocks,
+attended as separate items and merged by their softmax maxima and sums (flash-decoding's split):
+at batch 1, SmolLM2's 3 kv heads make 6 items on 2 threads instead of 3 (1 thread against 2 at
+4,096 tokens: 368 against 187 us; at 256 tokens, where a call's fixed cost weighs, 14.7 against
+12.5 us). A batch-invariant call never splits.
 `set_amx_attention(False)` (or `SERVELAB_CPU_AMX=0`) keeps bfloat16 on the AVX-512 path.
 """
 

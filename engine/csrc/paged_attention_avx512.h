@@ -67,12 +67,14 @@ static inline __m512 scores16(const float* qf, const T* qraw, const T* k, int64_
   return hsum16(part);
 }
 
-// In place: s[0 .. L) -> exp(s - max s); returns 1 / sum.
-static inline float softmax_unnormalised(float* s, int64_t L) {
+// In place: s[0 .. L) -> exp(s - max s); returns 1 / sum (and the max at `max_out` where given).
+static inline float softmax_unnormalised(float* s, int64_t L, float* max_out = nullptr) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 mv = ninf;
   for (int64_t t = 0; t < L; t += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(ninf, tail_mask(L - t), s + t));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  const float top = _mm512_reduce_max_ps(mv);
+  if (max_out) *max_out = top;
+  const __m512 m = _mm512_set1_ps(top);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; t += 16) {
     const __mmask16 k = tail_mask(L - t);
@@ -207,6 +209,54 @@ static inline void values_heads_pairs(const bf16* vb, int64_t n, int64_t row, in
 }
 #endif
 
+// How many segments each of `items` work items' context is cut into (module note in the kernel):
+// under twice the threads' count of items, enough for two units a thread, each segment at least
+// kMinSegmentBlocks blocks of the shortest context among the rows; else 1.
+constexpr int64_t kMinSegmentBlocks = 2;
+static inline int64_t context_segments(int64_t items, int64_t Tn, const int64_t* qslp, const int64_t* slp,
+                                       const std::vector<int64_t>& req_of, int64_t B, int64_t BS) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  if (items == 0 || items >= 2 * threads) return 1;
+  int64_t fewest = std::numeric_limits<int64_t>::max();  // blocks of the shortest row's context
+  for (int64_t i = 0; i < Tn; ++i) {
+    const int64_t b = req_of[i];
+    const int64_t L = slp[b] - (qslp[b + 1] - qslp[b]) + (i - qslp[b]) + 1;
+    fewest = std::min(fewest, (L + BS - 1) / BS);
+  }
+  (void)B;
+  const int64_t want = (2 * threads + items - 1) / items;
+  return std::max<int64_t>(1, std::min(want, fewest / kMinSegmentBlocks));
+}
+
+// The S segments' partial results of each item -> its query heads' outputs: with M the largest
+// segment max, out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s (acc_s, l_s relative to m_s).
+template <typename T>
+static void merge_segments(const std::vector<float>& pmax, const std::vector<float>& psum,
+                           const std::vector<float>& pacc, int64_t items, int64_t S, int64_t nh, int64_t D,
+                           int64_t parts, int64_t heads_per_part, int64_t Hq, T* op) {
+  std::vector<float> out(D), wgt(S);
+  for (int64_t w = 0; w < items; ++w) {
+    const int64_t i = w / parts, first_head = (w % parts) * heads_per_part;
+    for (int64_t jj = 0; jj < nh; ++jj) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < S; ++s) M = std::max(M, pmax[(w * S + s) * nh + jj]);
+      float l = 0.f;
+      for (int64_t s = 0; s < S; ++s) {
+        wgt[s] = std::exp(pmax[(w * S + s) * nh + jj] - M);
+        l += wgt[s] * psum[(w * S + s) * nh + jj];
+      }
+      std::fill(out.begin(), out.end(), 0.f);
+      for (int64_t s = 0; s < S; ++s) {
+        const float* a = pacc.data() + ((w * S + s) * nh + jj) * D;
+        for (int64_t d = 0; d < D; ++d) out[d] += wgt[s] * a[d];
+      }
+      T* oj = op + (i * Hq + first_head + jj) * D;
+      const float r = 1.f / l;
+      for (int64_t d = 0; d < D; ++d) st(oj, d, out[d] * r);
+    }
+  }
+}
+
 template <typename T, int C>
 static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp,
                                    int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
@@ -228,28 +278,46 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
   // BS * Hkv * D elements, which the prefetcher streams), else one kv head each (batch-1 decode).
   const int64_t hpi = heads_per_item(Tn, Hkv, fixed_items);
   const int64_t parts = Hkv / hpi, nh = hpi * G, span = hpi * D;
-  at::parallel_for(0, Tn * parts, 1, [&](int64_t begin, int64_t end) {
+  // With fewer items than twice the threads (a decode step of a row or two), each item's context
+  // is cut into S segments of whole blocks (context_segments) attended as separate units, whose
+  // partial softmax sums are merged after: SmolLM2's 3 kv heads at batch 1 are 6 units on 2
+  // threads instead of 3 items, one thread taking two.
+  const int64_t S = fixed_items ? 1 : context_segments(Tn * parts, Tn, qslp, slp, req_of, B, BS);
+  // S > 1: per unit and query head of its item, the segment's max score, its sum of exp(s - max)
+  // and its D unnormalised outputs (dimension order)
+  std::vector<float> part_max, part_sum, part_acc;
+  if (S > 1) {
+    part_max.resize(Tn * parts * S * nh);
+    part_sum.resize(part_max.size());
+    part_acc.resize(part_max.size() * D);
+  }
+  at::parallel_for(0, Tn * parts * S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(nh * D), inv(nh);
     std::vector<float> acc(nh * D), acc_pairs(nh * D);
     std::vector<uint32_t> pairs;
-    for (int64_t w = begin; w < end; ++w) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t w = u / S, seg = u % S;
       const int64_t i = w / parts, h0 = (w % parts) * hpi;
       const int64_t b = req_of[i];
       const int64_t q_len = qslp[b + 1] - qslp[b];
       const int64_t L = slp[b] - q_len + (i - qslp[b]) + 1;  // positions attended: 0 .. L - 1
-      const int64_t nb = (L + BS - 1) / BS;
-      const int64_t* blocks = btp + b * bts;
+      const int64_t nb_all = (L + BS - 1) / BS;
+      // this unit's blocks [b0, b1) and tokens [tb, te): segment seg of S, in whole blocks
+      const int64_t b0 = nb_all * seg / S, b1 = nb_all * (seg + 1) / S;
+      const int64_t tb = b0 * BS, te = std::min(L, b1 * BS), Ls = te - tb;
+      const int64_t* blocks = btp + b * bts + b0;  // block bi of the segment: blocks[bi]
+      const int64_t nb = b1 - b0;
       const T* qrow = qp + i * qs0 + h0 * G * qs1;  // query head jj of this item: qrow + jj * qs1
       auto kblock = [&](int64_t bi) { return kp + blocks[bi] * BS * row + h0 * D; };
       auto vblock = [&](int64_t bi) { return vp + blocks[bi] * BS * row + h0 * D; };
       for (int64_t bi = 0; bi < std::min(PF, nb); ++bi) prefetch_rows<_MM_HINT_T1>(kblock(bi), BS, row, span * sizeof(T));
-      scores.resize(nh * L);
+      scores.resize(nh * Ls);
       for (int64_t jj = 0; jj < nh; ++jj)
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(qf.data() + jj * D + 16 * c, vld(qrow + jj * qs1 + 16 * c));
       // Scores, block by block (no division per token), sixteen tokens at a time (scores16).
       const __m512 vscale = _mm512_set1_ps(scale);
-      for (int64_t t0 = 0, bi = 0; t0 < L; t0 += BS, ++bi) {
-        const int64_t n = std::min(BS, L - t0);
+      for (int64_t t0 = 0, bi = 0; t0 < Ls; t0 += BS, ++bi) {
+        const int64_t n = std::min(BS, Ls - t0);
         const T* kb = kblock(bi);
         if (bi + PF < nb) prefetch_rows<_MM_HINT_T1>(kblock(bi + PF), BS, row, span * sizeof(T));
         else if (bi + PF == nb) prefetch_rows<_MM_HINT_T1>(vblock(0), BS, row, span * sizeof(T));
@@ -259,11 +327,14 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
             for (int64_t j = 0; j < G; ++j) {
               const int64_t jj = hh * G + j;
               const __m512 sv = scores16<T, C>(qf.data() + jj * D, qrow + jj * qs1, kb + o0 * row + hh * D, row, m);
-              _mm512_mask_storeu_ps(scores.data() + jj * L + t0 + o0, tail_mask(m), _mm512_mul_ps(sv, vscale));
+              _mm512_mask_storeu_ps(scores.data() + jj * Ls + t0 + o0, tail_mask(m), _mm512_mul_ps(sv, vscale));
             }
           }
       }
-      for (int64_t jj = 0; jj < nh; ++jj) inv[jj] = softmax_unnormalised(scores.data() + jj * L, L);
+      float* pmax = S > 1 ? part_max.data() + u * nh : nullptr;
+      for (int64_t jj = 0; jj < nh; ++jj) {
+        inv[jj] = softmax_unnormalised(scores.data() + jj * Ls, Ls, pmax ? pmax + jj : nullptr);
+      }
       // Weighted sum of values, block by block; a head's accumulator is in C registers while it
       // takes a block's tokens, in `acc` between blocks. bfloat16 on AVX512-BF16 (blocks of an
       // even size): two tokens a step by vdpbf16ps (values_block_pairs).
@@ -272,16 +343,16 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
       if constexpr (std::is_same_v<T, bf16>) by_pairs = BS % 2 == 0;
 #endif
       std::fill(acc.begin(), acc.end(), 0.f);
-      const int64_t pws = (L + 1) / 2;
+      const int64_t pws = (Ls + 1) / 2;
 #if defined(__AVX512BF16__)
       if (by_pairs) {
         pairs.resize(nh * pws);
-        for (int64_t jj = 0; jj < nh; ++jj) probability_pairs(scores.data() + jj * L, L, pairs.data() + jj * pws);
+        for (int64_t jj = 0; jj < nh; ++jj) probability_pairs(scores.data() + jj * Ls, Ls, pairs.data() + jj * pws);
       }
 #endif
       for (int64_t bi = 1; bi < std::min(PF, nb); ++bi) prefetch_rows<_MM_HINT_T1>(vblock(bi), BS, row, span * sizeof(T));
-      for (int64_t t0 = 0, bi = 0; t0 < L; t0 += BS, ++bi) {
-        const int64_t n = std::min(BS, L - t0);
+      for (int64_t t0 = 0, bi = 0; t0 < Ls; t0 += BS, ++bi) {
+        const int64_t n = std::min(BS, Ls - t0);
         const T* vb = vblock(bi);
         if (bi + PF < nb) prefetch_rows<_MM_HINT_T1>(vblock(bi + PF), BS, row, span * sizeof(T));
 #if defined(__AVX512BF16__)
@@ -292,7 +363,7 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
           }
         }
 #endif
-        values_heads<T, C>(vb, n, row, hpi, G, scores.data() + t0, L, 1, acc.data());
+        values_heads<T, C>(vb, n, row, hpi, G, scores.data() + t0, Ls, 1, acc.data());
       }
 #if defined(__AVX512BF16__)
       if (by_pairs) {
@@ -300,6 +371,11 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
         for (int64_t jj = 0; jj < nh; ++jj) unpermute_pairs<C>(acc_pairs.data() + jj * D, acc.data() + jj * D);
       }
 #endif
+      if (S > 1) {  // the segment's partial sums, merged below
+        for (int64_t jj = 0; jj < nh; ++jj) part_sum[u * nh + jj] = 1.f / inv[jj];
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + u * nh * D);
+        continue;
+      }
       for (int64_t jj = 0; jj < nh; ++jj) {
         T* oj = op + (i * Hq + h0 * G + jj) * D;
         const float* aj = acc.data() + jj * D;
@@ -308,6 +384,7 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
       }
     }
   });
+  if (S > 1) merge_segments(part_max, part_sum, part_acc, Tn * parts, S, nh, D, parts, hpi * G, Hq, op);
 }
 #endif
 
