@@ -63,8 +63,23 @@ class _DecodeGroup:
     lens: torch.Tensor  # [B] int64 context lengths
     num_reqs: int
     max_len: int  # longest context: positions attended are 0 .. max_len - 1
-    mask: torch.Tensor | None  # [B, 1, 1, max_len] True where valid; None when all lengths equal
     query_start_loc: torch.Tensor  # [B + 1] int64 0..B: one query row each (for the C++ op)
+    lens_host: np.ndarray  # lens on the host
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, 1, max_len] True where valid; None when all lengths are equal (the SDPA path's
+        padding mask, made only when that path runs)."""
+        if (self.lens_host == self.max_len).all():
+            return None
+        valid = np.arange(self.max_len)[None, :] < self.lens_host[:, None]  # [B, L]
+        return torch.from_numpy(valid).to(self.table.device)[:, None, None, :]
+
+
+@functools.cache
+def _one_row_each(b: int, device: torch.device) -> torch.Tensor:
+    """query_start_loc of b one-row requests: 0 .. b (int64), made once per size."""
+    return torch.arange(b + 1, device=device)
 
 
 @dataclass
@@ -172,6 +187,10 @@ class TorchAttentionBackend(AttentionBackend):
             self._step_rows = _StepRows(int(qsl[-1]), metadata.block_table[: len(seq_lens), :nblk].long().contiguous(),
                                         torch.from_numpy(qsl), torch.from_numpy(seq_lens))
             return
+        if metadata.max_query_len == 1:  # a decode step: one row per request, no prefill to plan
+            self._decode = self._plan_decode(metadata, None, seq_lens)
+            self._prefills, self._prefill_rows, self._step_rows = [], None, None
+            return
         q_lens = qsl[1:] - qsl[:-1]
         is_decode = q_lens == 1
         self._decode = self._plan_decode(metadata, np.nonzero(is_decode)[0], seq_lens) if is_decode.any() else None
@@ -193,30 +212,27 @@ class TorchAttentionBackend(AttentionBackend):
             )
 
     @staticmethod
-    def _plan_decode(metadata: AttentionMetadata, reqs: np.ndarray, seq_lens: np.ndarray) -> _DecodeGroup:
+    def _plan_decode(metadata: AttentionMetadata, reqs: np.ndarray | None, seq_lens: np.ndarray) -> _DecodeGroup:
+        """The decoding requests `reqs` (None: every request of the step, in order)."""
         device = metadata.block_table.device
         bs = metadata.block_size
-        lens = seq_lens[reqs]
+        lens = seq_lens if reqs is None else seq_lens[reqs]
         max_len = int(lens.max())
         nblk = -(-max_len // bs)
-        b = len(reqs)
+        b = len(lens)
         qsl = metadata.query_start_loc_cpu
-        first = int(reqs[0])
-        contiguous = int(reqs[-1]) - first + 1 == b
+        first = 0 if reqs is None else int(reqs[0])
+        contiguous = reqs is None or int(reqs[-1]) - first + 1 == b
         if contiguous:
             rows: torch.Tensor | slice = slice(qsl[first], qsl[first] + b)
             table = metadata.block_table[first : first + b, :nblk]
         else:
+            assert reqs is not None
             idx = torch.from_numpy(reqs).to(device)
             rows = metadata.query_start_loc[idx].long()
             table = metadata.block_table[idx, :nblk]
-        mask = None
-        if (lens != max_len).any():
-            valid = np.arange(max_len)[None, :] < lens[:, None]  # [B, L]
-            mask = torch.from_numpy(valid).to(device)[:, None, None, :]
         table = table.long().contiguous()
-        qsl_rows = torch.arange(b + 1, device=device)
-        return _DecodeGroup(rows, table, torch.from_numpy(lens).to(device), b, max_len, mask, qsl_rows)
+        return _DecodeGroup(rows, table, torch.from_numpy(lens).to(device), b, max_len, _one_row_each(b, device), lens)
 
     @staticmethod
     def _plan_prefills(

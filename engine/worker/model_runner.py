@@ -48,6 +48,7 @@ class StepInputs:
     sample_req_idx: np.ndarray  # [S] index into req_ids of requests that sample
     logits_indices: torch.Tensor  # [S] row of the packed batch whose logits are sampled
     sampling: SamplingBatch  # parameters of the S sampling requests, taken at prepare time
+    logits_all_rows: bool = False  # logits_indices is 0 .. S - 1: every row samples (a decode step)
     # Output placeholders: input_ids[fill_dst[k]] = previous step's sampled[fill_src[k]].
     fill_dst: torch.Tensor | None = None  # [P]
     fill_src: torch.Tensor | None = None  # [P]
@@ -101,7 +102,7 @@ class ModelRunner:
         self._num_pending: dict[str, int] = {}
         # req_id -> its index in the sampled ids of the last prepared (non-empty) step.
         self._prev_sample_idx: dict[str, int] = {}
-        self._last_sampled: torch.Tensor | None = None  # [S] sampled ids of the last step run
+        self._last_sampled: list[int] | None = None  # [S] sampled ids of the last step run
 
     def warm_up(self) -> float:
         """Compile / capture the forward's shapes before serving; seconds taken (0 when eager)."""
@@ -204,6 +205,7 @@ class ModelRunner:
             metadata=metadata,
             sample_req_idx=sample_idx,
             logits_indices=torch.from_numpy(logits_rows).to(dev),
+            logits_all_rows=drafts is None and len(sample_idx) == total,
             sampling=sampling,
             fill_dst=fill_dst,
             fill_src=fill_src,
@@ -265,7 +267,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         if inp.fill_dst is not None:
             assert self._last_sampled is not None
-            inp.input_ids[inp.fill_dst] = self._last_sampled[inp.fill_src]
+            inp.input_ids[inp.fill_dst] = torch.tensor(self._last_sampled, dtype=torch.int64, device=self.device)[inp.fill_src]
         self.attn_backend.begin_step(inp.metadata)
         with self.hooks.phase("forward"):
             hidden, mode = self._forward(inp)
@@ -274,7 +276,8 @@ class ModelRunner:
             # argmax reads bfloat16 directly). The sampler upcasts only what needs it (its
             # weights, penalties, logprobs), so no step stores a float32 copy of the logits.
             argmax_only = inp.sampling.argmax_only and inp.drafts is None and inp.grammar_rows is None
-            rows = hidden[inp.logits_indices]
+            # a decode step samples every row: their first rows as a view, not a gather
+            rows = hidden[: inp.logits_indices.shape[0]] if inp.logits_all_rows else hidden[inp.logits_indices]
             fused_argmax = getattr(self.model, "greedy_ids", None) if argmax_only else None
             greedy_ids = fused_argmax(rows) if fused_argmax is not None else None
             logits = None if greedy_ids is not None else self.model.compute_logits(rows, upcast=False)
@@ -296,7 +299,7 @@ class ModelRunner:
             else:
                 assert logits is not None
                 sampled, logprobs = sample_with_drafts(self.sampler, logits, inp.sampling, inp.drafts)
-            self._last_sampled = torch.tensor([t[-1] for t in sampled], dtype=torch.int64, device=self.device)
+            self._last_sampled = [t[-1] for t in sampled]  # a tensor only where a step fills placeholders
             out = self._collect(inp, sample_rows, sampled, logprobs)
         t3 = time.perf_counter()
         out.prepare_time, out.forward_time, out.sample_time = inp.prepare_time, t2 - t1, t3 - t2
