@@ -214,7 +214,7 @@ static inline void values_heads_pairs(const bf16* vb, int64_t n, int64_t row, in
 // kMinSegmentBlocks blocks of the shortest context among the rows; else 1.
 constexpr int64_t kMinSegmentBlocks = 2;
 static inline int64_t context_segments(int64_t items, int64_t Tn, const int64_t* qslp, const int64_t* slp,
-                                       const std::vector<int64_t>& req_of, int64_t B, int64_t BS) {
+                                       const std::vector<int64_t>& req_of, int64_t BS) {
   const int64_t threads = std::max(1, at::get_num_threads());
   if (items == 0 || items >= 2 * threads) return 1;
   int64_t fewest = std::numeric_limits<int64_t>::max();  // blocks of the shortest row's context
@@ -223,7 +223,6 @@ static inline int64_t context_segments(int64_t items, int64_t Tn, const int64_t*
     const int64_t L = slp[b] - (qslp[b + 1] - qslp[b]) + (i - qslp[b]) + 1;
     fewest = std::min(fewest, (L + BS - 1) / BS);
   }
-  (void)B;
   const int64_t want = (2 * threads + items - 1) / items;
   return std::max<int64_t>(1, std::min(want, fewest / kMinSegmentBlocks));
 }
@@ -282,7 +281,7 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
   // is cut into S segments of whole blocks (context_segments) attended as separate units, whose
   // partial softmax sums are merged after: SmolLM2's 3 kv heads at batch 1 are 6 units on 2
   // threads instead of 3 items, one thread taking two.
-  const int64_t S = fixed_items ? 1 : context_segments(Tn * parts, Tn, qslp, slp, req_of, B, BS);
+  const int64_t S = fixed_items ? 1 : context_segments(Tn * parts, Tn, qslp, slp, req_of, BS);
   // S > 1: per unit and query head of its item, the segment's max score, its sum of exp(s - max)
   // and its D unnormalised outputs (dimension order)
   std::vector<float> part_max, part_sum, part_acc;

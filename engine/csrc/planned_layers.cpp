@@ -1,7 +1,7 @@
 // The planned forward's layers in one call (engine/model/planned_layers.py): the same ops in the
 // same order as forward_plan.planned_forward's decode-kernel path, each called through the
 // dispatcher from here instead of from Python, so a batch-1 step pays one Python call for its 30
-// layers instead of ~300 (about 3 us each: a tenth of SmolLM2's batch-1 step).
+// layers instead of ~300 (2-3 us each: SmolLM2's batch-1 step 8.0-9.4 -> 6.2-6.9 ms).
 #include "kernel_header.h"
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <optional>

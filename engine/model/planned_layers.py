@@ -18,6 +18,11 @@ query_start_loc and seq_lens as the attention backend gives them for its decode 
 (`AttentionBackend.decode_rows`); shape: (Hq, Hkv, head_dim, qkv width, hidden size,
 intermediate size). Returns the final norm's output [T, H].
 
+Where hooks observe the attention calls (engine/hooks.observe_attention: a profiled run's
+"attention" phase ranges) the loop runs instead, so that every layer's attention stays inside its
+range: a profiled batch-1 decode step pays the per-layer Python calls that an unprofiled one does
+not (servelab-explain sets the plan aside altogether: workloads/explain_probe.py).
+
 `layers_op()` returns the op once it is loaded (and the kernels it calls), or None where they
 cannot be built (the Python loop runs instead).
 """
