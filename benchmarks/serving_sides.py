@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -296,7 +296,7 @@ def run_round(server: Server, side: str, config: str, rnd: int, prompts: Callabl
                 fig = drive(server, specs_for(prompts(seed, n), args.output_len, f"r{rnd}c{c}", as_text), c, sampling)
             out.append(Measured(side, config, sampling, c, "workbench", rnd, fig,
                                 float(read.group(1)) * 1e6 if read else None,
-                                {**cond.as_dict(), "runnable_mean": runnable.mean, "steal": runnable.steal}))
+                                replace(cond, runnable_mean=runnable.mean, steal=runnable.steal).as_dict()))
             print(f"  {sampling:<12} c={c:<3} workbench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
                   f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms", flush=True)
             if bench and side != "llamacpp":

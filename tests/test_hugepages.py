@@ -125,7 +125,6 @@ def test_planned_decode_weights_lie_in_one_buffer() -> None:
     the same weights in their own tensors (the kernels read the same words)."""
     from engine.llm import LLM
     from engine.model import amx_linear
-    from engine.sampling_params import SamplingParams
 
     if not amx_linear.available():
         pytest.skip("the CPU has neither AMX nor AVX512-BF16 (or no C++ toolchain): no decode-sized kernels")
@@ -137,17 +136,28 @@ def test_planned_decode_weights_lie_in_one_buffer() -> None:
     packs = [t for lp in plan.layers for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down)]
     storages = {t.untyped_storage().data_ptr() for t in [*packs, model.amx_lm_head]}
     assert len(storages) == 1
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    moved = [o.outputs[0].token_ids for o in llm.generate([[3, 4, 5, 6], [9] * 20], params, use_tqdm=False)]
     from engine.model.forward_plan import AmxPacks
 
-    own = [AmxPacks(*(t.clone() for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down))) for lp in plan.layers]
-    model.model.plan = dataclasses.replace(plan, layers=tuple(
-        dataclasses.replace(lp, amx=p) for lp, p in zip(plan.layers, own, strict=True)))
-    model.amx_lm_head = model.amx_lm_head.clone()
-    llm.reset_prefix_cache()
-    alone = [o.outputs[0].token_ids for o in llm.generate([[3, 4, 5, 6], [9] * 20], params, use_tqdm=False)]
+    def own_tensors() -> None:
+        own = [AmxPacks(*(t.clone() for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down))) for lp in plan.layers]
+        model.model.plan = dataclasses.replace(plan, layers=tuple(
+            dataclasses.replace(lp, amx=p) for lp, p in zip(plan.layers, own, strict=True)))
+        model.amx_lm_head = model.amx_lm_head.clone()
+
+    moved, alone = _tokens_before_and_after(llm, own_tensors)
     assert moved == alone and all(len(t) == 5 for t in moved)
+
+
+def _tokens_before_and_after(llm, change) -> tuple[list, list]:  # type: ignore[no-untyped-def]
+    """Greedy tokens of two prompts (one short, one of 20 tokens), then again after `change()`."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = [[3, 4, 5, 6], [9] * 20]
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    change()
+    llm.reset_prefix_cache()
+    return before, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_quant_packs_and_head_join_the_buffer() -> None:
@@ -157,7 +167,6 @@ def test_quant_packs_and_head_join_the_buffer() -> None:
     tokens are those of the same packs in tensors of their own."""
     from engine.llm import LLM
     from engine.model import amx_linear
-    from engine.sampling_params import SamplingParams
 
     if not amx_linear.quant_available():
         pytest.skip("no block kernels here (they need AVX512-BF16 and a C++ toolchain)")
@@ -169,12 +178,14 @@ def test_quant_packs_and_head_join_the_buffer() -> None:
     bf16 = [t for lp in plan.layers for t in lp.amx.matrices(False)]
     storages = {t.untyped_storage().data_ptr() for t in [*quant, *bf16, model.quant_lm_head, model.amx_lm_head]}
     assert len(storages) == 1
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    moved = [o.outputs[0].token_ids for o in llm.generate([[3, 4, 5, 6], [9] * 20], params, use_tqdm=False)]
-    model.model.plan = dataclasses.replace(plan, layers=tuple(
-        dataclasses.replace(lp, amx=dataclasses.replace(lp.amx, quant=tuple(t.clone() for t in lp.amx.quant)))
-        for lp in plan.layers))  # fmt: skip
-    model.quant_lm_head = model.quant_lm_head.clone()
-    llm.reset_prefix_cache()
-    alone = [o.outputs[0].token_ids for o in llm.generate([[3, 4, 5, 6], [9] * 20], params, use_tqdm=False)]
+
+    def own_tensors() -> None:
+        model.model.plan = dataclasses.replace(plan, layers=tuple(
+            dataclasses.replace(lp, amx=dataclasses.replace(lp.amx, quant=tuple(t.clone() for t in lp.amx.quant)))
+            for lp in plan.layers))  # fmt: skip
+        model.quant_lm_head = model.quant_lm_head.clone()
+
+    moved, alone = _tokens_before_and_after(llm, own_tensors)
+    # the plan's flat lists follow its layers: the single-call layers read the copies
+    assert not {t.untyped_storage().data_ptr() for t in model.model.plan.quant_packs} & storages
     assert moved == alone and all(len(t) == 5 for t in moved)

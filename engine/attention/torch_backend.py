@@ -64,16 +64,14 @@ class _DecodeGroup:
     num_reqs: int
     max_len: int  # longest context: positions attended are 0 .. max_len - 1
     query_start_loc: torch.Tensor  # [B + 1] int64 0..B: one query row each (for the C++ op)
-    lens_host: np.ndarray  # lens on the host
 
     @functools.cached_property
     def mask(self) -> torch.Tensor | None:
         """[B, 1, 1, max_len] True where valid; None when all lengths are equal (the SDPA path's
         padding mask, made only when that path runs)."""
-        if (self.lens_host == self.max_len).all():
+        if bool((self.lens == self.max_len).all()):
             return None
-        valid = np.arange(self.max_len)[None, :] < self.lens_host[:, None]  # [B, L]
-        return torch.from_numpy(valid).to(self.table.device)[:, None, None, :]
+        return (torch.arange(self.max_len, device=self.lens.device)[None, :] < self.lens[:, None])[:, None, None, :]
 
 
 @functools.cache
@@ -232,7 +230,7 @@ class TorchAttentionBackend(AttentionBackend):
             rows = metadata.query_start_loc[idx].long()
             table = metadata.block_table[idx, :nblk]
         table = table.long().contiguous()
-        return _DecodeGroup(rows, table, torch.from_numpy(lens).to(device), b, max_len, _one_row_each(b, device), lens)
+        return _DecodeGroup(rows, table, torch.from_numpy(lens).to(device), b, max_len, _one_row_each(b, device))
 
     @staticmethod
     def _plan_prefills(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -94,13 +94,29 @@ class ForwardPlan:
     # packs, the GEMV or oneDNN (engine/model/batch_invariance.py)
     batch_invariant: bool = False
     amx_max_rows: int = 0  # steps up to this many rows run amx_ops (amx_linear.max_rows(), fixed at build)
-    # planned_layers: the same layers in one C++ call for a step of decode rows only, with what it
-    # reads flattened once (engine/model/planned_layers.py; set by with_layers_op)
+    # planned_layers: the same layers in one C++ call for a step of decode rows only
+    # (engine/model/planned_layers.py; build_plan sets it where `_layers_op` allows)
     layers_op: Any = None
-    norms: tuple[torch.Tensor, ...] = ()  # per layer: input norm, post-attention norm
-    bf16_packs: tuple[torch.Tensor, ...] = ()  # per layer: qkv, o, gate_up, down (AmxPacks.matrices(False))
-    quant_packs: tuple[torch.Tensor, ...] = ()  # the same, the quant packs (empty without them)
-    layer_shape: tuple[int, ...] = ()  # Hq, Hkv, head_dim, qkv width, hidden size, intermediate size
+    # What layers_op reads, flattened from `layers` at construction (so a plan made with other
+    # layers, as on_huge_pages makes, never keeps the old tensors); empty where a layer has no packs.
+    norms: tuple[torch.Tensor, ...] = field(init=False, default=())  # per layer: input, post-attention
+    bf16_packs: tuple[torch.Tensor, ...] = field(init=False, default=())  # per layer: qkv, o, gate_up, down
+    quant_packs: tuple[torch.Tensor, ...] = field(init=False, default=())  # the same, the quant packs (or none)
+    layer_shape: tuple[int, ...] = field(init=False, default=())  # Hq, Hkv, head_dim, qkv width, hidden, intermediate
+
+    def __post_init__(self) -> None:
+        amx = [lp.amx for lp in self.layers]
+        if not self.layers or any(packs is None for packs in amx):
+            return
+        a = self.layers[0].attn
+        flat = {
+            "norms": tuple(t for lp in self.layers for t in (lp.in_norm, lp.post_norm)),
+            "bf16_packs": tuple(t for packs in amx if packs is not None for t in packs.matrices(False)),
+            "quant_packs": tuple(t for packs in amx if packs is not None and packs.quant is not None for t in packs.quant),
+            "layer_shape": (a.num_heads, a.num_kv_heads, a.head_dim, *self.sizes),
+        }
+        for name, value in flat.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
 
     @property
     def quant(self) -> bool:
@@ -146,30 +162,20 @@ def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None, batch_invari
     # steps up to this many rows read the quant packs (0: none left): the fewest any of them allows
     quant_rows = min((amx_linear.quant_max_rows(t) for lp in layers if lp.amx and lp.amx.quant for t in lp.amx.quant),
                      default=0)
-    plan = ForwardPlan(model.embed_tokens.weight.dtype, ops, model.norm.eps, tuple(layers),
+    return ForwardPlan(model.embed_tokens.weight.dtype, ops, model.norm.eps, tuple(layers),
                        model.norm.weight.detach(), amx_linear.amx_ops() if with_amx else None, sizes,
                        cpu_gemv.gemv_ops() if with_gemv and not batch_invariant else None,
                        0 if batch_invariant else quant_rows, batch_invariant,
-                       amx_linear.max_rows() if with_amx else 0)  # fmt: skip
-    return with_layers_op(plan)
+                       amx_linear.max_rows() if with_amx else 0,
+                       _layers_op(layers) if with_amx and not batch_invariant else None)  # fmt: skip
 
 
-def with_layers_op(plan: ForwardPlan) -> ForwardPlan:
-    """`plan` with `layers_op` and the flat lists it reads, where every layer has its decode
-    kernels' packs, one attention shape and scale, and the op is built (not batch-invariant: that
-    plan's attention runs another path); else `plan` without them."""
-    amx = [lp.amx for lp in plan.layers]
-    attns = {(lp.attn.num_heads, lp.attn.num_kv_heads, lp.attn.head_dim, lp.attn.scale) for lp in plan.layers}
-    op = layers_op() if plan.amx_ops is not None and not plan.batch_invariant and len(attns) == 1 else None
-    if op is None or any(packs is None for packs in amx):
-        return dataclasses.replace(plan, layers_op=None, norms=(), bf16_packs=(), quant_packs=(), layer_shape=())
-    hq, hkv, head_dim, _ = attns.pop()
-    return dataclasses.replace(
-        plan, layers_op=op, norms=tuple(t for lp in plan.layers for t in (lp.in_norm, lp.post_norm)),
-        bf16_packs=tuple(t for packs in amx if packs is not None for t in packs.matrices(False)),
-        quant_packs=tuple(t for packs in amx if packs is not None and packs.quant is not None for t in packs.quant),
-        layer_shape=(hq, hkv, head_dim, *plan.sizes),
-    )
+def _layers_op(layers: Sequence[LayerPlan]) -> Any | None:
+    """planned_layers for these layers (every one with its decode kernels' packs), where they share
+    one attention shape and scale and the op is built; None otherwise. Not for a batch-invariant
+    plan: its attention takes another path."""
+    shapes = {(lp.attn.num_heads, lp.attn.num_kv_heads, lp.attn.head_dim, lp.attn.scale) for lp in layers}
+    return layers_op() if len(shapes) == 1 and all(lp.amx is not None for lp in layers) else None
 
 
 def _amx_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | None, ...] | None) -> AmxPacks | None:
@@ -346,4 +352,4 @@ def on_huge_pages(plan: ForwardPlan, heads: Sequence[torch.Tensor | None]) -> tu
         layers.append(dataclasses.replace(lp, amx=AmxPacks(qkv, o, gate_up, down, q)))
         bi += 4
     it = iter(heads_moved)
-    return with_layers_op(dataclasses.replace(plan, layers=tuple(layers))), [next(it) if h is not None else None for h in heads]
+    return dataclasses.replace(plan, layers=tuple(layers)), [next(it) if h is not None else None for h in heads]

@@ -48,7 +48,6 @@ class StepInputs:
     sample_req_idx: np.ndarray  # [S] index into req_ids of requests that sample
     logits_indices: torch.Tensor  # [S] row of the packed batch whose logits are sampled
     sampling: SamplingBatch  # parameters of the S sampling requests, taken at prepare time
-    logits_all_rows: bool = False  # logits_indices is 0 .. S - 1: every row samples (a decode step)
     # Output placeholders: input_ids[fill_dst[k]] = previous step's sampled[fill_src[k]].
     fill_dst: torch.Tensor | None = None  # [P]
     fill_src: torch.Tensor | None = None  # [P]
@@ -205,7 +204,6 @@ class ModelRunner:
             metadata=metadata,
             sample_req_idx=sample_idx,
             logits_indices=torch.from_numpy(logits_rows).to(dev),
-            logits_all_rows=drafts is None and len(sample_idx) == total,
             sampling=sampling,
             fill_dst=fill_dst,
             fill_src=fill_src,
@@ -276,8 +274,10 @@ class ModelRunner:
             # argmax reads bfloat16 directly). The sampler upcasts only what needs it (its
             # weights, penalties, logprobs), so no step stores a float32 copy of the logits.
             argmax_only = inp.sampling.argmax_only and inp.drafts is None and inp.grammar_rows is None
-            # a decode step samples every row: their first rows as a view, not a gather
-            rows = hidden[: inp.logits_indices.shape[0]] if inp.logits_all_rows else hidden[inp.logits_indices]
+            # a step whose every row samples (a decode step) reads hidden's first rows as a view, not a gather
+            n_logits = inp.logits_indices.shape[0]
+            all_rows = inp.drafts is None and n_logits == inp.input_ids.shape[0]
+            rows = hidden[:n_logits] if all_rows else hidden[inp.logits_indices]
             fused_argmax = getattr(self.model, "greedy_ids", None) if argmax_only else None
             greedy_ids = fused_argmax(rows) if fused_argmax is not None else None
             logits = None if greedy_ids is not None else self.model.compute_logits(rows, upcast=False)
