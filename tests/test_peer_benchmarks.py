@@ -27,6 +27,25 @@ def test_cpu_flags_agree_with_cpuinfo() -> None:
     assert "avx512_bf16 " in peers.format_flags(flags)
 
 
+def test_read_rates_are_measured_at_each_steps_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A floor's rate is measured on a buffer of the step's own size (a cache may hold it), with
+    the rate beyond every cache beside it; `rate_at` answers for the nearest size measured."""
+    llc = peers.last_level_cache_bytes()
+    assert llc is None or llc > 0
+    assert peers.beyond_cache_bytes() >= max(2**30, 2 * (llc or 0))
+    sizes: list[int] = []
+    monkeypatch.setattr(peers, "read_bandwidth", lambda n, min_s=0.5: sizes.append(int(n)) or 1e9 * n / 2**20)
+    rates = peers.read_rates([2**20, 4 * 2**20, 2**20, None])
+    assert sorted(sizes) == [2**20, 4 * 2**20, peers.beyond_cache_bytes()]  # each size once, beyond the caches last
+    assert rates["memory"] == {"bytes": peers.beyond_cache_bytes(), "rate": 1e9 * peers.beyond_cache_bytes() / 2**20}
+    assert peers.rate_at(rates, 1.2 * 2**20) == pytest.approx(1e9) and peers.rate_at(rates, 3.5 * 2**20) == pytest.approx(4e9)
+
+
+def test_read_bandwidth_reads_a_buffer_of_the_size_asked() -> None:
+    rate = peers.read_bandwidth(2**20, min_s=0.02)
+    assert 1e8 < rate < 1e13  # bytes per second of some real read, not 0 or inf
+
+
 def test_peer_paths_follow_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SERVELAB_PEERS_VENV", str(tmp_path / "venv"))
     monkeypatch.setenv("SERVELAB_PEERS_MODEL", str(tmp_path / "model"))
@@ -181,7 +200,8 @@ def test_serving_report_gives_medians_ranges_ratios_and_floors(capsys: pytest.Ca
 
     arch = resolve_model(ModelConfig())[0]
     args = serving.parse_args(["--concurrency", "1,16", "--sampling", "greedy"])
-    machine = {"cpu": "test CPU", "cpu_flags": peers.cpu_flags(), "cores": 2, "memory_bandwidth": 1e10,
+    machine = {"cpu": "test CPU", "cpu_flags": peers.cpu_flags(), "cores": 2,
+               "read_rates": {"at": {"96400000": 1e10}, "memory": {"bytes": 2**30, "rate": 5e9}},
                "gemm_reference": {"what": "torch.mm at batch 16 on the model's shapes", "bfloat16_flops": 8e11}}
     results = [_m("servelab", r, 200.0 + 10 * r, 800.0, 60.0) for r in range(3)]
     results += [_m("vllm", r, 100.0, 400.0 + 100 * r, 30.0) for r in range(3)]
@@ -196,12 +216,13 @@ def test_serving_report_gives_medians_ranges_ratios_and_floors(capsys: pytest.Ca
     floor = res["step_read_floors"]["vllm"]
     assert floor["bytes"] == 2 * offline.matmul_params(arch)  # vLLM and servelab both read bfloat16 here
     assert floor["floor_ms"] == pytest.approx(1000 * 2 * offline.matmul_params(arch) / 1e10)
+    assert floor["memory_floor_ms"] == pytest.approx(2 * floor["floor_ms"])  # beyond the caches at half the rate
     serving.report(res)
     out = capsys.readouterr().out
     assert "210.0 (200.0-220.0)" in out and "2.10 (2.00-2.20)" in out and "ABBA" in out
     assert "CV 4.8%" in out  # the servelab rounds' throughput: stdev 10 over mean 210
     assert "torch.mm at batch 16" in out and "avx512_bf16" in out and "max_num_batched_tokens=512" in out
-    assert "the read floor" in out and "bfloat16 matmul weights" in out
+    assert "the read floor" in out and "bfloat16 matmul weights" in out and "its memory floor" in out
 
 
 def test_offline_summary_takes_vllm_best_per_round(capsys: pytest.CaptureFixture[str]) -> None:
@@ -238,9 +259,18 @@ def test_c1_inprocess_figures_and_floors(capsys: pytest.CaptureFixture[str]) -> 
               {"round": 0, "side": "llamacpp", "tpot_ms": 10.0, "ttft_ms": 50.0},
               {"round": 1, "side": "llamacpp", "tpot_ms": 12.0, "ttft_ms": 60.0},
               {"round": 1, "side": "servelab", "tpot_ms": 9.0, "ttft_ms": 45.0}]  # fmt: skip
-    s = c1.summarize(rounds, {"servelab": 96e6, "llamacpp": 100e6}, 24e9, 2)
+    step_bytes = {"servelab": 96e6, "llamacpp": 100e6}
+    # the rate at each side's bytes, measured before (llama.cpp's bytes only) and after the rounds
+    before = {"at": {"100000000": 26e9}, "memory": {"bytes": 2**30, "rate": 12e9}, "llc_bytes": 2**29}
+    after = {"at": {"96000000": 24e9, "100000000": 24e9}, "memory": {"bytes": 2**30, "rate": 12e9}, "llc_bytes": 2**29}
+    rates = c1.floor_rates(step_bytes, before, after)
+    assert rates == {"memory": 12e9, "servelab": 24e9, "llamacpp": 25e9}
+    s = c1.summarize(rounds, step_bytes, rates, 2)
     assert s["sides"]["servelab"]["floor_ms"] == pytest.approx(4.0)
     assert s["sides"]["servelab"]["tpot_over_floor"]["median"] == pytest.approx(2.125)
+    assert s["sides"]["servelab"]["memory_floor_ms"] == pytest.approx(8.0)
+    assert s["sides"]["llamacpp"]["floor_ms"] == pytest.approx(4.0)
+    assert "512 MiB" in "\n".join(c1.format_rates(rates, before, after, 2))
     assert s["ratio"]["tpot_ms"]["min"] == pytest.approx(0.75) and s["ratio"]["tpot_ms"]["max"] == pytest.approx(0.8)
     text = "\n".join(c1.format_summary(s))
     assert "96.0 MB" in text and "servelab / llama.cpp, same round: TPOT 0.78 (0.75-0.80)x" in text
