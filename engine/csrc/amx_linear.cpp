@@ -167,14 +167,14 @@ struct Bf16Blocks {
 
 #if defined(SERVELAB_GGUF_BLOCKS)
 template <BlockKind K>
-struct GgufBlocks {  // gguf_blocks.h: the checkpoint's own blocks, widened in registers
+struct GgufBlocks {  // gguf_blocks.h: the checkpoint's own blocks against x in 16-bit integers
   static constexpr bool kTiles = false;
   const uint8_t* w;
   int64_t NB, KB;
-  const float* sx;  // x's block sums (block_sums)
+  const QuantX* xq;  // x as the products read it (quantize_x)
   const uint8_t* block(int64_t nb) const { return w + nb * KB * TileLayout<K>::kBytes; }
   void product(const RowTiles& rt, int64_t mt, int64_t nb, float (*c)[2][256], const uint8_t* /*next*/) const {
-    widened_block<K>(rt.x, sx, rt.M, rt.K, mt, block(nb), KB, &c[0][0][0]);  // no software prefetch: gguf_blocks.h
+    quantized_block<K>(*xq, rt.M, mt, block(nb), &c[0][0][0]);  // prefetches its own stream: gguf_blocks.h
   }
 };
 #endif
@@ -344,14 +344,14 @@ static void with_packed(const torch::Tensor& packed, const RowTiles& rt, const c
   }
 #if defined(SERVELAB_GGUF_BLOCKS)
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const std::vector<float> sx = block_sums(rt.x, rt.M, rt.K);
+  const QuantX xq = quantize_x(rt.x, rt.M, rt.K);
   if (packed_kind(packed.size(2)) == static_cast<int>(BlockKind::Q4_1))
-    f(GgufBlocks<BlockKind::Q4_1>{w, packed.size(0), packed.size(1), sx.data()});
+    f(GgufBlocks<BlockKind::Q4_1>{w, packed.size(0), packed.size(1), &xq});
   else
-    f(GgufBlocks<BlockKind::Q8_0>{w, packed.size(0), packed.size(1), sx.data()});
+    f(GgufBlocks<BlockKind::Q8_0>{w, packed.size(0), packed.size(1), &xq});
 #else
   (void)rt;
-  TORCH_CHECK(false, what, ": a quant_pack weight needs the AVX512-BF16 build");
+  TORCH_CHECK(false, what, ": a quant_pack weight needs the AVX512-BF16 and AVX512-VNNI build");
 #endif
 }
 
@@ -412,7 +412,7 @@ torch::Tensor quant_pack(torch::Tensor blocks, std::string kind, torch::Tensor w
                         : pack_gguf_blocks<BlockKind::Q8_0>(blocks, w, interleave);
 #else
   (void)blocks, (void)w, (void)interleave;
-  TORCH_CHECK(false, "quant_pack: built without AVX512-BF16");
+  TORCH_CHECK(false, "quant_pack: built without AVX512-BF16 and AVX512-VNNI");
 #endif
 }
 

@@ -1,35 +1,37 @@
 // The decode linears on a GGUF checkpoint's own blocks (Q4_1, Q8_0): each weight read as stored
-// (5 or 8.5 bits instead of bfloat16's 16) and multiplied as the checkpoint defines it, unrounded.
+// (5 or 8.5 bits instead of bfloat16's 16) and multiplied as the checkpoint defines it, in integers.
 //
 // Per 32-input block of a column, sum_k x_k w_k = d sum_k q_k x_k + m sum_k x_k (Q4_1: w = d q + m,
-// q a nibble; Q8_0: w = d q, q an int8, m = 0). The integers reach vdpbf16ps as bfloat16 words
-// with one or two integer ops: bfloat16 counts by 1 in [128, 256), so the word 0x4300 | n is
-// exactly 128 + n for a nibble n. A Q4_1 nibble is one such word; a Q8_0 byte q, as u = q + 128 =
-// 16 a + b (its high nibble a = (byte >> 4) ^ 8, its low nibble b), two of them. With sx = sum_k x_k
-// (float32, once per call and row) and A, B the block's vdpbf16ps sums over the words:
-//   Q4_1: y += d (A - 128 sx) + m sx              = d A + (m - 128 d) sx
-//   Q8_0: y += d (16 (A - 128 sx) + B - 256 sx)  = d (16 A + B) - 2304 d sx
-// Widening 64 weights takes 4 integer ops (Q4_1) or 8 (Q8_0) where rounding each to the loader's
-// bfloat16 value took ~18: at a few rows the stream, not the widening, sets the pace
-// (docs/benchmarks.md). The results are the checkpoint's products in float32, rounded once at
-// the end: closer to the exact sums than the bfloat16 kernel's (amx_linear.cpp), which multiplies
-// bf16(d q + m), the loader's rounding of each weight; subtracting the 128 (2304) sx costs ~6 (~9)
-// of float32's 24 bits. tests/test_gguf_blocks.py holds both against float64.
+// q a nibble; Q8_0: w = d q, q an int8, m = 0). x's block (bfloat16) is written as s v_k with s =
+// max_k |x_k| / 32512 and v_k = round(x_k / s), a 16-bit integer, split v = 256 hi + lo into two
+// signed bytes (quantize_x); `vpdpbusd` (AVX512-VNNI) multiplies 64 unsigned weight bytes by 64
+// signed activation bytes and sums each 4 into a 32-bit lane, so per block and column
+//   Q4_1: y += d s (256 A_hi + A_lo) + m sx                    (A = sum_k q_k hi_k, sum_k q_k lo_k)
+//   Q8_0: y += d s (256 A_hi + A_lo - 128 sv)                  (the bytes stored as u = q + 128)
+// with sx the block's float32 sum of x and sv = sum_k v_k. The integer sums are exact (< 2^24 for
+// Q4_1, < 2^31 for Q8_0); the one rounding beyond float32's is x's to 16 bits: at most half a step
+// s / 2, 2^-16 of the block's largest |x| (bfloat16 itself holds 2^-9 of each value), far below the
+// output's bfloat16 rounding; a block holding an inf or a NaN gives NaN. tests/test_gguf_blocks.py
+// holds both kinds against float64 with that bound. Against the same products on bfloat16 words
+// and `vdpbf16ps` (this kernel before 2026-12-06: 32 products a 0.9 ns instruction, four ops to
+// widen 64 weights), a Q4_1 tile takes 13-16 against 29-36 ns on one Sapphire Rapids core: the
+// weights are no longer widened past bytes, and an instruction takes 64 products.
 //
 // Packed layout (quant_pack), per 32-column block nb and 32-input block kb (kb = the GGUF block of
 // every column), two halves h of 16 columns (columns 32 nb + 16 h .. + 16, or with interleave I
-// the gate columns 16 nb .. + 16 (h = 0) and the same up columns (h = 1)). A "line" is 32 bytes,
-// byte b for word b of a half's 32-word vector: column b / 2, input 2 k2 + b % 2 (so vdpbf16ps sums
-// column c in 32-bit lane c, as the bfloat16 kernel's packed layout has it).
-//   Q4_1 (640 bytes): d[h=0] 16 x fp16 (column order), m[h=0], d[h=1], m[h=1]; then per input pair
-//        k2 = 0..15 one line: half 0's nibble low, half 1's high.
-//   Q8_0 (1088 bytes): d[h=0], d[h=1] 16 x fp16; then per k2 and h one line of int8.
+// the gate columns 16 nb .. + 16 (h = 0) and the same up columns (h = 1)). A "line" is 64 bytes
+// for inputs 4 g .. 4 g + 3 (g = 0..7): byte 4 n + j for column n of a half and input 4 g + j, so
+// `vpdpbusd` sums column n in 32-bit lane n.
+//   Q4_1 (640 bytes): d[h=0] 16 x fp16 (column order), m[h=0], d[h=1], m[h=1]; then per g one line:
+//        half 0's nibble low, half 1's high.
+//   Q8_0 (1088 bytes): d[h=0], d[h=1] 16 x fp16; then per g and h one line of q + 128 (unsigned).
 // quant_pack checks every packed weight, rounded as the loader rounds it (bf16(float(d) q +
 // float(m))), against the loaded bfloat16 weight: a pack is only made of the very blocks loaded.
 #pragma once
 #include "kernel_header.h"
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <vector>
 
 namespace servelab {
@@ -41,40 +43,6 @@ static inline int64_t gguf_block_bytes(BlockKind k) { return k == BlockKind::Q4_
 static inline int packed_kind(int64_t tile_bytes) { return tile_bytes == 640 ? 0 : tile_bytes == 1088 ? 1 : -1; }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define SERVELAB_GGUF_BLOCKS 1
-
-// Nibbles to bfloat16 words 128 + n: (v & 15) | 0x4300 (one vpternlogd) and (v >> 4) ^ 0x4300
-// (the bits do not overlap; with flip 8 the nibble's top bit turns over too).
-static inline __m512i low_words(__m512i v) {
-  return _mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), 0xEA);  // (A & B) | C
-}
-static inline __m512i high_words(__m512i v, int16_t flip) {  // flip 8: the high nibble of q + 128
-  return _mm512_xor_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi16(static_cast<int16_t>(0x4300 | flip)));
-}
-static inline __m512i line_bytes(const uint8_t* p) {  // 32 bytes, each zero-extended to a word
-  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-template <BlockKind K>
-struct TileLayout {
-  static constexpr bool kQ4 = K == BlockKind::Q4_1;
-  static constexpr int64_t kBytes = kQ4 ? 640 : 1088;
-  static constexpr int64_t kHead = kQ4 ? 128 : 64;  // the scales
-  // Byte offsets in a tile: half h's d and m (Q4_1) scales (16 x fp16 each, column order), and the
-  // line of input pair k2 (Q4_1: both halves' nibbles; Q8_0: half h's bytes).
-  static constexpr int64_t d_at(int h) { return h * (kHead / 2); }
-  static constexpr int64_t m_at(int h) { return h * 64 + 32; }
-  static constexpr int64_t line_at(int k2, int h) { return kQ4 ? kHead + k2 * 32 : kHead + (2 * k2 + h) * 32; }
-  // The weight at (half h, word b) of line k2, as the integer the scales multiply; and the bits a
-  // stored byte of that line holds for integer q (Q4_1: OR-ed with the other half's nibble).
-  static int q(const uint8_t* t, int k2, int h, int b) {
-    const uint8_t byte = t[line_at(k2, h) + b];
-    if constexpr (kQ4) return h == 0 ? byte & 15 : byte >> 4;
-    return static_cast<int8_t>(byte);
-  }
-  static uint8_t bits(uint8_t q, int h) { return kQ4 && h == 1 ? static_cast<uint8_t>(q << 4) : q; }
-};
-
 // R rows of x (their bfloat16 pairs as 32-bit words, KW a row) against one 32-column block, 2 R
 // accumulators of 16 columns in registers over the whole reduction: for each 32-input step kc,
 // src.step(kc) gives the block's weights there, whose pairs(k2, w0, w1) are the bfloat16 pairs of
@@ -126,120 +94,186 @@ static inline void dp_row_groups(const uint32_t* xw, int64_t KW, int64_t KC, flo
   dp_rows_tail<G - 1>(xw, KW, KC, cf, j, rows - j, j == 0 ? first : rest);
 }
 
-// R rows of x (bfloat16 pairs as 32-bit words, KW a row; sx: their float32 block sums, KB a row)
-// against one 32-column block of KB tiles: per tile the block sums A (and B) per row and half in
-// registers, then folded into the accumulators as the header says. Q4_1 at 1-2 rows keeps two
-// interleaved chains of A (one chain is vdpbf16ps's latency, not its throughput); Q8_0's A and B
-// are two chains already. Each tile asks for the lines kQuantPrefetch bytes further on in this
-// thread's stream (its blocks are contiguous): on 2 Sapphire Rapids cores the hardware's
-// prefetcher alone left SmolLM2's batch-1 step at 13-16 GB/s against `torch.sum`'s 25 (a Q8_0 LM
-// head of 30 MB in 2.3 ms); with it and the packs on huge pages (forward_plan.on_huge_pages) the
-// head takes 1.25 ms and the step 10.1 -> 7.2 ms (2,048 bytes; 1,024: 7.6, 4,096: 7.3-7.7, 8,192:
-// 9.2; docs/benchmarks-log.md, 2026-12-06). On a Zen 4 prefetching the next block measured no
-// faster. Rows land as dp_rows puts them.
-constexpr int64_t kQuantPrefetch = 2048;  // bytes ahead in a thread's stream (quant_rows)
+#endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SERVELAB_GGUF_BLOCKS 1
+
+template <BlockKind K>
+struct TileLayout {
+  static constexpr bool kQ4 = K == BlockKind::Q4_1;
+  static constexpr int64_t kBytes = kQ4 ? 640 : 1088;
+  static constexpr int64_t kHead = kQ4 ? 128 : 64;  // the scales
+  // Byte offsets in a tile: half h's d and m (Q4_1) scales (16 x fp16 each, column order), and the
+  // line of inputs 4 g .. 4 g + 3 (Q4_1: both halves' nibbles; Q8_0: half h's bytes).
+  static constexpr int64_t d_at(int h) { return h * (kHead / 2); }
+  static constexpr int64_t m_at(int h) { return h * 64 + 32; }
+  static constexpr int64_t line_at(int g, int h) { return kQ4 ? kHead + g * 64 : kHead + (2 * g + h) * 64; }
+  // The weight of column n of half h at input k, as the integer the scales multiply; and the bits a
+  // stored byte holds for integer q (Q4_1: OR-ed with the other half's nibble).
+  static int q(const uint8_t* t, int k, int h, int n) {
+    const uint8_t byte = t[line_at(k / 4, h) + 4 * n + k % 4];
+    if constexpr (kQ4) return h == 0 ? byte & 15 : byte >> 4;
+    return static_cast<int>(byte) - 128;
+  }
+  static uint8_t bits(int q, int h) {
+    if constexpr (kQ4) return static_cast<uint8_t>(h == 1 ? q << 4 : q);
+    return static_cast<uint8_t>(q + 128);
+  }
+};
+
+// x [M, K] (bfloat16) as the products read it: per row and 32-input block, the bytes hi and lo of
+// v = round(x / s) = 256 hi + lo (int8 [M, K] each, 4 of them a 32-bit word for vpdpbusd's
+// broadcast), s (float [M, K / 32]; NaN for a block holding an inf or a NaN), the float32 sum
+// of x and sv = sum v (int32).
+struct QuantX {
+  static constexpr float kSteps = 32512.f;  // |v| <= 32512: hi = (v + 128) >> 8 stays in [-127, 127]
+  int64_t K = 0, KB = 0;
+  std::vector<int8_t> hi, lo;
+  std::vector<float> scale, sum;
+  std::vector<int32_t> vsum;
+  const int32_t* hi_words(int64_t row) const { return reinterpret_cast<const int32_t*>(hi.data() + row * K); }
+  const int32_t* lo_words(int64_t row) const { return reinterpret_cast<const int32_t*>(lo.data() + row * K); }
+};
+
+static inline __m512 bf16_floats(__m256i v) {  // 16 bfloat16 -> float32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+static inline QuantX quantize_x(const bf16* x, int64_t M, int64_t K) {
+  QuantX q;
+  q.K = K;
+  q.KB = K / 32;
+  q.hi.resize(M * K);
+  q.lo.resize(M * K);
+  q.scale.resize(M * q.KB);
+  q.sum.resize(M * q.KB);
+  q.vsum.resize(M * q.KB);
+  const __m512i round_up = _mm512_set1_epi32(128);
+  for (int64_t b = 0; b < M * q.KB; ++b) {
+    const bf16* xb = x + b * 32;
+    const __m512 x0 = bf16_floats(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+    const __m512 x1 = bf16_floats(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const bool finite = std::isfinite(amax);  // false for a NaN too (max may drop it: checked below)
+    const bool nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
+    const float inv = finite && amax > 0.f ? QuantX::kSteps / amax : 0.f;
+    __m512i v[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv))),
+                    _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)))};  // round to nearest even
+    if (!finite || nan) v[0] = v[1] = _mm512_setzero_si512();
+    for (int i = 0; i < 2; ++i) {
+      const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(v[i], round_up), 8);
+      const __m512i l = _mm512_sub_epi32(v[i], _mm512_slli_epi32(h, 8));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.hi.data() + b * 32 + 16 * i), _mm512_cvtepi32_epi8(h));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.lo.data() + b * 32 + 16 * i), _mm512_cvtepi32_epi8(l));
+    }
+    q.scale[b] = finite && !nan ? amax / QuantX::kSteps : std::numeric_limits<float>::quiet_NaN();
+    q.sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+    q.vsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(v[0], v[1]));
+  }
+  return q;
+}
+
+// Each tile asks for the lines kQuantPrefetch bytes further on in this thread's stream (its blocks
+// are contiguous; a step's ~96 MB come from the last-level cache at best, and the hardware's
+// prefetcher alone left SmolLM2's batch-1 step at 13-16 GB/s against `torch.sum`'s 25 from memory,
+// a Q8_0 LM head of 30 MB in 2.3 ms). How far ahead follows the products' speed: 2,048 bytes
+// suited the bfloat16-word kernel (10.1 -> 7.2 ms a token, with the packs on huge pages:
+// forward_plan.on_huge_pages); with the integer products, 2 threads, alternating builds in one
+// window: 8,192 bytes 3.28-3.48 ms, 4,096 3.72-3.95, 16,384 3.41-3.69, 2,048 5.2-5.3
+// (docs/benchmarks-log.md, 2026-12-06). On a Zen 4 prefetching the next block measured no faster.
+constexpr int64_t kQuantPrefetch = 8192;  // bytes ahead in a thread's stream (quant_rows)
+
+// R rows of x (quantize_x's, from row j0; row jc on in cf) against one 32-column block of KB tiles: per tile the
+// integer sums A_hi, A_lo per row and half in registers (two interleaved chains of each at 1-2
+// rows: one chain is vpdpbusd's latency, not its throughput), then folded into float32
+// accumulators as the header says. Row j lands where the AMX tiles would store it (c[j / 16][h],
+// row j % 16), as dp_rows puts it.
 template <BlockKind K, int R>
-static inline void quant_rows(const uint32_t* xw, int64_t KW, const float* sx, int64_t KB, float* cf, int j0,
-                              const uint8_t* wb) {
+static inline void quant_rows(const QuantX& xq, int64_t j0, int jc, float* cf, const uint8_t* wb) {
   using L = TileLayout<K>;
   constexpr bool q4 = L::kQ4;
-  constexpr int S = q4 && R <= 2 ? 2 : 1;  // chains of A per row and half
+  constexpr int S = R <= 2 ? 2 : 1;  // chains per row, half and part
+  const int64_t KB = xq.KB;
+  const int32_t* hi[R];
+  const int32_t* lo[R];
+  for (int r = 0; r < R; ++r) {
+    hi[r] = xq.hi_words(j0 + r);
+    lo[r] = xq.lo_words(j0 + r);
+  }
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* t = wb + kb * L::kBytes;
-    const uint32_t* xk = xw + kb * 16;
     for (int64_t off = 0; off < L::kBytes; off += 64)  // this thread's stream, kQuantPrefetch bytes on
       _mm_prefetch(reinterpret_cast<const char*>(t + kQuantPrefetch + off), _MM_HINT_T0);
-    __m512 A[S][R][2], B[q4 ? 1 : R][2];
-    for (int r = 0; r < R; ++r) {
-      for (int s = 0; s < S; ++s) A[s][r][0] = A[s][r][1] = _mm512_setzero_ps();
-      if constexpr (!q4) B[r][0] = B[r][1] = _mm512_setzero_ps();
-    }
-    for (int k2 = 0; k2 < 16; k2 += S)
+    __m512i H[S][R][2], Lo[S][R][2];
+    for (int s = 0; s < S; ++s)
+      for (int r = 0; r < R; ++r) H[s][r][0] = H[s][r][1] = Lo[s][r][0] = Lo[s][r][1] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g += S)
       for (int s = 0; s < S; ++s) {
-        __m512i hi[2], lo[2];
+        __m512i w[2];
         if constexpr (q4) {
-          const __m512i v = line_bytes(t + L::line_at(k2 + s, 0));
-          hi[0] = low_words(v);  // half 0: the low nibbles
-          hi[1] = high_words(v, 0);
+          const __m512i v = _mm512_loadu_si512(t + L::line_at(g + s, 0));
+          w[0] = _mm512_and_si512(v, nibble);  // half 0: the low nibbles
+          w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
         } else {
-          for (int h = 0; h < 2; ++h) {
-            const __m512i v = line_bytes(t + L::line_at(k2 + s, h));
-            hi[h] = high_words(v, 8);
-            lo[h] = low_words(v);
-          }
+          for (int h = 0; h < 2; ++h) w[h] = _mm512_loadu_si512(t + L::line_at(g + s, h));
         }
         for (int r = 0; r < R; ++r) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[r * KW + k2 + s]));
+          const __m512i bh = _mm512_set1_epi32(hi[r][kb * 8 + g + s]);
+          const __m512i bl = _mm512_set1_epi32(lo[r][kb * 8 + g + s]);
           for (int h = 0; h < 2; ++h) {
-            A[s][r][h] = _mm512_dpbf16_ps(A[s][r][h], xv, (__m512bh)hi[h]);
-            if constexpr (!q4) B[r][h] = _mm512_dpbf16_ps(B[r][h], xv, (__m512bh)lo[h]);
+            H[s][r][h] = _mm512_dpbusd_epi32(H[s][r][h], w[h], bh);
+            Lo[s][r][h] = _mm512_dpbusd_epi32(Lo[s][r][h], w[h], bl);
           }
         }
       }
     for (int h = 0; h < 2; ++h) {
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + L::d_at(h))));
-      __m512 dsx;  // the coefficient of sx
-      if constexpr (q4) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + L::m_at(h))));
-        dsx = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, m);  // m - 128 d
-      } else {
-        dsx = _mm512_mul_ps(_mm512_set1_ps(-2304.f), d);
-      }
+      __m512 m = _mm512_setzero_ps();
+      if constexpr (q4) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + L::m_at(h))));
       for (int r = 0; r < R; ++r) {
-        __m512 sum = A[0][r][h];
-        for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, A[s][r][h]);
-        if constexpr (!q4) sum = _mm512_fmadd_ps(sum, _mm512_set1_ps(16.f), B[r][h]);
-        acc[r][h] = _mm512_fmadd_ps(sum, d, acc[r][h]);
-        acc[r][h] = _mm512_fmadd_ps(dsx, _mm512_set1_ps(sx[r * KB + kb]), acc[r][h]);
+        const int64_t b = (j0 + r) * KB + kb;
+        __m512i a_hi = H[0][r][h], a_lo = Lo[0][r][h];
+        for (int s = 1; s < S; ++s) {
+          a_hi = _mm512_add_epi32(a_hi, H[s][r][h]);
+          a_lo = _mm512_add_epi32(a_lo, Lo[s][r][h]);
+        }
+        __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(a_hi, 8), a_lo);  // sum_k q_k v_k (Q8_0: u_k v_k)
+        if constexpr (!q4) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * xq.vsum[b]));
+        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(xq.scale[b])), acc[r][h]);
+        if constexpr (q4) acc[r][h] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.sum[b]), acc[r][h]);
       }
     }
   }
   for (int r = 0; r < R; ++r) {
-    const int j = j0 + r;
+    const int j = jc + r;
     _mm512_store_ps(cf + ((j / 16) * 2) * 256 + (j % 16) * 16, acc[r][0]);
     _mm512_store_ps(cf + ((j / 16) * 2 + 1) * 256 + (j % 16) * 16, acc[r][1]);
   }
 }
 
 template <BlockKind K, int N>
-static inline void quant_rows_tail(const uint32_t* xw, int64_t KW, const float* sx, int64_t KB, float* cf, int j,
-                                   int n, const uint8_t* wb) {
+static inline void quant_rows_tail(const QuantX& xq, int64_t j0, int jc, int n, float* cf, const uint8_t* wb) {
   if constexpr (N > 0) {
     if (n == N)
-      quant_rows<K, N>(xw + j * KW, KW, sx + j * KB, KB, cf, j, wb);
+      quant_rows<K, N>(xq, j0, jc, cf, wb);
     else
-      quant_rows_tail<K, N - 1>(xw, KW, sx, KB, cf, j, n, wb);
+      quant_rows_tail<K, N - 1>(xq, j0, jc, n, cf, wb);
   }
 }
 
-// float32 sums of each row's 32-input blocks of x [M, K] (bfloat16): sx [M, K / 32].
-static inline std::vector<float> block_sums(const bf16* x, int64_t M, int64_t K) {
-  std::vector<float> sx(M * (K / 32));
-  for (int64_t i = 0; i < M * (K / 32); ++i) {
-    float s = 0.f;
-    for (int k = 0; k < 32; ++k) s += static_cast<float>(x[i * 32 + k]);
-    sx[i] = s;
-  }
-  return sx;
-}
-
-// Rows from 16 mt on (up to 32; x's rows are never copied: only whole rows are read) in groups of
-// at most G (Q4_1 4, Q8_0 3: the block sums and accumulators fill 16 and 18 registers), each group
-// widening the block again (cheap enough).
+// Rows from 16 mt on (up to 32) in groups of at most 4 (16 integer accumulators and 8 float
+// ones at 4 rows), each group reading the block again (from L1 or L2).
 template <BlockKind K>
-static inline void widened_block(const bf16* x, const float* sx, int64_t M, int64_t Kdim, int64_t mt,
-                                 const uint8_t* wb, int64_t KB, float* cf) {
-  constexpr int G = K == BlockKind::Q4_1 ? 4 : 3;
+static inline void quantized_block(const QuantX& xq, int64_t M, int64_t mt, const uint8_t* wb, float* cf) {
+  constexpr int G = 4;
   const int rows = static_cast<int>(std::min<int64_t>(32, M - mt * 16));
-  const uint32_t* xw = reinterpret_cast<const uint32_t*>(x + mt * 16 * Kdim);
-  const int64_t KW = Kdim / 2;
-  const float* sxm = sx + mt * 16 * KB;
   int j = 0;
-  for (; j + G <= rows; j += G) quant_rows<K, G>(xw + j * KW, KW, sxm + j * KB, KB, cf, j, wb);
-  quant_rows_tail<K, G - 1>(xw, KW, sxm, KB, cf, j, rows - j, wb);
+  for (; j + G <= rows; j += G) quant_rows<K, G>(xq, mt * 16 + j, j, cf, wb);
+  quant_rows_tail<K, G - 1>(xq, mt * 16 + j, j, rows - j, cf, wb);
 }
 
 // blocks [N, KB, gguf bytes] (uint8, the GGUF tensor's rows in w's row order) -> the packed
@@ -273,17 +307,18 @@ static torch::Tensor pack_gguf_blocks(const torch::Tensor& blocks, const torch::
         for (int h = 0; h < 2; ++h)
           for (int n = 0; n < 16; ++n) {
             const int64_t col = column(nb, h, n);
-            if (col >= N) continue;
-            const uint8_t* blk = src + (col * KB + kb) * G;  // GGUF: d, (m,) then the weights
-            std::memcpy(t + L::d_at(h) + 2 * n, blk, 2);
-            if constexpr (L::kQ4) std::memcpy(t + L::m_at(h) + 2 * n, blk + 2, 2);
-            for (int k = 0; k < 32; ++k) {  // weight k: word 2 n + k % 2 of line k / 2
-              uint8_t q;
-              if constexpr (L::kQ4)
+            const uint8_t* blk = col < N ? src + (col * KB + kb) * G : nullptr;  // GGUF: d, (m,) then the weights
+            if (blk) {  // past N: zero scales, zero weights
+              std::memcpy(t + L::d_at(h) + 2 * n, blk, 2);
+              if constexpr (L::kQ4) std::memcpy(t + L::m_at(h) + 2 * n, blk + 2, 2);
+            }
+            for (int k = 0; k < 32; ++k) {  // weight k: byte 4 n + k % 4 of line k / 4
+              int q = 0;
+              if (blk && L::kQ4)
                 q = k < 16 ? blk[4 + k] & 15 : blk[4 + k - 16] >> 4;
-              else
-                q = blk[2 + k];
-              t[L::line_at(k / 2, h) + 2 * n + k % 2] |= L::bits(q, h);
+              else if (blk)
+                q = static_cast<int8_t>(blk[2 + k]);
+              t[L::line_at(k / 4, h) + 4 * n + k % 4] |= L::bits(q, h);
             }
           }
       }
@@ -301,7 +336,7 @@ static torch::Tensor pack_gguf_blocks(const torch::Tensor& blocks, const torch::
             std::memcpy(&dh, t + L::d_at(h) + 2 * n, 2);
             if constexpr (L::kQ4) std::memcpy(&mh, t + L::m_at(h) + 2 * n, 2);
             for (int k = 0; k < 32; ++k) {
-              float v = _cvtsh_ss(dh) * static_cast<float>(L::q(t, k / 2, h, 2 * n + k % 2));  // exact in float32
+              float v = _cvtsh_ss(dh) * static_cast<float>(L::q(t, k, h, n));  // exact in float32
               if constexpr (L::kQ4) v += _cvtsh_ss(mh);
               const uint16_t got = c10::BFloat16(v).x;  // round to nearest even
               const int64_t at = col * 32 * KB + 32 * kb + k;

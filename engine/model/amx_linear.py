@@ -35,8 +35,8 @@ Fused epilogues save a pass over memory each:
 
 `packed` is an `amx_pack` result or a `quant_pack` one: a GGUF checkpoint's Q4_1 / Q8_0 blocks
 as stored, multiplied as the checkpoint defines them (engine/csrc/gguf_blocks.h: a third of the
-bytes, four or eight integer ops to widen 64 weights; the sums in float32 from the unrounded
-weights, so not the bfloat16 kernel's bits), which the model uses for steps of at most
+bytes; AVX512-VNNI's byte products of the unrounded weights and x written in 16-bit integers per
+32-input block, so not the bfloat16 kernel's bits), which the model uses for steps of at most
 `quant_max_rows(packed)` rows (by block kind: `QUANT_MAX_ROWS`).
 
 `next` (optional, AVX512-BF16 path): the packed weight of the op that runs next; while a thread
@@ -73,12 +73,13 @@ DECODE_MAX_ROWS = 128
 # silu * up 1.69 -> 1.10 ms, qkv about even (docs/benchmarks-log.md, 2026-12-05).
 AMX_MAX_ROWS = 1024
 # Up to how many rows a quant_pack weight is read rather than the bfloat16 one, by its block kind:
-# past that vdpbf16ps's throughput, not the stream, sets the pace and the bfloat16 kernels win,
-# and a Q8_0 byte takes two vdpbf16ps words where bfloat16 takes one. benchmarks/quant_linears.py
-# on a 2-core Zen 4 (2026-12-04): SmolLM2's 120 Q4_1 layer matrices 2.7x faster at 1 row, 2.1x at
-# 4, 1.5x at 5, 1.3x at 6, 0.8x at 8; its Q8_0 LM head 1.6x at 1 row, 1.2x at 2, 0.8x at 3
-# (docs/benchmarks.md).
-QUANT_MAX_ROWS = {"Q4_1": 6, "Q8_0": 2}
+# past that the products' throughput, not the stream, sets the pace and the bfloat16 kernels win.
+# benchmarks/quant_linears.py on 2 Sapphire Rapids cores (AMX for bfloat16; the blocks on
+# AVX512-VNNI, 2026-12-06): SmolLM2's 120 Q4_1 layer matrices 2.7x faster at 1 row, 2.2x at 4,
+# 1.4x at 8, 1.19x at 10, 1.05x at 12, 0.83x at 16; its Q8_0 LM head 2.0x at 1-3 rows, 1.5x at 4,
+# 1.28x at 6, 1.00x at 8 (docs/benchmarks-log.md). (With the bfloat16-word products before, on
+# a 2-core Zen 4: 6 and 2.)
+QUANT_MAX_ROWS = {"Q4_1": 10, "Q8_0": 6}
 
 _SOURCE = "amx_linear.cpp"  # engine/csrc
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def quant_max_rows(packed: torch.Tensor) -> int:
 
 def quant_available() -> bool:
     """Whether the decode linears can read a GGUF checkpoint's Q4_1 / Q8_0 blocks as stored (the
-    AVX512-BF16 build; `SERVELAB_CPU_QUANT=0` turns them off)."""
+    AVX512-BF16 and AVX512-VNNI build; `SERVELAB_CPU_QUANT=0` turns them off)."""
     if os.environ.get("SERVELAB_CPU_QUANT") == "0":
         return False
     ops = amx_ops()

@@ -2,7 +2,7 @@
 which weights each step size multiplies (`step_weights`, in the start-up log).
 
 Why it is a switch. On a CPU with AVX512-BF16 and a GGUF checkpoint the engine picks kernels by
-how many rows a step has: up to `amx_linear.QUANT_MAX_ROWS` rows (6 for Q4_1, 2 for Q8_0) the
+how many rows a step has: up to `amx_linear.QUANT_MAX_ROWS` rows (10 for Q4_1, 6 for Q8_0) the
 linears multiply the checkpoint's own blocks, past that the loader's bfloat16 rounding of them
 (the decode kernels up to `amx_linear.max_rows()`, then oneDNN's, whose sums run in an order of its
 own choosing per shape); attention takes prefill paths for a prompt's rows (16-row query
@@ -85,8 +85,8 @@ def check_plan(model: LlamaForCausalLM) -> None:
 
 
 def step_weights(model: LlamaForCausalLM) -> dict[str, str]:
-    """Which weights the linears multiply, by step size (rows): e.g. {"rows<=2": ..., "rows 3-6":
-    ..., "rows>6": "bfloat16 (loader-rounded)"}, or {"all": ...} (batch-invariant, no quant packs)."""
+    """Which weights the linears multiply, by step size (rows): e.g. {"rows<=6": ..., "rows 7-10":
+    ..., "rows>10": "bfloat16 (loader-rounded)"}, or {"all": ...} (batch-invariant, no quant packs)."""
     weight = model._lm_head_weight()
     base = _base(str(weight.dtype).removeprefix("torch."), model.gguf_path is not None)
     plan = model.model.plan
