@@ -19,6 +19,12 @@ causes were seen on the 2-core machines these comparisons run on, and each is re
   other guests while the round was measured (/proc/stat's steal column; `STEAL_MARGIN`), which
   nothing inside the machine shows.
 
+A fifth cause is not a condition but the figure itself: at c=16 the requests finish in groups and
+their successors arrive together, so per-request TTFTs sit in bands a prefill step apart, and a
+median that falls where one band ends moves by a whole step when a few requests land on the
+other side of it. `median_step` finds such a step among a round's sorted TTFTs (`ttft_ms`), and a
+round slow on its TTFT median says so.
+
 `slow_rounds` takes one server's rounds and names, for each round worse than the median of its
 rounds by more than `SLOW_FRACTION` on a figure, the conditions in which it differed from the
 other rounds, or says that none was recorded.
@@ -27,6 +33,7 @@ other rounds, or says that none was recorded.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import threading
@@ -44,6 +51,7 @@ SLOW_FRACTION = 0.05  # a figure this much worse than the median of the rounds m
 BUSY_SHARE = 0.2  # of one core, averaged over the sample
 STEAL_MARGIN = 0.02  # a round's CPU steal share above this (and the other rounds' by this) is named
 OVERSUBSCRIBED_MARGIN = 0.5  # mean runnable threads above the cores (and the other rounds) by this
+MEDIAN_WINDOW = 0.2  # median_step looks for a step among the central fifth of a round's TTFTs
 # What a serving process's command line holds (a script, or the module run with -m): servelab's,
 # vLLM's OpenAI server, llama.cpp's (llama-cpp-python's module, or the C++ llama-server).
 SERVER_MARKERS = ("servelab-serve", "engine.entrypoints.serve", "vllm.entrypoints", "vllm serve",
@@ -239,6 +247,32 @@ def reasons(cond: dict[str, Any], others: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def median_step(values: list[float], window: float = MEDIAN_WINDOW) -> dict[str, Any] | None:
+    """The widest gap between neighbours among the central `window` of `values` (sorted ranks
+    from (1 - window) / 2 to (1 + window) / 2 of them), where it exceeds SLOW_FRACTION of their
+    median: {"low", "high", "below", "n"} (`below` of the `n` values are <= low), else None."""
+    v = sorted(values)
+    n = len(v)
+    if n < 8:
+        return None
+    lo, hi = int(n * (1 - window) / 2), min(n - 1, math.ceil(n * (1 + window) / 2))
+    gap, at = max((v[i + 1] - v[i], i) for i in range(lo, hi))
+    if gap <= SLOW_FRACTION * statistics.median(v):
+        return None
+    return {"low": v[at], "high": v[at + 1], "below": at + 1, "n": n}
+
+
+def median_step_reason(ttft_ms: list[float]) -> str | None:
+    """A slow TTFT median explained by a step among the round's own TTFTs, in words, or None."""
+    step = median_step(ttft_ms)
+    if step is None:
+        return None
+    return (f"TTFT p50 at a step among the requests' TTFTs: {step['below']} of {step['n']} at or under "
+            f"{step['low']:.0f} ms, the rest from {step['high']:.0f} ms (requests arrive in groups and are "
+            "prefilled a step apart: the median moves by that step when a few requests land on the other "
+            "side of it, not with the server's speed)")
+
+
 def slow_rounds(rounds: list[tuple[int, dict[str, Any], dict[str, Any]]],
                 figures: dict[str, bool]) -> list[dict[str, Any]]:
     """`rounds`: (round, figures, conditions) of one server; `figures`: {name: higher_is_better}.
@@ -264,6 +298,9 @@ def slow_rounds(rounds: list[tuple[int, dict[str, Any], dict[str, Any]]],
         if not off:
             continue
         why = reasons(cond, _others(rounds, rnd))
+        band = median_step_reason(figs["ttft_ms"]) if "median_ttft_ms" in off and figs.get("ttft_ms") else None
+        if band:
+            why.append(band)
         if not why:
             why = ["no recorded cause (start-up choices, other processes, runnable threads and CPU steal as "
                    "in the other rounds)"]

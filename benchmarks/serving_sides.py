@@ -230,7 +230,10 @@ def drive(server: Server, specs: list[RequestSpec], concurrency: int, sampling: 
             "median_ttft_ms": s["median_ttft_ms"], "median_tpot_ms": s["median_tpot_ms"],
             "median_itl_ms": s["median_itl_ms"], "duration_s": s["duration"],
             "api_cpu_ms_per_token": 1000 * (cpu1["api"] - cpu0["api"]) / out,
-            "engine_cpu_ms_per_token": 1000 * (cpu1["engine"] - cpu0["engine"]) / out}
+            "engine_cpu_ms_per_token": 1000 * (cpu1["engine"] - cpu0["engine"]) / out,
+            # every completed request's TTFT, sorted: where a round's median sits among them
+            # (round_conditions.median_step)
+            "ttft_ms": sorted(round(1000 * r.ttft_s, 2) for r in res.records if r.ttft_s is not None)}
 
 
 def measurement_seeds(measurement: int) -> tuple[int, int, int]:

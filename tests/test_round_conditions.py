@@ -92,6 +92,34 @@ def test_slow_rounds_are_named_with_what_differed() -> None:
     assert rc.slow_rounds(rounds[:2], serving.SLOW_FIGURES) == []  # fewer than 3 rounds: no median to be off
 
 
+def _banded(low_count: int, n: int = 64) -> list[float]:
+    """n TTFTs in two bands a prefill step apart: low_count of them around 210 ms, the rest 240."""
+    return sorted([205.0 + 0.1 * i for i in range(low_count)] + [238.0 + 0.1 * i for i in range(n - low_count)])
+
+
+def test_a_ttft_median_at_a_step_among_the_requests_is_named() -> None:
+    """At c=16 per-request TTFTs sit in bands a prefill step apart; a round whose median lands one
+    band up because a few requests fell on the other side says so, with where the step is; a round
+    slow on TTFT with no step near its median, or slow on TPOT only, does not."""
+    assert rc.median_step(_banded(34)) == {"low": pytest.approx(208.3), "high": 238.0, "below": 34, "n": 64}
+    assert rc.median_step(_banded(34)[:5]) is None  # too few requests to speak of a median's neighbours
+    assert rc.median_step(_banded(10)) is None  # the step lies far from the median: not what moves it
+    assert rc.median_step([200.0 + i for i in range(64)]) is None  # evenly spread: no step
+    fig = {"output_throughput": 500.0, "median_ttft_ms": 212.0, "median_tpot_ms": 30.0}
+    rounds = [(r, {**fig, "ttft_ms": _banded(34)}, _cond()) for r in range(3)]
+    rounds.append((3, {**fig, "median_ttft_ms": 239.0, "ttft_ms": _banded(30)}, _cond()))  # four requests up
+    rounds.append((4, {**fig, "median_ttft_ms": 239.0, "ttft_ms": [230.0 + i for i in range(64)]}, _cond()))
+    rounds.append((5, {**fig, "median_tpot_ms": 33.0, "ttft_ms": _banded(30)}, _cond()))
+    slow = {s["round"]: s for s in rc.slow_rounds(rounds, serving.SLOW_FIGURES)}
+    assert sorted(slow) == [3, 4, 5]
+    assert slow[3]["reasons"] == [
+        "TTFT p50 at a step among the requests' TTFTs: 30 of 64 at or under 208 ms, the rest from 238 ms "
+        "(requests arrive in groups and are prefilled a step apart: the median moves by that step when a few "
+        "requests land on the other side of it, not with the server's speed)"]
+    assert slow[4]["reasons"][0].startswith("no recorded cause")
+    assert slow[5]["reasons"][0].startswith("no recorded cause")
+
+
 def test_a_left_server_is_named_even_when_idle() -> None:
     left = [{"pid": 77, "name": "python", "cpu_share": 0.0, "server": True, "cmd": "servelab-serve --port 1"}]
     assert rc.reasons(_cond(busy=left), [_cond()]) == [
