@@ -122,18 +122,18 @@ struct TileLayout {
   }
 };
 
-// x [M, K] (bfloat16) as the products read it: per row and 32-input block, the bytes hi and lo of
-// v = round(x / s) = 256 hi + lo (int8 [M, K] each, 4 of them a 32-bit word for vpdpbusd's
-// broadcast), s (float [M, K / 32]; NaN for a block holding an inf or a NaN), the float32 sum
-// of x and sv = sum v (int32).
+// x [M, K] (bfloat16) as the products read it: per row and 32-input block, the signed bytes hi
+// and lo of v = round(x / s) = 256 hi + lo, four to a 32-bit word (inputs 4 g .. 4 g + 3: what
+// vpdpbusd broadcasts; [M, K / 4] each), s (float [M, K / 32]; NaN for a block holding an inf or
+// a NaN), the float32 sum of x and sv = sum v (int32).
 struct QuantX {
   static constexpr float kSteps = 32512.f;  // |v| <= 32512: hi = (v + 128) >> 8 stays in [-127, 127]
   int64_t K = 0, KB = 0;
-  std::vector<int8_t> hi, lo;
+  std::vector<int32_t> hi, lo;
   std::vector<float> scale, sum;
   std::vector<int32_t> vsum;
-  const int32_t* hi_words(int64_t row) const { return reinterpret_cast<const int32_t*>(hi.data() + row * K); }
-  const int32_t* lo_words(int64_t row) const { return reinterpret_cast<const int32_t*>(lo.data() + row * K); }
+  const int32_t* hi_words(int64_t row) const { return hi.data() + row * (K / 4); }
+  const int32_t* lo_words(int64_t row) const { return lo.data() + row * (K / 4); }
 };
 
 static inline __m512 bf16_floats(__m256i v) {  // 16 bfloat16 -> float32 (exact)
@@ -144,8 +144,8 @@ static inline QuantX quantize_x(const bf16* x, int64_t M, int64_t K) {
   QuantX q;
   q.K = K;
   q.KB = K / 32;
-  q.hi.resize(M * K);
-  q.lo.resize(M * K);
+  q.hi.resize(M * K / 4);
+  q.lo.resize(M * K / 4);
   q.scale.resize(M * q.KB);
   q.sum.resize(M * q.KB);
   q.vsum.resize(M * q.KB);
@@ -164,8 +164,8 @@ static inline QuantX quantize_x(const bf16* x, int64_t M, int64_t K) {
     for (int i = 0; i < 2; ++i) {
       const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(v[i], round_up), 8);
       const __m512i l = _mm512_sub_epi32(v[i], _mm512_slli_epi32(h, 8));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.hi.data() + b * 32 + 16 * i), _mm512_cvtepi32_epi8(h));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.lo.data() + b * 32 + 16 * i), _mm512_cvtepi32_epi8(l));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.hi.data() + b * 8 + 4 * i), _mm512_cvtepi32_epi8(h));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.lo.data() + b * 8 + 4 * i), _mm512_cvtepi32_epi8(l));
     }
     q.scale[b] = finite && !nan ? amax / QuantX::kSteps : std::numeric_limits<float>::quiet_NaN();
     q.sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
@@ -184,10 +184,10 @@ static inline QuantX quantize_x(const bf16* x, int64_t M, int64_t K) {
 // (docs/benchmarks-log.md, 2026-12-06). On a Zen 4 prefetching the next block measured no faster.
 constexpr int64_t kQuantPrefetch = 8192;  // bytes ahead in a thread's stream (quant_rows)
 
-// R rows of x (quantize_x's, from row j0; row jc on in cf) against one 32-column block of KB tiles: per tile the
-// integer sums A_hi, A_lo per row and half in registers (two interleaved chains of each at 1-2
-// rows: one chain is vpdpbusd's latency, not its throughput), then folded into float32
-// accumulators as the header says. Row j lands where the AMX tiles would store it (c[j / 16][h],
+// R rows of x (quantize_x's, from row j0; row jc on in cf) against one 32-column block of KB
+// tiles: per tile the integer sums A_hi, A_lo per row and half in registers (two interleaved
+// chains of each at 1-2 rows: one chain is vpdpbusd's latency, not its throughput), then folded
+// into float32 accumulators as the header says. Row j lands where the AMX tiles would store it (c[j / 16][h],
 // row j % 16), as dp_rows puts it.
 template <BlockKind K, int R>
 static inline void quant_rows(const QuantX& xq, int64_t j0, int jc, float* cf, const uint8_t* wb) {
