@@ -12,6 +12,9 @@ peers-llamacpp`). Like for like:
 - per round and side: the median over the prompts of TPOT (time between the first and the last
   token over the tokens between) and of TTFT (the prompt's evaluation and the first token);
   reported as the median (min-max) over the rounds, the ratio servelab / llama.cpp in the same round;
+- each round records what it ran on (benchmarks/round_conditions.py): processes busy outside the
+  benchmark, runnable threads and CPU steal while it ran, and the rate a buffer of the step's bytes
+  read just before it; a round more than 5% off its side's median names what differed;
 - the floor: the bytes a batch-1 step reads (servelab: its block packs and the quantized LM head,
   as its start-up log says; llama.cpp: the GGUF's matmul tensors as stored) at the best rate
   `torch.sum` reads a buffer of that many bytes, again and again, on the same threads, before and
@@ -38,7 +41,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peers import ROOT, cpu_flags, cpu_model, format_flags, rate_at, read_rates  # noqa: E402
+from peers import ROOT, cpu_flags, cpu_model, format_flags, rate_at, read_bandwidth, read_rates  # noqa: E402
+from round_conditions import RoundConditions, RunnableSampler, busy_processes, slow_rounds  # noqa: E402
 from serving_sides import random_prompts  # noqa: E402
 from side_by_side import abba_order, format_cv, format_spread, ratio_spread, spread, step_read_bytes  # noqa: E402
 
@@ -150,13 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     for rnd, order in enumerate(abba_order(args.rounds, "servelab", "llamacpp")):
         for side in order:
             print(f"[{side}] round {rnd + 1}", flush=True)
-            res = run_side(side, job, llama_python)
+            cond = RoundConditions(busy=busy_processes(), step_read_rate=read_bandwidth(step_bytes["llamacpp"], 0.3))
+            with RunnableSampler() as runnable:
+                res = run_side(side, job, llama_python)
+            cond.runnable_mean, cond.steal = runnable.mean, runnable.steal
             fig = round_figures(res)
             if side == "servelab":
                 step_bytes["servelab"] = step_read_bytes("servelab-blocks", 0, gguf, res.get("step_bytes"))["bytes"]
             if side == "llamacpp":
                 versions["llama-cpp-python"] = res.get("version", "?")
-            rounds.append({"round": rnd, "side": side, **fig})
+            rounds.append({"round": rnd, "side": side, **fig, "conditions": cond.as_dict()})
             print(f"  TPOT p50 {fig['tpot_ms']:.2f} ms  TTFT p50 {fig['ttft_ms']:.1f} ms", flush=True)
     rates_after = read_rates(step_bytes.values())
     rates = floor_rates(step_bytes, rates_before, rates_after)
@@ -176,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                                          "summary": summary, "versions": versions,
                                          "read_rates": {"before": rates_before, "after": rates_after}}, indent=2))  # fmt: skip
     return 0
+
+
+SLOW_FIGURES = {"tpot_ms": False, "ttft_ms": False}  # round_conditions.slow_rounds: lower is better
 
 
 def floor_rates(step_bytes: dict[str, float | None], before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -221,6 +231,8 @@ def summarize(rounds: list[dict[str, Any]], step_bytes: dict[str, float | None],
                               "tpot_over_floor": spread(t / floor_ms if t and floor_ms else None for t in tpot),
                               "tpot_over_memory_floor": spread(t / memory_floor_ms if t and memory_floor_ms else None
                                                                for t in tpot)}  # fmt: skip
+        out["sides"][side]["slow_rounds"] = slow_rounds(
+            [(r["round"], r, r.get("conditions", {})) for r in rs if r], SLOW_FIGURES)
     for key in ("tpot_ms", "ttft_ms"):
         out["ratio"][key] = ratio_spread([r[key] if r else None for r in by["servelab"]],
                                          [r[key] if r else None for r in by["llamacpp"]])  # fmt: skip
@@ -238,6 +250,11 @@ def format_summary(summary: dict[str, Any]) -> list[str]:
                      f"{mb:>12} {floor:>16} {format_spread(s['tpot_over_floor'], '.2f') + 'x':>20} {mfloor:>16} "
                      f"{format_spread(s['tpot_over_memory_floor'], '.2f') + 'x':>20}")  # fmt: skip
         lines.append(f"  {'':<10} {format_cv(s['tpot_ms']):>22} {format_cv(s['ttft_ms']):>24}")
+    for side, s in summary["sides"].items():
+        for slow in s.get("slow_rounds", []):
+            off = ", ".join(f"{'TPOT' if k == 'tpot_ms' else 'TTFT'} p50 {v:+.1%}" for k, v in slow["off"].items())
+            lines.append(f"  slow round: {side} round {slow['round'] + 1} ({off} against the median): "
+                         + "; ".join(slow["reasons"]))
     r = summary["ratio"]
     lines.append(f"  servelab / llama.cpp, same round: TPOT {format_spread(r['tpot_ms'], '.2f')}x, "
                  f"TTFT {format_spread(r['ttft_ms'], '.2f')}x")  # fmt: skip

@@ -17,7 +17,9 @@ causes were seen on the 2-core machines these comparisons run on, and each is re
   on average means threads waited for a core;
 - **a neighbour on the host**: the same sampler takes the share of CPU time the hypervisor gave to
   other guests while the round was measured (/proc/stat's steal column; `STEAL_MARGIN`), which
-  nothing inside the machine shows.
+  nothing inside the machine shows; and where a benchmark measures it, the rate at which a buffer of
+  a decode step's bytes read just before the round (`step_read_rate`; `READ_RATE_MARGIN`): a step
+  whose weights sit in the host's last-level cache slows when other work evicts them.
 
 A fifth cause is not a condition but the figure itself: at c=16 the requests finish in groups and
 their successors arrive together, so per-request TTFTs sit in bands a prefill step apart, and a
@@ -51,6 +53,7 @@ SLOW_FRACTION = 0.05  # a figure this much worse than the median of the rounds m
 BUSY_SHARE = 0.2  # of one core, averaged over the sample
 STEAL_MARGIN = 0.02  # a round's CPU steal share above this (and the other rounds' by this) is named
 OVERSUBSCRIBED_MARGIN = 0.5  # mean runnable threads above the cores (and the other rounds) by this
+READ_RATE_MARGIN = 0.1  # a round's step read rate this far under the other rounds' is named
 MEDIAN_WINDOW = 0.2  # median_step looks for a step among the central fifth of a round's TTFTs
 # What a serving process's command line holds (a script, or the module run with -m): servelab's,
 # vLLM's OpenAI server, llama.cpp's (llama-cpp-python's module, or the C++ llama-server).
@@ -209,10 +212,13 @@ class RoundConditions:
     runnable_mean: float | None = None
     steal: float | None = None
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    # bytes/s `torch.sum` read a buffer of a decode step's bytes at just before the round (where a
+    # benchmark measures it): those bytes can sit in the last-level cache, which other work evicts
+    step_read_rate: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"choices": self.choices, "busy": self.busy, "runnable_mean": self.runnable_mean, "steal": self.steal,
-                "cores": self.cores}  # fmt: skip
+                "cores": self.cores, "step_read_rate": self.step_read_rate}  # fmt: skip
 
 
 def _others(rounds: list[tuple[int, Any, dict[str, Any]]], rnd: int) -> list[dict[str, Any]]:
@@ -237,6 +243,11 @@ def reasons(cond: dict[str, Any], others: list[dict[str, Any]]) -> list[str]:
         if usual_runnable is None or mine > usual_runnable + OVERSUBSCRIBED_MARGIN:
             tail = f" (the other rounds {usual_runnable:.1f})" if usual_runnable is not None else ""
             out.append(f"oversubscribed: {mine:.1f} runnable threads on average on {cores} cores{tail}")
+    rate = cond.get("step_read_rate")
+    theirs_rate = [o["step_read_rate"] for o in others if o.get("step_read_rate")]
+    if rate and theirs_rate and rate < statistics.median(theirs_rate) * (1 - READ_RATE_MARGIN):
+        out.append(f"the step's bytes read at {rate / 1e9:.1f} GB/s just before this round, the other rounds "
+                   f"{statistics.median(theirs_rate) / 1e9:.1f} (other work on the host's last-level cache)")
     steal = cond.get("steal")
     theirs_steal = [o["steal"] for o in others if o.get("steal") is not None]
     if steal is not None and steal > STEAL_MARGIN:

@@ -19,7 +19,7 @@ from engine.model.gguf_loader import (
 )
 
 pytestmark = pytest.mark.skipif(
-    not amx_linear.quant_available(), reason="no AVX512-BF16 on this CPU (or SERVELAB_CPU_QUANT=0 / SERVELAB_CPU_DPBF16=0)"
+    not amx_linear.quant_available(), reason="no AVX512-BF16 and AVX512-VNNI on this CPU (or SERVELAB_CPU_QUANT=0 / SERVELAB_CPU_DPBF16=0)"
 )
 
 ROWS = [1, 2, 3, 4, 7, 8, 9, 17, 33, 64]  # groups of 8 rows, row tiles of 16, pairs of tiles (32)

@@ -271,6 +271,16 @@ def test_c1_inprocess_figures_and_floors(capsys: pytest.CaptureFixture[str]) -> 
     assert s["sides"]["servelab"]["memory_floor_ms"] == pytest.approx(8.0)
     assert s["sides"]["llamacpp"]["floor_ms"] == pytest.approx(4.0)
     assert "512 MiB" in "\n".join(c1.format_rates(rates, before, after, 2))
+    assert s["sides"]["servelab"]["slow_rounds"] == []  # two rounds: no median to be off
+    cond = {"busy": [], "runnable_mean": 2.0, "steal": 0.0, "cores": 2, "step_read_rate": 50e9}
+    slow_rounds = [{"round": k, "side": "servelab", "tpot_ms": t, "ttft_ms": 40.0,
+                    "conditions": {**cond, "step_read_rate": 30e9 if t > 9 else 50e9}}
+                   for k, t in enumerate((8.0, 8.1, 11.0))]  # fmt: skip
+    slow_rounds += [{"round": k, "side": "llamacpp", "tpot_ms": 10.0, "ttft_ms": 50.0, "conditions": cond}
+                    for k in range(3)]  # fmt: skip
+    s3 = c1.summarize(slow_rounds, step_bytes, rates, 3)
+    text = "\n".join(c1.format_summary(s3))
+    assert "slow round: servelab round 3 (TPOT p50 +35.8% against the median): the step's bytes read at 30.0 GB/s" in text
     assert s["ratio"]["tpot_ms"]["min"] == pytest.approx(0.75) and s["ratio"]["tpot_ms"]["max"] == pytest.approx(0.8)
     text = "\n".join(c1.format_summary(s))
     assert "96.0 MB" in text and "servelab / llama.cpp, same round: TPOT 0.78 (0.75-0.80)x" in text

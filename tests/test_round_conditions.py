@@ -120,6 +120,22 @@ def test_a_ttft_median_at_a_step_among_the_requests_is_named() -> None:
     assert slow[5]["reasons"][0].startswith("no recorded cause")
 
 
+def test_a_round_whose_step_bytes_read_slower_says_so() -> None:
+    """A batch-1 step's bytes can sit in the last-level cache: a round before which a buffer of that
+    size read >10% slower than before the other rounds names it; 5% slower is not named."""
+    def cond(rate: float) -> dict:
+        return rc.RoundConditions(runnable_mean=2.0, steal=0.0, cores=2, step_read_rate=rate).as_dict()
+
+    figs = {"tpot_ms": 3.3, "ttft_ms": 31.0}
+    rounds = [(0, figs, cond(54e9)), (1, {**figs, "tpot_ms": 4.7}, cond(38e9)), (2, figs, cond(55e9)),
+              (3, {**figs, "tpot_ms": 3.7}, cond(52e9))]  # fmt: skip
+    slow = {s["round"]: s for s in rc.slow_rounds(rounds, {"tpot_ms": False, "ttft_ms": False})}
+    assert sorted(slow) == [1, 3]
+    assert slow[1]["reasons"] == ["the step's bytes read at 38.0 GB/s just before this round, the other rounds "
+                                  "54.0 (other work on the host's last-level cache)"]
+    assert slow[3]["reasons"][0].startswith("no recorded cause")
+
+
 def test_a_left_server_is_named_even_when_idle() -> None:
     left = [{"pid": 77, "name": "python", "cpu_share": 0.0, "server": True, "cmd": "servelab-serve --port 1"}]
     assert rc.reasons(_cond(busy=left), [_cond()]) == [
