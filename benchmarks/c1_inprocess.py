@@ -41,8 +41,18 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peers import ROOT, cpu_flags, cpu_model, format_flags, rate_at, read_bandwidth, read_rates  # noqa: E402
-from round_conditions import RoundConditions, RunnableSampler, busy_processes, slow_rounds  # noqa: E402
+from peers import (  # noqa: E402
+    ROOT,
+    cpu_flags,
+    cpu_model,
+    format_flags,
+    format_rates,
+    rate_at,
+    read_bandwidth,
+    read_rates,
+    step_floors,
+)
+from round_conditions import RoundConditions, RunnableSampler, busy_processes, format_slow_rounds, slow_rounds  # noqa: E402
 from serving_sides import random_prompts  # noqa: E402
 from side_by_side import abba_order, format_cv, format_spread, ratio_spread, spread, step_read_bytes  # noqa: E402
 
@@ -174,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workload: {args.prompts} prompts (+{args.warmup} warm-up) x {args.input_len} random tokens, {args.output_len} "
           f"output tokens, greedy, EOS ignored, batch 1, {args.threads} threads, the same GGUF ({gguf.name}); "
           f"{args.rounds} rounds ABBA, a fresh process per side and round")  # fmt: skip
-    for line in format_rates(rates, rates_before, rates_after, args.threads):
-        print(line)
+    print(rates_line(rates_before, rates_after, args.threads))
     for line in format_summary(summary):
         print(line)
     if args.json:
@@ -194,22 +203,14 @@ def floor_rates(step_bytes: dict[str, float | None], before: dict[str, Any], aft
     out: dict[str, Any] = {"memory": statistics.median([before["memory"]["rate"], after["memory"]["rate"]])}
     for side, b in step_bytes.items():
         if b:
-            got = [rate_at(r, b) for r in (before, after) if any(abs(int(k) - b) <= 0.01 * b for k in r["at"])]
+            got = [rate for r in (before, after) if (rate := rate_at(r, b, within=0.01)) is not None]
             out[side] = statistics.median(got) if got else None
     return out
 
 
-def format_rates(rates: dict[str, Any], before: dict[str, Any], after: dict[str, Any], threads: int) -> list[str]:
-    def at(r: dict[str, Any]) -> str:
-        return ", ".join(f"{int(b) / 1e6:.1f} MB {v / 1e9:.1f}" for b, v in r["at"].items())
-
-    llc = after.get("llc_bytes")
-    return [f"read rates (torch.sum, best, {threads} threads; GB/s): before the rounds {at(before)}, after {at(after)}; "
-            f"beyond every cache ({after['memory']['bytes'] / 2**30:.2f} GiB buffer; last-level cache "
-            f"{llc / 2**20:.0f} MiB) {before['memory']['rate'] / 1e9:.1f} before, {after['memory']['rate'] / 1e9:.1f} after"
-            if llc else
-            f"read rates (torch.sum, best, {threads} threads; GB/s): before the rounds {at(before)}, after {at(after)}; "
-            f"beyond every cache {before['memory']['rate'] / 1e9:.1f} before, {after['memory']['rate'] / 1e9:.1f} after"]
+def rates_line(before: dict[str, Any], after: dict[str, Any], threads: int) -> str:
+    return (f"read rates (torch.sum, best, {threads} threads; GB/s): before the rounds {format_rates(before)}; "
+            f"after {format_rates(after)}")
 
 
 def summarize(rounds: list[dict[str, Any]], step_bytes: dict[str, float | None], rates: dict[str, Any],
@@ -221,18 +222,15 @@ def summarize(rounds: list[dict[str, Any]], step_bytes: dict[str, float | None],
           for s in ("servelab", "llamacpp")}  # fmt: skip
     out: dict[str, Any] = {"sides": {}, "ratio": {}}
     for side, rs in by.items():
-        b, rate = step_bytes[side], rates.get(side)
-        floor_ms = 1e3 * b / rate if b and rate else None
-        memory_floor_ms = 1e3 * b / rates["memory"] if b and rates.get("memory") else None
+        f = step_floors(step_bytes[side], rates.get(side), rates.get("memory"))
         tpot = [r["tpot_ms"] if r else None for r in rs]
-        out["sides"][side] = {"tpot_ms": spread(tpot), "ttft_ms": spread(r["ttft_ms"] if r else None for r in rs),
-                              "step_bytes": b, "read_rate": rate, "floor_ms": floor_ms,
-                              "memory_floor_ms": memory_floor_ms,
-                              "tpot_over_floor": spread(t / floor_ms if t and floor_ms else None for t in tpot),
-                              "tpot_over_memory_floor": spread(t / memory_floor_ms if t and memory_floor_ms else None
-                                                               for t in tpot)}  # fmt: skip
-        out["sides"][side]["slow_rounds"] = slow_rounds(
-            [(r["round"], r, r.get("conditions", {})) for r in rs if r], SLOW_FIGURES)
+        out["sides"][side] = {
+            "tpot_ms": spread(tpot), "ttft_ms": spread(r["ttft_ms"] if r else None for r in rs),
+            "step_bytes": step_bytes[side], **f,
+            **{f"tpot_over_{k[:-3]}": spread(t / f[k] if t and f[k] else None for t in tpot)
+               for k in ("floor_ms", "memory_floor_ms")},
+            "slow_rounds": slow_rounds([(r["round"], r, r.get("conditions", {})) for r in rs if r], SLOW_FIGURES),
+        }  # fmt: skip
     for key in ("tpot_ms", "ttft_ms"):
         out["ratio"][key] = ratio_spread([r[key] if r else None for r in by["servelab"]],
                                          [r[key] if r else None for r in by["llamacpp"]])  # fmt: skip
@@ -251,10 +249,7 @@ def format_summary(summary: dict[str, Any]) -> list[str]:
                      f"{format_spread(s['tpot_over_memory_floor'], '.2f') + 'x':>20}")  # fmt: skip
         lines.append(f"  {'':<10} {format_cv(s['tpot_ms']):>22} {format_cv(s['ttft_ms']):>24}")
     for side, s in summary["sides"].items():
-        for slow in s.get("slow_rounds", []):
-            off = ", ".join(f"{'TPOT' if k == 'tpot_ms' else 'TTFT'} p50 {v:+.1%}" for k, v in slow["off"].items())
-            lines.append(f"  slow round: {side} round {slow['round'] + 1} ({off} against the median): "
-                         + "; ".join(slow["reasons"]))
+        lines += ["  " + line for line in format_slow_rounds(side, s.get("slow_rounds", []))]
     r = summary["ratio"]
     lines.append(f"  servelab / llama.cpp, same round: TPOT {format_spread(r['tpot_ms'], '.2f')}x, "
                  f"TTFT {format_spread(r['ttft_ms'], '.2f')}x")  # fmt: skip

@@ -148,10 +148,27 @@ def read_rates(sizes: Iterable[float], min_s: float = 0.5) -> dict[str, Any]:
             "llc_bytes": last_level_cache_bytes()}  # fmt: skip
 
 
-def rate_at(rates: dict[str, Any], nbytes: float) -> float:
-    """The rate `read_rates` measured at the size nearest `nbytes`."""
+def rate_at(rates: dict[str, Any], nbytes: float, within: float | None = None) -> float | None:
+    """The rate `read_rates` measured at the size nearest `nbytes`; None where `within` is given
+    and that size is further than `within` x nbytes from it."""
     at = rates["at"]
-    return float(at[min(at, key=lambda b: abs(int(b) - nbytes))])
+    size = min(at, key=lambda b: abs(int(b) - nbytes))
+    return None if within is not None and abs(int(size) - nbytes) > within * nbytes else float(at[size])
+
+
+def step_floors(nbytes: float | None, rate: float | None, memory_rate: float | None) -> dict[str, float | None]:
+    """A step's `nbytes` read at `rate` (the floor: the rate of a buffer of that size) and at
+    `memory_rate` (the memory floor: beyond every cache), in ms."""
+    return {"read_rate": rate, "floor_ms": 1e3 * nbytes / rate if nbytes and rate else None,
+            "memory_floor_ms": 1e3 * nbytes / memory_rate if nbytes and memory_rate else None}  # fmt: skip
+
+
+def format_rates(rates: dict[str, Any]) -> str:
+    """`read_rates` in words (GB/s): the rate at each size, then beyond every cache."""
+    at = ", ".join(f"{int(b) / 1e6:.1f} MB {v / 1e9:.1f}" for b, v in rates["at"].items())
+    llc = rates.get("llc_bytes")
+    cache = f"; last-level cache {llc / 2**20:.0f} MiB" if llc else ""
+    return f"{at}; beyond every cache ({rates['memory']['bytes'] / 2**30:.2f} GiB buffer{cache}) {rates['memory']['rate'] / 1e9:.1f}"
 
 
 def free_port() -> int:

@@ -317,3 +317,17 @@ def slow_rounds(rounds: list[tuple[int, dict[str, Any], dict[str, Any]]],
                    "in the other rounds)"]
         out.append({"round": rnd, "off": off, "reasons": why})
     return out
+
+
+# How slow-round lines name the figures they were off on.
+FIGURE_LABEL = {"output_throughput": "out tok/s", "median_ttft_ms": "TTFT p50", "median_tpot_ms": "TPOT p50",
+                "tpot_ms": "TPOT p50", "ttft_ms": "TTFT p50"}  # fmt: skip
+
+
+def format_slow_rounds(side: str, slow: list[dict[str, Any]]) -> list[str]:
+    """One line per slow round of `side` (`slow_rounds`' result): which figures were off the median, and why."""
+    lines = []
+    for s in slow:
+        off = ", ".join(f"{FIGURE_LABEL.get(k, k)} {v:+.1%}" for k, v in s["off"].items())
+        lines.append(f"slow round: {side} round {s['round'] + 1} ({off} against the median): " + "; ".join(s["reasons"]))
+    return lines

@@ -57,12 +57,14 @@ from peers import (  # noqa: E402
     cpu_model,
     ensure_peers,
     format_flags,
+    format_rates,
     peer_paths,
     peer_ready,
     rate_at,
     read_rates,
+    step_floors,
 )
-from round_conditions import slow_rounds  # noqa: E402
+from round_conditions import format_slow_rounds, slow_rounds  # noqa: E402
 from serving_sides import (  # noqa: E402
     Measured,
     Server,
@@ -236,9 +238,7 @@ def summarize_all(args: argparse.Namespace, arch: Any, machine: dict, results: l
     floors = step_read_floors(args, arch, results)
     rates = machine["read_rates"]
     for f in floors.values():
-        f["read_rate"] = rate_at(rates, f["bytes"]) if f["bytes"] else None
-        f["floor_ms"] = 1000 * f["bytes"] / f["read_rate"] if f["bytes"] else None
-        f["memory_floor_ms"] = 1000 * f["bytes"] / rates["memory"]["rate"] if f["bytes"] else None
+        f |= step_floors(f["bytes"], rate_at(rates, f["bytes"]) if f["bytes"] else None, rates["memory"]["rate"])
     return {
         "workload": {"num_requests": args.num_requests, "num_requests_c1": args.num_requests_c1,
                      "input_len": args.input_len, "output_len": args.output_len, "concurrency": args.concurrency,
@@ -252,16 +252,6 @@ def summarize_all(args: argparse.Namespace, arch: Any, machine: dict, results: l
 
 # The figures a slow round is looked for on (higher is better?): round_conditions.slow_rounds.
 SLOW_FIGURES = {"output_throughput": True, "median_ttft_ms": False, "median_tpot_ms": False}
-FIGURE_LABEL = {"output_throughput": "out tok/s", "median_ttft_ms": "TTFT p50", "median_tpot_ms": "TPOT p50"}
-
-
-def format_slow_rounds(server: str, slow: list[dict[str, Any]]) -> list[str]:
-    """One line per slow round of `server`: which figures were off the median, and why."""
-    lines = []
-    for s in slow:
-        off = ", ".join(f"{FIGURE_LABEL.get(k, k)} {v:+.1%}" for k, v in s["off"].items())
-        lines.append(f"slow round: {server} round {s['round'] + 1} ({off} against the median): " + "; ".join(s["reasons"]))
-    return lines
 
 
 def format_runnable(servers: dict[str, dict[str, Any]]) -> str:
@@ -287,11 +277,8 @@ def report(res: dict) -> None:
     print()
     print(f"CPU: {m['cpu']}, {m['cores']} cores; flags: {format_flags(m['cpu_flags'])}")
     g = m["gemm_reference"]
-    r = m["read_rates"]
-    at = ", ".join(f"{int(b) / 1e6:.1f} MB {v / 1e9:.1f} GB/s" for b, v in r["at"].items())
-    print(f"reference: {g['what']}: {g['bfloat16_flops'] / 1e9:.0f} GFLOP/s bfloat16; read rate (torch.sum, best, "
-          f"{m['cores']} threads) at each step's bytes {at}; beyond every cache ({r['memory']['bytes'] / 2**30:.2f} "
-          f"GiB) {r['memory']['rate'] / 1e9:.1f} GB/s")
+    print(f"reference: {g['what']}: {g['bfloat16_flops'] / 1e9:.0f} GFLOP/s bfloat16; read rates (torch.sum, best, "
+          f"{m['cores']} threads; GB/s) at each step's bytes {format_rates(m['read_rates'])}")
     print(f"workload: {w['num_requests']} requests (c=1: {w['num_requests_c1']}) x {w['input_len']} random prompt "
           f"tokens + {w['output_len']} output tokens, EOS ignored, no prompt sent twice to a server; {w['repeats']} "
           "rounds, ABBA order, fresh servers each round; median (min-max) over the rounds")

@@ -270,7 +270,7 @@ def test_c1_inprocess_figures_and_floors(capsys: pytest.CaptureFixture[str]) -> 
     assert s["sides"]["servelab"]["tpot_over_floor"]["median"] == pytest.approx(2.125)
     assert s["sides"]["servelab"]["memory_floor_ms"] == pytest.approx(8.0)
     assert s["sides"]["llamacpp"]["floor_ms"] == pytest.approx(4.0)
-    assert "512 MiB" in "\n".join(c1.format_rates(rates, before, after, 2))
+    assert "512 MiB" in c1.rates_line(before, after, 2)
     assert s["sides"]["servelab"]["slow_rounds"] == []  # two rounds: no median to be off
     cond = {"busy": [], "runnable_mean": 2.0, "steal": 0.0, "cores": 2, "step_read_rate": 50e9}
     slow_rounds = [{"round": k, "side": "servelab", "tpot_ms": t, "ttft_ms": 40.0,

@@ -111,8 +111,8 @@ class ForwardPlan:
         a = self.layers[0].attn
         flat = {
             "norms": tuple(t for lp in self.layers for t in (lp.in_norm, lp.post_norm)),
-            "bf16_packs": tuple(t for packs in amx if packs is not None for t in packs.matrices(False)),
-            "quant_packs": tuple(t for packs in amx if packs is not None and packs.quant is not None for t in packs.quant),
+            "bf16_packs": tuple(t for packs in amx if packs for t in packs.matrices(False)),
+            "quant_packs": tuple(t for packs in amx if packs and packs.quant is not None for t in packs.quant),
             "layer_shape": (a.num_heads, a.num_kv_heads, a.head_dim, *self.sizes),
         }
         for name, value in flat.items():
