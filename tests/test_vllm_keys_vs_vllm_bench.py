@@ -6,12 +6,24 @@ per-prompt `max_tokens` (16 to 46) with EOS ignored, the same sampling fields (g
 repetition_penalty 1.0) and a concurrency of 4 with every request ready at the start, sent in
 ABBA order by `vllm bench serve` (vLLM's CPU build in the side venv `make peers` makes; see
 benchmarks/peers.py; its CLI run by one interpreter for every round, benchmarks/vllm_bench_worker.py)
-and by the workbench's driver and `openai` target (no servelab timing
-extension: vLLM's client does not ask for it). Three rounds each: the test runs alone (`serial`,
-phase 2 of scripts/run_tests.sh), where its rounds spread by under 5% (2026-12-05: five rounds,
-TTFT p50 47.1-49.2 ms, output 159.3-167.1 tok/s, both clients); when it ran beside other tests,
-single rounds spread by up to 1.5x and it took five. The median of the rounds of each figure must
-agree within 5%. Skips, naming what is missing, where
+and by the workbench's driver and `openai` target (no servelab timing extension: vLLM's client does
+not ask for it). Two checks:
+
+- **Same requests, both computations.** Every `vllm bench serve` round saves its per-request
+  timings (`--save-detailed`: start, TTFT, chunk gaps, latency, token counts); the workbench's
+  `summarize` over those very requests must give vLLM's own figures for every vLLM-named key (to
+  float rounding; the throughputs over vLLM's duration, which also spans its dispatch and gather).
+  No timing noise enters: this is where a definition that differs shows.
+- **Both clients, the same server, five rounds each (ABBA).** The median of each figure must
+  agree within 5%, or, where it does not, the two clients' rounds must be indistinguishable (a
+  two-sided Mann-Whitney U test, p >= 0.05: with 5 rounds a side, at most two of the 25 pairs
+  inverted is p < 0.05). On a quiet machine the rounds spread by under 5% (2026-12-05: TTFT p50
+  47.1-49.2 ms, output 159.3-167.1 tok/s, both clients); on a shared 2-core CI runner single
+  rounds spread by up to 20% (2026-12-06: E2EL p50 309-374 ms for one client) and the medians of
+  three rounds moved 7-11% apart with neither client consistently slower, so a bare 5% bar on the
+  median failed on noise. A client that measured differently by more than the noise still fails.
+
+It runs alone (`serial`, phase 2 of scripts/run_tests.sh). Skips, naming what is missing, where
 the side venv or its model folder is absent.
 """
 
@@ -33,15 +45,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from peers import peer_paths  # noqa: E402
 
-# serial: two clients' latency figures must agree within 5%, so it runs alone (scripts/run_tests.sh)
+# serial: two clients' latency figures are compared, so it runs alone (scripts/run_tests.sh)
 pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.serial]
 
-NUM_PROMPTS, CONCURRENCY, ROUNDS = 32, 4, 3
+NUM_PROMPTS, CONCURRENCY, ROUNDS = 32, 4, 5
+TOLERANCE, ALPHA = 0.05, 0.05
 # Output lengths 16..46 (the same for both clients): equal lengths would keep the 4 users in lockstep,
 # and the TTFT median would hinge on where within an engine step a group of arrivals lands.
 OUTPUT_LENS = [16 + (7 * i) % 31 for i in range(NUM_PROMPTS)]
 KEYS = ("median_ttft_ms", "median_tpot_ms", "median_itl_ms", "median_e2el_ms", "mean_tpot_ms", "mean_e2el_ms",
         "output_throughput", "request_throughput")  # fmt: skip
+# every vLLM-named latency statistic (`--metric-percentiles 50,90,99`), compared on the same requests
+SAME_REQUEST_KEYS = tuple(f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
+                          for stat in ("mean", "median", "std", "p50", "p90", "p99"))  # fmt: skip
+THROUGHPUT_KEYS = ("request_throughput", "output_throughput", "total_token_throughput")
 PROMPTS = [f"Request {i}: tell the story of the lighthouse keeper who counted {i} ships in one night." for i in
            range(NUM_PROMPTS)]  # fmt: skip
 
@@ -90,7 +107,7 @@ class _VllmBench:
                 str(dataset), "--disable-shuffle", "--num-prompts", str(NUM_PROMPTS),
                 "--request-rate", "inf", "--max-concurrency", str(CONCURRENCY), "--ignore-eos", "--temperature", "0",
                 "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm",
-                "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{tag}.json"]  # fmt: skip
+                "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", f"{tag}.json"]  # fmt: skip
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(args) + "\n")
         self.proc.stdin.flush()
@@ -132,7 +149,56 @@ def _workbench(base_url: str, model: str) -> dict:
     return summarize(asyncio.run(go()).records)
 
 
-def test_workbench_vllm_keys_within_5_percent_of_vllm_bench_serve(tmp_path: Path) -> None:
+def _records_from_vllm(result: dict) -> list:
+    """vLLM's own per-request timings (`--save-detailed`) as workbench records: sent at its start
+    time, one content chunk at start + TTFT and one more after each of its ITLs, done at its latency,
+    with its token counts."""
+    from workloads.record import RequestRecord
+
+    t0 = min(result["start_times"])
+    records = []
+    for i, (start, ttft, itl, latency, n_in, n_out) in enumerate(zip(
+            result["start_times"], result["ttfts"], result["itls"], result["latencies"], result["input_lens"],
+            result["output_lens"], strict=True)):  # fmt: skip
+        first = start - t0 + ttft
+        records.append(RequestRecord(f"v{i}", scheduled_s=start - t0, start_s=start - t0, token_times=[first],
+                                     done_s=start - t0 + latency, prompt_tokens=n_in, output_tokens=n_out,
+                                     chunk_itls_s=list(itl)))
+    return records
+
+
+def _same_requests_mismatches(result: dict) -> dict[str, tuple[float, float]]:
+    """vLLM-named keys where `summarize` over vLLM's own requests differs from vLLM's figure."""
+    from workloads.metrics import summarize
+
+    s = summarize(_records_from_vllm(result))
+    got = {k: s[k] for k in SAME_REQUEST_KEYS + ("completed", "total_input_tokens", "total_output_tokens",
+                                                 "max_output_tokens_per_s")}  # fmt: skip
+    # vLLM divides by its benchmark's wall time (dispatch to gather), the workbench by first send to last done
+    got |= {k: s[k] * s["duration"] / result["duration"] for k in THROUGHPUT_KEYS}
+    return {k: (v, result[k]) for k, v in got.items() if v != pytest.approx(result[k], rel=1e-9, abs=1e-9)}
+
+
+def _disagreements(ours: list[dict], theirs: list[dict]) -> dict[str, str]:
+    """Keys whose medians differ by more than TOLERANCE while the two clients' rounds are told apart
+    (Mann-Whitney U, two-sided, p < ALPHA); each with the line that says so."""
+    from scipy.stats import mannwhitneyu
+
+    off = {}
+    for key in KEYS:
+        a, b = [s[key] for s in ours], [r[key] for r in theirs]
+        ratio = statistics.median(a) / statistics.median(b)
+        p = float(mannwhitneyu(a, b, alternative="two-sided").pvalue)
+        line = (f"{key}: workbench {statistics.median(a):.3f} vs vllm bench {statistics.median(b):.3f} "
+                f"({ratio - 1:+.1%}, Mann-Whitney p={p:.3f}) rounds {[round(x, 3) for x in a]} / "
+                f"{[round(x, 3) for x in b]}")  # fmt: skip
+        print(line)
+        if abs(ratio - 1) > TOLERANCE and p < ALPHA:
+            off[key] = line
+    return off
+
+
+def test_workbench_vllm_keys_agree_with_vllm_bench_serve(tmp_path: Path) -> None:
     missing = _missing()
     if missing:
         pytest.skip(f"vllm bench serve comparison {missing}")
@@ -162,9 +228,7 @@ def test_workbench_vllm_keys_within_5_percent_of_vllm_bench_serve(tmp_path: Path
         assert server.stop() == 0, server.log()
     assert all(s["completed"] == NUM_PROMPTS and s["total_output_tokens"] == sum(OUTPUT_LENS) for s in ours)
     assert all(r["completed"] == NUM_PROMPTS and r["total_output_tokens"] == sum(OUTPUT_LENS) for r in theirs)
-    table = {key: (statistics.median(s[key] for s in ours), statistics.median(r[key] for r in theirs),
-                   [round(s[key], 3) for s in ours], [round(r[key], 3) for r in theirs]) for key in KEYS}
-    print("\n".join(f"{k}: workbench {a:.3f} vs vllm bench {b:.3f} ({a / b - 1:+.1%}) rounds {ra} / {rb}"
-                     for k, (a, b, ra, rb) in table.items()))
-    off = {k: row for k, row in table.items() if row[0] != pytest.approx(row[1], rel=0.05)}
-    assert not off, off
+    same = {f"vllm{k}": _same_requests_mismatches(r) for k, r in enumerate(theirs)}
+    assert not any(same.values()), {k: v for k, v in same.items() if v}
+    off = _disagreements(ours, theirs)
+    assert not off, "\n".join(off.values())
