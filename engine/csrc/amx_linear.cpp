@@ -344,7 +344,8 @@ static void with_packed(const torch::Tensor& packed, const RowTiles& rt, const c
   }
 #if defined(SERVELAB_GGUF_BLOCKS)
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const QuantX xq = quantize_x(rt.x, rt.M, rt.K);
+  static thread_local QuantX xq;  // this thread's x of its current linear (no call nests another)
+  quantize_x(xq, rt.x, rt.M, rt.K);
   if (packed_kind(packed.size(2)) == static_cast<int>(BlockKind::Q4_1))
     f(GgufBlocks<BlockKind::Q4_1>{w, packed.size(0), packed.size(1), &xq});
   else

@@ -284,16 +284,26 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
   const int64_t S = fixed_items ? 1 : context_segments(Tn * parts, Tn, qslp, slp, req_of, BS);
   // S > 1: per unit and query head of its item, the segment's max score, its sum of exp(s - max)
   // and its D unnormalised outputs (dimension order)
-  std::vector<float> part_max, part_sum, part_acc;
+  // Scratch kept from call to call, per thread (a decode step calls this once a layer; every
+  // element a unit reads it has written first): no allocation per call.
+  // (the segments' sums are the calling thread's: the references below, not the names of thread_local
+  // objects, are what the workers see)
+  static thread_local std::vector<float> caller_max, caller_sum, caller_acc;
+  std::vector<float>& part_max = caller_max;
+  std::vector<float>& part_sum = caller_sum;
+  std::vector<float>& part_acc = caller_acc;
   if (S > 1) {
     part_max.resize(Tn * parts * S * nh);
     part_sum.resize(part_max.size());
     part_acc.resize(part_max.size() * D);
   }
   at::parallel_for(0, Tn * parts * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(nh * D), inv(nh);
-    std::vector<float> acc(nh * D), acc_pairs(nh * D);
-    std::vector<uint32_t> pairs;
+    static thread_local std::vector<float> scores, qf, inv, acc, acc_pairs;
+    static thread_local std::vector<uint32_t> pairs;
+    qf.resize(nh * D);
+    inv.resize(nh);
+    acc.resize(nh * D);
+    acc_pairs.resize(nh * D);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t w = u / S, seg = u % S;
       const int64_t i = w / parts, h0 = (w % parts) * hpi;
