@@ -1,7 +1,8 @@
 """The decoder layers in one C++ call (engine/model/planned_layers.py) against the planned
 forward's Python loop: the same hidden states bit for bit on every decode step, with the
-bfloat16 packs (dummy weights) and the checkpoint's quant packs (the real SmolLM2 GGUF); steps
-with prefill rows and observed attention keep the loop."""
+bfloat16 packs (dummy weights) and the checkpoint's quant packs (the real SmolLM2 GGUF; both as
+the team step and op by op, at 1 and 3 rows); steps with prefill rows and observed attention keep
+the loop, and a profiled step calls every kernel by name."""
 
 from __future__ import annotations
 
@@ -77,17 +78,55 @@ def test_op_equals_the_python_loop_with_bfloat16_packs() -> None:
     assert 3 <= calls <= len(hidden[0]) - 2
 
 
+def _team_step_count() -> int:
+    return int(torch.ops.servelab.decode_team_steps())
+
+
+@pytest.mark.parametrize("team", [True, False], ids=["team", "dispatcher"])
+@pytest.mark.parametrize("rows", [1, 3])
 @torch.inference_mode()
-def test_op_equals_the_python_loop_with_the_checkpoints_quant_packs() -> None:
-    llm = LLM(model="smollm2", max_num_seqs=1, max_model_len=512)
+def test_op_equals_the_python_loop_with_the_checkpoints_quant_packs(team: bool, rows: int) -> None:
+    """Both ways the op runs the quant packs: the team step (one parallel region for the layers,
+    where the CPU has AVX512-VNNI) and the ops called one by one through the dispatcher; 1 and 3
+    decode rows (the attention's units split into context segments differently)."""
+    llm = LLM(model="smollm2", max_num_seqs=rows, max_model_len=512)
     plan = _needs_op(llm)
     if not plan.quant_packs:
         pytest.skip("no quant packs: the CPU lacks AVX512-BF16 for the GGUF block kernels")
-    tokens, hidden, calls = _run_both(llm, [list(range(200, 232))], 8)
+    had = torch.ops.servelab.set_decode_team(None)
+    if team and not had:
+        pytest.skip("the team step needs the GGUF block kernels' AVX512-VNNI build (engine/csrc/gguf_blocks.h)")
+    torch.ops.servelab.set_decode_team(team)
+    before = _team_step_count()
+    try:
+        prompts = [list(range(200 + 40 * i, 232 + 40 * i + 5 * i)) for i in range(rows)]
+        tokens, hidden, calls = _run_both(llm, prompts, 8)
+    finally:
+        torch.ops.servelab.set_decode_team(had)
     assert tokens[0] == tokens[1]
-    assert calls == 7  # every step after the prompt's
+    assert calls == 7  # every step after the prompts' (one prefill step: the prompts fit one budget)
+    assert _team_step_count() - before == (calls if team else 0)
     for a, b in zip(hidden[0], hidden[1], strict=True):
         assert torch.equal(a, b)
+
+
+@torch.inference_mode()
+def test_a_profiled_step_keeps_every_kernel_in_view() -> None:
+    """Under torch.profiler the op calls each kernel through the dispatcher (the profile lists them
+    by name), not the team step."""
+    llm = LLM(model="smollm2", max_num_seqs=1, max_model_len=512)
+    plan = _needs_op(llm)
+    if not plan.quant_packs or not torch.ops.servelab.set_decode_team(None):
+        pytest.skip("the team step needs the GGUF block kernels' AVX512-VNNI build (engine/csrc/gguf_blocks.h)")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    before = _team_step_count()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        llm.generate([list(range(300, 320))], params, use_tqdm=False)
+    names = {e.key for e in prof.key_averages()}
+    assert "servelab::planned_layers" in names and "servelab::amx_linear" in names
+    assert _team_step_count() == before
+    llm.generate([list(range(300, 320))], params, use_tqdm=False)
+    assert _team_step_count() - before == 3  # unprofiled: the team step
 
 
 class _Phases(NullHooks):

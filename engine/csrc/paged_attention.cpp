@@ -120,12 +120,6 @@ bool paged_prefill_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor 
 #endif
 }
 
-// Fewer query rows than this take the AVX-512 path where AMX is on: a row's tile products leave
-// most of the tile unused, and cold-cache decode of SmolLM2's 30 layers at 256 tokens (2 Sapphire
-// Rapids cores, per layer) ran 14.5-19.3 us on AVX-512 against 17.2-20.6 on AMX at 1 row, even at
-// 2, 46-48 against 49-53 at 4, and 75-76 against 88-90 on AMX's side at 8 (docs/benchmarks-log.md).
-constexpr int64_t kAmxMinRows = 8;
-
 // batch_invariant: the path and the work split chosen without regard to the number of rows (one
 // kv head per item; AMX wherever an item fits), so each row's result depends on its own query and
 // context only (model.batch_invariant).
@@ -210,19 +204,7 @@ void write_kv_(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::
   TORCH_CHECK(v.size(0) == T_ && slots.numel() == T_, "k, v and slot_mapping: one row per token");
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "slot_mapping: slot out of range");
-  SERVELAB_DISPATCH(kv_cache, [&] {
-    scalar_t* kc = kv_cache.data_ptr<scalar_t>();
-    scalar_t* vc = kc + nslots * Hkv * D;
-    const scalar_t *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
-    const int64_t k0 = k.stride(0), k1 = k.stride(1), v0 = v.stride(0), v1 = v.stride(1);
-    at::parallel_for(0, T_, 256, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t)
-        for (int64_t h = 0; h < Hkv; ++h) {
-          std::memcpy(kc + (sp[t] * Hkv + h) * D, kp + t * k0 + h * k1, D * sizeof(scalar_t));
-          std::memcpy(vc + (sp[t] * Hkv + h) * D, vp + t * v0 + h * v1, D * sizeof(scalar_t));
-        }
-    });
-  });
+  SERVELAB_DISPATCH(kv_cache, [&] { write_kv_rows<scalar_t>(kv_cache, k, v, sp, T_); });
 }
 
 }  // namespace servelab

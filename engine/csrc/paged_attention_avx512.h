@@ -215,7 +215,7 @@ static inline void values_heads_pairs(const bf16* vb, int64_t n, int64_t row, in
 constexpr int64_t kMinSegmentBlocks = 2;
 static inline int64_t context_segments(int64_t items, int64_t Tn, const int64_t* qslp, const int64_t* slp,
                                        const std::vector<int64_t>& req_of, int64_t BS) {
-  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t threads = team_threads();
   if (items == 0 || items >= 2 * threads) return 1;
   int64_t fewest = std::numeric_limits<int64_t>::max();  // blocks of the shortest row's context
   for (int64_t i = 0; i < Tn; ++i) {
@@ -256,10 +256,18 @@ static void merge_segments(const std::vector<float>& pmax, const std::vector<flo
   }
 }
 
+// The segments' partial sums of one call (S > 1), shared by the threads that attend its units.
+struct SegmentScratch {
+  std::vector<float> max, sum, acc;
+};
+
+// scratch: where the segments' partial sums go; null: the calling thread's own (a team shares
+// one, team.h: every thread of it makes the same call).
 template <typename T, int C>
 static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp,
                                    int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
-                                   float scale, torch::Tensor& out, bool fixed_items = false) {
+                                   float scale, torch::Tensor& out, bool fixed_items = false,
+                                   SegmentScratch* scratch = nullptr) {
   constexpr int64_t D = 16 * C;
   // Cache blocks prefetched ahead of the one being read, into L2: on a 2-core AMD EPYC Zen 4, cold
   // decode at SmolLM2's shape (benchmarks/cpu_paged_attention.py --layers 30 --threads 2) took 1.26 ms
@@ -284,20 +292,21 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
   const int64_t S = fixed_items ? 1 : context_segments(Tn * parts, Tn, qslp, slp, req_of, BS);
   // S > 1: per unit and query head of its item, the segment's max score, its sum of exp(s - max)
   // and its D unnormalised outputs (dimension order)
-  // Scratch kept from call to call, per thread (a decode step calls this once a layer; every
-  // element a unit reads it has written first): no allocation per call.
-  // (the segments' sums are the calling thread's: the references below, not the names of thread_local
-  // objects, are what the workers see)
-  static thread_local std::vector<float> caller_max, caller_sum, caller_acc;
-  std::vector<float>& part_max = caller_max;
-  std::vector<float>& part_sum = caller_sum;
-  std::vector<float>& part_acc = caller_acc;
-  if (S > 1) {
-    part_max.resize(Tn * parts * S * nh);
-    part_sum.resize(part_max.size());
-    part_acc.resize(part_max.size() * D);
-  }
-  at::parallel_for(0, Tn * parts * S, 1, [&](int64_t begin, int64_t end) {
+  // Scratch kept from call to call (a decode step calls this once a layer; every element a unit
+  // reads it has written first): no allocation per call. The workers see the caller's vectors
+  // through these references (the name of a thread_local object would be their own).
+  static thread_local SegmentScratch callers;
+  SegmentScratch& shared = scratch ? *scratch : callers;
+  std::vector<float>& part_max = shared.max;
+  std::vector<float>& part_sum = shared.sum;
+  std::vector<float>& part_acc = shared.acc;
+  if (S > 1)
+    team_single([&] {
+      part_max.resize(Tn * parts * S * nh);
+      part_sum.resize(part_max.size());
+      part_acc.resize(part_max.size() * D);
+    });
+  team_for(0, Tn * parts * S, [&](int64_t begin, int64_t end) {
     static thread_local std::vector<float> scores, qf, inv, acc, acc_pairs;
     static thread_local std::vector<uint32_t> pairs;
     qf.resize(nh * D);
@@ -393,7 +402,7 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
       }
     }
   });
-  if (S > 1) merge_segments(part_max, part_sum, part_acc, Tn * parts, S, nh, D, parts, hpi * G, Hq, op);
+  if (S > 1) team_single([&] { merge_segments(part_max, part_sum, part_acc, Tn * parts, S, nh, D, parts, hpi * G, Hq, op); });
 }
 #endif
 

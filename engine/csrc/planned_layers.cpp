@@ -4,7 +4,14 @@
 // layers instead of ~300 (2-3 us each: SmolLM2's batch-1 step 8.0-9.4 -> 6.2-6.9 ms).
 #include "kernel_header.h"
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <atomic>
+#include <cstdlib>
 #include <optional>
+#include <vector>
+#include "layer_ops.h"
+#include "linear_blocks.h"
+#include "paged_attention_avx512.h"
 
 namespace servelab {
 namespace {
@@ -43,7 +50,148 @@ const LayerOps& layer_ops() {
   return ops;
 }
 
+#if defined(SERVELAB_GGUF_BLOCKS) && defined(__AVX512F__)
+#define SERVELAB_DECODE_TEAM 1
+#endif
+
+// The team step (below): on unless SERVELAB_DECODE_TEAM=0 in the environment; `set_decode_team`
+// switches it (tests and A/B benchmarks run both in one process). g_team_steps counts its steps.
+std::atomic<bool> g_team_enabled{[] {
+  const char* e = std::getenv("SERVELAB_DECODE_TEAM");
+  return !(e && e[0] == '0');
+}()};
+std::atomic<int64_t> g_team_steps{0};
+
+#if defined(SERVELAB_DECODE_TEAM)
+// One of a layer's linears on the checkpoint's blocks, run by every thread of the team: each
+// quantizes x itself (a few hundred bytes: cheaper than a barrier) and takes its share of the
+// weight's column blocks (team.h); silu: the fused gate/up projection's silu(gate) * up.
+static void team_linear(const bf16* x, int64_t M, int64_t K, const Tensor& pack, int64_t N, bf16* y,
+                        const NextWeight& next, bool silu) {
+  static thread_local QuantX xq;
+  quantize_x(xq, x, M, K);
+  const RowTiles rt(x, M, K, false);
+  const uint8_t* w = static_cast<const uint8_t*>(pack.data_ptr());
+  auto run = [&](const auto& wt) {
+    if (silu)
+      silu_mul_into(rt, wt, N, y, next);
+    else
+      linear_into(rt, wt, N, y, next);
+  };
+  if (packed_kind(pack.size(2)) == static_cast<int>(BlockKind::Q4_1))
+    run(GgufBlocks<BlockKind::Q4_1>{w, pack.size(0), pack.size(1), &xq});
+  else
+    run(GgufBlocks<BlockKind::Q8_0>{w, pack.size(0), pack.size(1), &xq});
+}
+
+// Whether the team step runs this call: the checkpoint's blocks for every matrix, rows few enough
+// that paged_attention takes its AVX-512 path (kAmxMinRows), a head size it has a path for, the
+// inputs laid out as the loops read them, and no profiler listening (it would see one op where the
+// dispatcher path shows every kernel by name).
+static bool team_applies(const Tensor& x, const Tensor& cos, const Tensor& sin, at::TensorList kv_caches,
+                         at::TensorList norms, const Tensor& final_norm, at::TensorList packs, int64_t D,
+                         int64_t hidden) {
+  if (!g_team_enabled.load(std::memory_order_relaxed) || at::hasCallbacks() || x.size(0) >= kAmxMinRows ||
+      (D != 64 && D != 128) || !cos.is_contiguous() || !sin.is_contiguous() || cos.numel() != x.size(0) * D ||
+      sin.numel() != x.size(0) * D || cos.scalar_type() != torch::kBFloat16 || sin.scalar_type() != torch::kBFloat16)
+    return false;
+  for (const Tensor& c : kv_caches)
+    if (c.scalar_type() != torch::kBFloat16 || !c.is_contiguous() || c.dim() != 5 || c.size(4) != D) return false;
+  for (const Tensor& p : packs)
+    if (p.scalar_type() != torch::kUInt8 || p.dim() != 3 || !p.is_contiguous() || p.size(0) == 0 ||
+        packed_kind(p.size(2)) < 0)
+      return false;
+  for (const Tensor* n : {&final_norm})
+    if (n->scalar_type() != torch::kBFloat16 || !n->is_contiguous() || n->numel() != hidden) return false;
+  for (const Tensor& n : norms)
+    if (n.scalar_type() != torch::kBFloat16 || !n.is_contiguous() || n.numel() != hidden) return false;
+  return true;
+}
+
+// The layers of a decode step of a few rows in one parallel region: the same kernels as the
+// dispatcher path below (the same loops, the same split of every linear's blocks and attention's
+// units over the threads, so the same numbers bit for bit: tests/test_planned_layers.py), met at
+// barriers instead of started and joined per op. A batch-1 step runs ~270 ops; each call through
+// the dispatcher, its allocation and its fork and join cost microseconds, more right after the
+// weights have streamed through the caches (benchmarks/cold_after_stream.py).
+template <int C>
+static Tensor team_layers(Tensor x, const Tensor& cos, const Tensor& sin, at::TensorList kv_caches,
+                          const Tensor& slot_mapping, const Tensor& block_table, const Tensor& query_start_loc,
+                          const Tensor& seq_lens, at::TensorList norms, at::TensorList packs, const Tensor& final_norm,
+                          int64_t hq, int64_t hkv, int64_t hidden, int64_t inter, double eps, double scale) {
+  constexpr int64_t D = 16 * C;
+  const int64_t L = static_cast<int64_t>(kv_caches.size()), T_ = x.size(0), n_qkv = (hq + 2 * hkv) * D;
+  const float e = static_cast<float>(eps);
+  auto h = torch::empty({T_, hidden}, x.options());
+  auto qkv = torch::empty({T_, hq + 2 * hkv, D}, x.options());
+  auto attn = torch::empty({T_, hq, D}, x.options());
+  auto mid = torch::empty({T_, inter}, x.options());
+  const Tensor q = qkv.narrow(1, 0, hq), k = qkv.narrow(1, hq, hkv), v = qkv.narrow(1, hq + hkv, hkv);
+  const auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  const auto bt = block_table.to(torch::kInt64).contiguous();
+  const auto qsl = query_start_loc.to(torch::kInt64).contiguous();
+  const auto sl = seq_lens.to(torch::kInt64).contiguous();
+  TORCH_CHECK(slots.numel() == T_ && sl.numel() == T_ && qsl.numel() == T_ + 1 && bt.size(0) == T_,
+              "planned_layers: one decode row per request");
+  const int64_t nslots = kv_caches[0].size(1) * kv_caches[0].size(2);
+  for (int64_t t = 0; t < T_; ++t)
+    TORCH_CHECK(slots.data_ptr<int64_t>()[t] >= 0 && slots.data_ptr<int64_t>()[t] < nslots,
+                "slot_mapping: slot out of range");
+  std::vector<NextWeight> next;  // the hand-off of pack j: pack j + 1's first blocks (none after the last)
+  next.reserve(packs.size());
+  for (size_t j = 0; j < packs.size(); ++j)
+    next.emplace_back(j + 1 < packs.size() ? std::optional<Tensor>(packs[j + 1]) : std::nullopt);
+  bf16 *xp = x.data_ptr<bf16>(), *hp = h.data_ptr<bf16>(), *qkvp = qkv.data_ptr<bf16>();
+  bf16 *ap = attn.data_ptr<bf16>(), *mp = mid.data_ptr<bf16>();
+  const bf16 *cp = cos.data_ptr<bf16>(), *sp = sin.data_ptr<bf16>();
+  const int64_t* slp = slots.data_ptr<int64_t>();
+  SegmentScratch scratch;
+  const int threads = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(threads)
+  {
+    const TeamScope team;
+    for (int64_t i = 0; i < L; ++i) {
+      const Tensor* w = packs.data() + 4 * i;
+      team_single([&] {
+        if (i == 0)
+          rms_norm_impl<bf16>(xp, hp, norms[0].data_ptr<bf16>(), T_, hidden, e);
+        else
+          add_rms_norm_impl<bf16>(hp, xp, norms[2 * i].data_ptr<bf16>(), T_, hidden, e);
+      });
+      team_linear(hp, T_, hidden, w[0], n_qkv, qkvp, next[4 * i], false);
+      team_single([&] {
+        rope_impl<bf16>(qkvp, cp, sp, T_, hq + 2 * hkv, D, hq + hkv);
+        write_kv_rows<bf16>(kv_caches[i], k, v, slp, T_);
+      });
+      Tensor out = attn;
+      paged_attention_avx512<bf16, C>(q, kv_caches[i], bt.data_ptr<int64_t>(), bt.size(1), qsl.data_ptr<int64_t>(),
+                                      sl.data_ptr<int64_t>(), T_, static_cast<float>(scale), out, false, &scratch);
+      team_linear(ap, T_, hq * D, w[1], hidden, hp, next[4 * i + 1], false);
+      team_single([&] { add_rms_norm_impl<bf16>(hp, xp, norms[2 * i + 1].data_ptr<bf16>(), T_, hidden, e); });
+      team_linear(hp, T_, hidden, w[2], inter, mp, next[4 * i + 2], true);
+      team_linear(mp, T_, inter, w[3], hidden, hp, next[4 * i + 3], false);
+    }
+    team_single([&] { add_rms_norm_impl<bf16>(hp, xp, final_norm.data_ptr<bf16>(), T_, hidden, e); });
+  }
+  g_team_steps.fetch_add(1, std::memory_order_relaxed);
+  return h;
+}
+#endif
+
 }  // namespace
+
+// Whether planned_layers runs its team step where it applies; with `enabled` given, switch it first.
+bool set_decode_team(std::optional<bool> enabled) {
+  if (enabled.has_value()) g_team_enabled.store(*enabled);
+#if defined(SERVELAB_DECODE_TEAM)
+  return g_team_enabled.load();
+#else
+  return false;
+#endif
+}
+
+// How many steps the team step has run in this process.
+int64_t decode_team_steps() { return g_team_steps.load(); }
 
 // x [T, H] (the embedded tokens; overwritten: it becomes the residual stream) -> the last norm's
 // output [T, H]. Per layer i: norms[2i], norms[2i + 1] (input, post-attention); packs[4i .. 4i + 3]
@@ -63,6 +211,15 @@ Tensor planned_layers(Tensor x, Tensor cos, Tensor sin, at::TensorList kv_caches
   const int64_t hq = shape[0], hkv = shape[1], D = shape[2], n_qkv = shape[3], hidden = shape[4], inter = shape[5];
   const int64_t T_ = x.size(0);
   TORCH_CHECK(n_qkv == (hq + 2 * hkv) * D && x.size(1) == hidden, "planned_layers: shape does not match x");
+#if defined(SERVELAB_DECODE_TEAM)
+  if (team_applies(x, cos, sin, kv_caches, norms, final_norm, packs, D, hidden)) {
+    if (D == 64)
+      return team_layers<4>(x, cos, sin, kv_caches, slot_mapping, block_table, query_start_loc, seq_lens, norms, packs,
+                            final_norm, hq, hkv, hidden, inter, eps, scale);
+    return team_layers<8>(x, cos, sin, kv_caches, slot_mapping, block_table, query_start_loc, seq_lens, norms, packs,
+                          final_norm, hq, hkv, hidden, inter, eps, scale);
+  }
+#endif
   const LayerOps& k = layer_ops();
   Tensor residual = x;
   for (int64_t i = 0; i < L; ++i) {
@@ -93,6 +250,8 @@ TORCH_LIBRARY_FRAGMENT(servelab, m) {
   m.def("planned_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!)[] kv_caches, Tensor slot_mapping, "
         "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor[] norms, Tensor[] packs, "
         "Tensor final_norm, int[] shape, float eps, float scale) -> Tensor");
+  m.def("set_decode_team(bool? enabled=None) -> bool", &servelab::set_decode_team);
+  m.def("decode_team_steps() -> int", &servelab::decode_team_steps);
 }
 
 TORCH_LIBRARY_IMPL(servelab, CPU, m) { m.impl("planned_layers", &servelab::planned_layers); }

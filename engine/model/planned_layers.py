@@ -23,6 +23,19 @@ Where hooks observe the attention calls (engine/hooks.observe_attention: a profi
 range: a profiled batch-1 decode step pays the per-layer Python calls that an unprofiled one does
 not (servelab-explain sets the plan aside altogether: workloads/explain_probe.py).
 
+The team step: where every matrix is the checkpoint's own blocks (`model.quantized_decode`, a
+CPU with AVX512-VNNI) and the step has fewer rows than the attention op's AMX threshold (8), the
+op runs the same kernels' loops itself, in one OpenMP parallel region for all the layers: every
+linear's column blocks and the attention's units split over the threads as at::parallel_for
+splits them, the threads meeting at a barrier after each, a norm, the rotary embedding and the
+cache write on one thread between two barriers (engine/csrc/team.h). The same numbers bit for bit
+(tests/test_planned_layers.py); no call through the dispatcher, no allocation and no fork and join
+per op (a batch-1 step of SmolLM2 makes ~270 of them, each a few microseconds, more right after
+the weights have streamed through the caches: benchmarks/cold_after_stream.py). Under
+torch.profiler (any RecordFunction callback) the op calls the kernels through the dispatcher so
+the profile names each. `torch.ops.servelab.set_decode_team(False)` (or `SERVELAB_DECODE_TEAM=0`)
+turns it off; `decode_team_steps()` counts the steps it ran.
+
 `layers_op()` returns the op once it is loaded (and the kernels it calls), or None where they
 cannot be built (the Python loop runs instead).
 """
