@@ -123,7 +123,7 @@ def test_a_profiled_step_keeps_every_kernel_in_view() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         llm.generate([list(range(300, 320))], params, use_tqdm=False)
     names = {e.key for e in prof.key_averages()}
-    assert "servelab::planned_layers" in names and "servelab::amx_linear" in names
+    assert "servelab::planned_layers_bound" in names and "servelab::amx_linear" in names
     assert _team_step_count() == before
     llm.generate([list(range(300, 320))], params, use_tqdm=False)
     assert _team_step_count() - before == 3  # unprofiled: the team step

@@ -6,7 +6,7 @@ about a millisecond. Where every row of the step is one decoding request and the
 decode kernels (amx_linear), this op makes the same calls, in the same order with the same
 arguments, from C++ through torch's dispatcher: the same numbers, bit for bit
 (tests/test_planned_layers.py), one Python call per step. torch.profiler still shows every
-kernel by name, under `servelab::planned_layers`.
+kernel by name, under `servelab::planned_layers_bound` (the plan's call: `BoundLayers` below).
 
     torch.ops.servelab.planned_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!)[] kv_caches,
         Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens,
@@ -42,6 +42,8 @@ cannot be built (the Python loop runs instead).
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -63,10 +65,39 @@ def _register_fakes() -> None:
         return torch.empty_like(x)
 
 
+class BoundLayers:
+    """`planned_layers` as one plan calls it: the arguments that stay the same from step to step
+    (the KV caches, the norms, the packs, the shapes) go to C++ once, as a `LayerArgs` object, and
+    each step passes only its own tensors to `planned_layers_bound`. Converting SmolLM2's 210
+    tensors from Python lists at every call cost ~55 us of a ~3 ms batch-1 step. Called with
+    `planned_layers`' arguments; the object is made again when any of those lists changes (a list
+    of caches is compared element by element: it may be refilled in place)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._caches: tuple[torch.Tensor, ...] = ()
+        self._args: Any = None
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+                 slot_mapping: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                 seq_lens: torch.Tensor, norms: Sequence[torch.Tensor], packs: Sequence[torch.Tensor],
+                 final_norm: torch.Tensor, shape: Sequence[int], eps: float, scale: float) -> torch.Tensor:  # fmt: skip
+        key = (norms, packs, final_norm, tuple(shape), eps, scale)
+        old = self._key
+        if (old is None or any(a is not b for a, b in zip(old[:3], key[:3], strict=True)) or old[3:] != key[3:]
+                or len(kv_caches) != len(self._caches) or any(map(operator.is_not, kv_caches, self._caches))):  # fmt: skip
+            self._args = torch.classes.servelab.LayerArgs(list(kv_caches), list(norms), list(packs), final_norm,
+                                                          list(shape), eps, scale)  # fmt: skip
+            self._key, self._caches = key, tuple(kv_caches)
+        return torch.ops.servelab.planned_layers_bound(self._args, x, cos, sin, slot_mapping, block_table,
+                                                       query_start_loc, seq_lens)  # fmt: skip
+
+
 def layers_op() -> Any | None:
-    """`torch.ops.servelab.planned_layers` with the kernels it calls loaded, or None."""
+    """A `BoundLayers` (one per plan: it keeps the plan's arguments) once `planned_layers` is
+    loaded with the kernels it calls, or None."""
     if kernels() is None or amx_linear.amx_ops() is None or paged_attention_op() is None:
         return None
     if load_cpu_ops(_SOURCE, "planned layers", _register_fakes):
-        return torch.ops.servelab.planned_layers
+        return BoundLayers()
     return None

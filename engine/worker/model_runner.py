@@ -141,6 +141,9 @@ class ModelRunner:
 
     # ---- inputs ----------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        simple = not (self._num_pending or so.scheduled_spec_decode_tokens or so.grammar_bitmask)
+        if simple and self.device.type == "cpu" and all(n == 1 for n in so.num_scheduled_tokens.values()):
+            return self._prepare_decode(so)
         b = self.batch
         req_ids = list(so.num_scheduled_tokens.keys())
         rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
@@ -210,6 +213,56 @@ class ModelRunner:
             drafts=drafts,
             grammar_rows=grammar_rows,
             grammar_bitmask=grammar_bitmask,
+        )
+
+    def _prepare_decode(self, so: SchedulerOutput) -> StepInputs:
+        """`_prepare_inputs` for a step of one token per request on the CPU, with no tokens of an
+        earlier step still to fill in, no drafts and no grammar: each request's token sits at its
+        computed count, every query start is its row index, and the tensors are the arrays' own
+        memory. The same inputs, in about half the calls: right after a step has streamed its
+        weights each numpy or torch call costs several microseconds (benchmarks/cold_after_stream.py),
+        and a batch-1 step's host work is ~20% of it."""
+        b = self.batch
+        req_ids = list(so.num_scheduled_tokens)
+        r = len(req_ids)
+        row_of = b.row_of
+        rows = np.fromiter((row_of[rid] for rid in req_ids), dtype=np.int64, count=r)
+        positions = b.num_computed[rows]
+        bs = self.block_size
+        slots = b.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = positions + 1
+        max_seq = int(seq_lens.max())
+        qsl = np.arange(r + 1, dtype=np.int64)
+        metadata = AttentionMetadata(
+            num_reqs=r,
+            num_tokens=r,
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            slot_mapping=torch.from_numpy(slots),
+            block_table=torch.from_numpy(np.ascontiguousarray(b.block_table[rows, : -(-max_seq // bs)])),
+            max_query_len=1,
+            max_seq_len=max_seq,
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            block_size=bs,
+        )
+        sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
+        sample_rows = rows[sample_idx].tolist()
+        pending, prev = self._num_pending, {}
+        for j, i in enumerate(sample_idx.tolist()):
+            pending[req_ids[i]] = 1  # nothing was pending (the caller's condition)
+            prev[req_ids[i]] = j
+        self._prev_sample_idx = prev
+        return StepInputs(
+            req_ids=req_ids,
+            rows=rows,
+            input_ids=torch.from_numpy(b.token_ids[rows, positions]),
+            positions=torch.from_numpy(positions),
+            metadata=metadata,
+            sample_req_idx=sample_idx,
+            logits_indices=torch.from_numpy(sample_idx),
+            sampling=SamplingBatch(params=[b.params[row] for row in sample_rows],  # type: ignore[misc]
+                                   generators=[b.generators[row] for row in sample_rows]),
         )
 
     def _placeholder_fill(
