@@ -159,15 +159,24 @@ def test_observed_attention_and_batch_invariant_plans_keep_the_loop() -> None:
     assert _model(invariant).model.plan.layers_op is None
 
 
-def test_op_rejects_mismatched_lists() -> None:
+def test_op_rejects_mismatched_lists_and_ids_outside_the_tables() -> None:
     from engine.model.planned_layers import layers_op
 
     op = layers_op()
     if op is None:
         pytest.skip("planned_layers needs the decode kernels (a CPU with AMX or AVX512-BF16) and a C++ toolchain")
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    table = torch.zeros(8, 64, dtype=torch.bfloat16)  # embedding and rotary tables
     cache = torch.zeros(2, 4, 16, 1, 64, dtype=torch.bfloat16)
     ids = torch.zeros(1, dtype=torch.int64)
+
+    def call(token: int, position: int, norms: list[torch.Tensor]) -> None:
+        op(ids + token, ids + position, table, table, table, [cache], ids, ids.view(1, 1), torch.tensor([0, 1]),
+           ids + 1, norms, [x], x, [1, 1, 64, 192, 64, 64], 1e-5, 0.125)  # fmt: skip
+
     with pytest.raises(RuntimeError, match="2 norms and 4 packed matrices per KV cache"):
-        op(x, x, x, [cache], ids, ids.view(1, 1), torch.tensor([0, 1]), ids + 1, [x], [x], x, [1, 1, 64, 192, 64, 64],
-           1e-5, 0.125)  # fmt: skip
+        call(0, 0, [x])
+    with pytest.raises(RuntimeError, match="input_ids: 8 is outside 0 .. 7"):
+        call(8, 0, [x, x])
+    with pytest.raises(RuntimeError, match="positions: -1 is outside 0 .. 7"):
+        call(0, -1, [x, x])

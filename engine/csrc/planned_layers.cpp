@@ -247,32 +247,62 @@ Tensor planned_layers(Tensor x, Tensor cos, Tensor sin, at::TensorList kv_caches
 // planned_layers' arguments that stay the same from step to step (the caches, the norms, the packs,
 // the shapes), handed over once: converting SmolLM2's 210 tensors from Python lists at every call
 // cost ~55 us of a ~3 ms batch-1 step (engine/model/planned_layers.py: BoundLayers).
+// The embedding and the rotary tables too: the step's rows of them are gathered here, where the
+// model's forward took two more calls for them (~28 us each right after the weights' stream).
 struct LayerArgs : torch::CustomClassHolder {
+  Tensor embed, cos_table, sin_table;
   std::vector<Tensor> kv_caches, norms, packs;
   Tensor final_norm;
   std::vector<int64_t> shape;
   double eps, scale;
-  LayerArgs(std::vector<Tensor> kv_caches_, std::vector<Tensor> norms_, std::vector<Tensor> packs_, Tensor final_norm_,
-            std::vector<int64_t> shape_, double eps_, double scale_)
-      : kv_caches(std::move(kv_caches_)), norms(std::move(norms_)), packs(std::move(packs_)),
-        final_norm(std::move(final_norm_)), shape(std::move(shape_)), eps(eps_), scale(scale_) {}
+  LayerArgs(Tensor embed_, Tensor cos_table_, Tensor sin_table_, std::vector<Tensor> kv_caches_,
+            std::vector<Tensor> norms_, std::vector<Tensor> packs_, Tensor final_norm_, std::vector<int64_t> shape_,
+            double eps_, double scale_)
+      : embed(std::move(embed_)), cos_table(std::move(cos_table_)), sin_table(std::move(sin_table_)),
+        kv_caches(std::move(kv_caches_)), norms(std::move(norms_)), packs(std::move(packs_)),
+        final_norm(std::move(final_norm_)), shape(std::move(shape_)), eps(eps_), scale(scale_) {
+    for (const Tensor* t : {&embed, &cos_table, &sin_table})
+      TORCH_CHECK(t->dim() == 2 && t->is_contiguous() && t->scalar_type() == torch::kBFloat16 && t->device().is_cpu(),
+                  "LayerArgs: the embedding and the rotary tables contiguous [n, width] bfloat16 on the CPU");
+    TORCH_CHECK(cos_table.sizes() == sin_table.sizes(), "LayerArgs: cos and sin tables of one shape");
+  }
 };
 
-Tensor planned_layers_bound(const c10::intrusive_ptr<LayerArgs>& a, Tensor x, Tensor cos, Tensor sin,
+// rows [T, width] of table (a new tensor) at idx [T] (int64), each checked against the table's size.
+static Tensor gather_rows(const Tensor& table, const Tensor& idx, const char* what) {
+  TORCH_CHECK(idx.dim() == 1 && idx.scalar_type() == torch::kInt64 && idx.device().is_cpu(), what, ": [T] int64 on the CPU");
+  const auto ic = idx.contiguous();
+  const int64_t T_ = ic.numel(), n = table.size(0), w = table.size(1);
+  auto out = torch::empty({T_, w}, table.options());
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  const bf16* src = table.data_ptr<bf16>();
+  bf16* dst = out.data_ptr<bf16>();
+  for (int64_t t = 0; t < T_; ++t) {
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < n, what, ": ", ip[t], " is outside 0 .. ", n - 1);
+    std::memcpy(dst + t * w, src + ip[t] * w, w * sizeof(bf16));
+  }
+  return out;
+}
+
+Tensor planned_layers_bound(const c10::intrusive_ptr<LayerArgs>& a, Tensor input_ids, Tensor positions,
                             Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens) {
-  return planned_layers(std::move(x), std::move(cos), std::move(sin), a->kv_caches, std::move(slot_mapping),
-                        std::move(block_table), std::move(query_start_loc), std::move(seq_lens), a->norms, a->packs,
-                        a->final_norm, a->shape, a->eps, a->scale);
+  Tensor x = gather_rows(a->embed, input_ids, "input_ids");
+  const int64_t T_ = x.size(0), D = a->cos_table.size(1);
+  const Tensor cos = gather_rows(a->cos_table, positions, "positions").view({T_, 1, D});
+  const Tensor sin = gather_rows(a->sin_table, positions, "positions").view({T_, 1, D});
+  return planned_layers(std::move(x), cos, sin, a->kv_caches, std::move(slot_mapping), std::move(block_table),
+                        std::move(query_start_loc), std::move(seq_lens), a->norms, a->packs, a->final_norm, a->shape,
+                        a->eps, a->scale);
 }
 
 }  // namespace servelab
 
 TORCH_LIBRARY_FRAGMENT(servelab, m) {
   m.class_<servelab::LayerArgs>("LayerArgs")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
-                       std::vector<int64_t>, double, double>());
-  m.def("planned_layers_bound(__torch__.torch.classes.servelab.LayerArgs args, Tensor(a!) x, Tensor cos, "
-        "Tensor sin, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
+      .def(torch::init<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, double, double>());
+  m.def("planned_layers_bound(__torch__.torch.classes.servelab.LayerArgs args, Tensor input_ids, Tensor positions, "
+        "Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
   m.def("planned_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!)[] kv_caches, Tensor slot_mapping, "
         "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor[] norms, Tensor[] packs, "
         "Tensor final_norm, int[] shape, float eps, float scale) -> Tensor");

@@ -34,7 +34,7 @@ from engine.model.cpu_linear import packed_linear, padded_rows
 from engine.model.planned_layers import layers_op
 
 if TYPE_CHECKING:
-    from engine.model.layers import GatedMLP
+    from engine.model.layers import GatedMLP, RotaryEmbedding
     from engine.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
 
 
@@ -244,10 +244,6 @@ def planned_forward(
     if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them
         x = F.pad(x, (0, 0, 0, rows - t))
         cos, sin = F.pad(cos, (0, 0, 0, 0, 0, rows - t)), F.pad(sin, (0, 0, 0, 0, 0, rows - t))
-    if amx is not None and plan.layers_op is not None:
-        fused = _planned_layers(plan, quant, x, cos, sin, kv_caches, metadata)
-        if fused is not None:
-            return fused
     residual = x
     n_qkv, hidden, inter = plan.sizes
     last = len(plan.layers) - 1
@@ -285,21 +281,27 @@ def planned_forward(
     return x[:t] if rows != t else x
 
 
-def _planned_layers(
-    plan: ForwardPlan, quant: bool, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
+def planned_decode(
+    plan: ForwardPlan, input_ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
+    rotary: RotaryEmbedding, kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
 ) -> torch.Tensor | None:  # fmt: skip
-    """The layers and the final norm in one `planned_layers` call, where every row of the step
-    is one decoding request and the attention backend would make the op's attention calls
-    (`AttentionBackend.decode_rows`); None otherwise."""
+    """The embedding, the layers and the final norm of a step's tokens in one `layers_op` call
+    (engine/model/planned_layers.py), where every row of the step is one decoding request that the
+    decode kernels take (up to `amx_max_rows`) and the attention backend would make the op's
+    attention calls (`AttentionBackend.decode_rows`); None otherwise (the caller embeds and runs
+    `planned_forward`). Asked before the embedding: the op gathers the step's rows of it."""
+    t = input_ids.shape[0]
+    if plan.layers_op is None or plan.amx_ops is None or t > plan.amx_max_rows or embed.dtype != plan.dtype:
+        return None
     first = plan.layers[0].attn
     rows = first.attn_backend.decode_rows()
     cache = kv_caches[0]
-    if rows is None or cache.dtype != x.dtype or not cache.is_contiguous() or not x.is_contiguous():
+    if rows is None or cache.dtype != plan.dtype or not cache.is_contiguous() or rotary.cos_table.dtype != plan.dtype:
         return None
-    return plan.layers_op(x, cos, sin, kv_caches, metadata.slot_mapping, *rows, plan.norms,
-                          plan.quant_packs if quant else plan.bf16_packs, plan.final_norm, plan.layer_shape,
-                          plan.eps, first.scale)  # fmt: skip
+    quant = t <= plan.quant_max_rows  # a few rows: the checkpoint's blocks
+    return plan.layers_op(input_ids, positions, embed, rotary.cos_table, rotary.sin_table, kv_caches,
+                          metadata.slot_mapping, *rows, plan.norms, plan.quant_packs if quant else plan.bf16_packs,
+                          plan.final_norm, plan.layer_shape, plan.eps, first.scale)  # fmt: skip
 
 
 @torch.inference_mode()

@@ -30,6 +30,7 @@ from engine.model.forward_plan import (
     GgufBlocks,
     build_plan,
     on_huge_pages,
+    planned_decode,
     planned_forward,
     warm_up_linears,
 )
@@ -134,13 +135,20 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        plan = self.plan
+        eager_cpu = (
+            plan is not None and self.layers and input_ids.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        )  # fmt: skip
+        if eager_cpu and type(self.embed_tokens) is nn.Embedding:  # a vocab-parallel one holds a shard
+            assert plan is not None
+            out = planned_decode(plan, input_ids, positions, self.embed_tokens.weight, self.rotary_emb, kv_caches,
+                                 metadata)  # fmt: skip
+            if out is not None:
+                return out
         x = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary_emb.cos_sin(positions)  # [T, 1, D] each
-        plan = self.plan
-        if (
-            plan is not None and self.layers and x.dtype == plan.dtype and x.device.type == "cpu"
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        ):
+        if eager_cpu and plan is not None and x.dtype == plan.dtype:
             return planned_forward(plan, x, cos, sin, kv_caches, metadata)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

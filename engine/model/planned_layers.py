@@ -16,7 +16,15 @@ x [T, H] bfloat16, the embedded tokens (overwritten: the residual stream); per l
 weights (input, post-attention) and four packed matrices (qkv, o, gate_up, down); block_table,
 query_start_loc and seq_lens as the attention backend gives them for its decode rows
 (`AttentionBackend.decode_rows`); shape: (Hq, Hkv, head_dim, qkv width, hidden size,
-intermediate size). Returns the final norm's output [T, H].
+intermediate size). Returns the final norm's output [T, H]. The plan calls it as
+
+    torch.ops.servelab.planned_layers_bound(LayerArgs args, Tensor input_ids, Tensor positions,
+        Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens) -> Tensor
+
+with the step's token ids and positions (int64 [T]): the op gathers their rows of the embedding
+and of the rotary cos / sin tables (an id or position outside its table is a RuntimeError naming
+it), and `args` (`torch.classes.servelab.LayerArgs(embed, cos_table, sin_table, kv_caches, norms,
+packs, final_norm, shape, eps, scale)`) holds the rest, made once (`BoundLayers`).
 
 Where hooks observe the attention calls (engine/hooks.observe_attention: a profiled run's
 "attention" phase ranges) the loop runs instead, so that every layer's attention stays inside its
@@ -66,30 +74,33 @@ def _register_fakes() -> None:
 
 
 class BoundLayers:
-    """`planned_layers` as one plan calls it: the arguments that stay the same from step to step
-    (the KV caches, the norms, the packs, the shapes) go to C++ once, as a `LayerArgs` object, and
-    each step passes only its own tensors to `planned_layers_bound`. Converting SmolLM2's 210
-    tensors from Python lists at every call cost ~55 us of a ~3 ms batch-1 step. Called with
-    `planned_layers`' arguments; the object is made again when any of those lists changes (a list
-    of caches is compared element by element: it may be refilled in place)."""
+    """The plan's call of the layers (`ForwardPlan.layers_op`): a decode step's token ids and
+    positions in, the final norm's output out. What stays the same from step to step (the
+    embedding and rotary tables, the KV caches, the norms, the packs, the shapes) goes to C++ once,
+    as a `LayerArgs` object, and each step passes only its own tensors to `planned_layers_bound`,
+    which gathers the step's embedding and rotary rows itself: converting SmolLM2's 210 tensors
+    from Python lists at every call, and the model's own embedding and rotary calls, cost ~0.1 ms of
+    a ~3 ms batch-1 step. The object is made again when any of those changes (a list of caches is
+    compared element by element: it may be refilled in place)."""
 
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
         self._caches: tuple[torch.Tensor, ...] = ()
         self._args: Any = None
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
-                 slot_mapping: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                 seq_lens: torch.Tensor, norms: Sequence[torch.Tensor], packs: Sequence[torch.Tensor],
-                 final_norm: torch.Tensor, shape: Sequence[int], eps: float, scale: float) -> torch.Tensor:  # fmt: skip
-        key = (norms, packs, final_norm, tuple(shape), eps, scale)
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor, kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
+                 block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 norms: Sequence[torch.Tensor], packs: Sequence[torch.Tensor], final_norm: torch.Tensor,
+                 shape: Sequence[int], eps: float, scale: float) -> torch.Tensor:  # fmt: skip
+        key = (embed, cos_table, sin_table, norms, packs, final_norm, tuple(shape), eps, scale)
         old = self._key
-        if (old is None or any(a is not b for a, b in zip(old[:3], key[:3], strict=True)) or old[3:] != key[3:]
+        if (old is None or any(a is not b for a, b in zip(old[:6], key[:6], strict=True)) or old[6:] != key[6:]
                 or len(kv_caches) != len(self._caches) or any(map(operator.is_not, kv_caches, self._caches))):  # fmt: skip
-            self._args = torch.classes.servelab.LayerArgs(list(kv_caches), list(norms), list(packs), final_norm,
-                                                          list(shape), eps, scale)  # fmt: skip
+            self._args = torch.classes.servelab.LayerArgs(embed, cos_table, sin_table, list(kv_caches), list(norms),
+                                                          list(packs), final_norm, list(shape), eps, scale)  # fmt: skip
             self._key, self._caches = key, tuple(kv_caches)
-        return torch.ops.servelab.planned_layers_bound(self._args, x, cos, sin, slot_mapping, block_table,
+        return torch.ops.servelab.planned_layers_bound(self._args, input_ids, positions, slot_mapping, block_table,
                                                        query_start_loc, seq_lens)  # fmt: skip
 
 
