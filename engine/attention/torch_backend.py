@@ -75,8 +75,10 @@ class _DecodeGroup:
 
 
 @functools.cache
+@functools.lru_cache(maxsize=64)
 def _one_row_each(b: int, device: torch.device) -> torch.Tensor:
-    """query_start_loc of b one-row requests: 0 .. b (int64), made once per size."""
+    """query_start_loc of b one-row requests: 0 .. b (int64), made once per size (and device): the
+    C++ ops only read it."""
     return torch.arange(b + 1, device=device)
 
 
@@ -177,17 +179,17 @@ class TorchAttentionBackend(AttentionBackend):
 
     # ---- per-step plan -----------------------------------------------------------------
     def begin_step(self, metadata: AttentionMetadata) -> None:
-        qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
         seq_lens = np.asarray(metadata.seq_lens_cpu, dtype=np.int64)
+        if metadata.max_query_len == 1 and not self.batch_invariant:  # a decode step: one row per request
+            self._decode = self._plan_decode(metadata, None, seq_lens)
+            self._prefills, self._prefill_rows, self._step_rows = [], None, None
+            return
+        qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
         if self.batch_invariant:  # every row through the paged op (module note)
             self._decode, self._prefills, self._prefill_rows = None, [], None
             nblk = -(-int(seq_lens.max()) // metadata.block_size)
             self._step_rows = _StepRows(int(qsl[-1]), metadata.block_table[: len(seq_lens), :nblk].long().contiguous(),
                                         torch.from_numpy(qsl), torch.from_numpy(seq_lens))
-            return
-        if metadata.max_query_len == 1:  # a decode step: one row per request, no prefill to plan
-            self._decode = self._plan_decode(metadata, None, seq_lens)
-            self._prefills, self._prefill_rows, self._step_rows = [], None, None
             return
         q_lens = qsl[1:] - qsl[:-1]
         is_decode = q_lens == 1
@@ -221,16 +223,20 @@ class TorchAttentionBackend(AttentionBackend):
         qsl = metadata.query_start_loc_cpu
         first = 0 if reqs is None else int(reqs[0])
         contiguous = reqs is None or int(reqs[-1]) - first + 1 == b
+        table = metadata.block_table
         if contiguous:
             rows: torch.Tensor | slice = slice(qsl[first], qsl[first] + b)
-            table = metadata.block_table[first : first + b, :nblk]
+            if table.shape[0] != b or table.shape[1] != nblk:  # (a decode step's table has just these)
+                table = table[first : first + b, :nblk]
         else:
             assert reqs is not None
             idx = torch.from_numpy(reqs).to(device)
             rows = metadata.query_start_loc[idx].long()
-            table = metadata.block_table[idx, :nblk]
-        table = table.long().contiguous()
-        return _DecodeGroup(rows, table, torch.from_numpy(lens).to(device), b, max_len, _one_row_each(b, device))
+            table = table[idx, :nblk]
+        table = table.to(torch.int64, memory_format=torch.contiguous_format)
+        lens_t = torch.from_numpy(lens)
+        return _DecodeGroup(rows, table, lens_t if device.type == "cpu" else lens_t.to(device), b, max_len,
+                            _one_row_each(b, device))  # fmt: skip
 
     @staticmethod
     def _plan_prefills(

@@ -24,6 +24,7 @@ top-k takes 1, or `row_weights.CANDIDATES` with top-p, more when none fell in th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -44,23 +45,25 @@ class SamplingBatch:
     prompt_ids: list[list[int]] | None = None
     output_ids: list[list[int]] | None = None
 
-    @property
+    # Each is asked once or twice a step and the rows' parameters never change once the batch is
+    # made: computed once (right after a step's weights have streamed every one costs microseconds).
+    @cached_property
     def all_greedy(self) -> bool:
         return all(p.greedy for p in self.params)
 
-    @property
+    @cached_property
     def argmax_only(self) -> bool:
         """Every row greedy, no penalties, no logprobs: sampling needs only each row's argmax."""
         return self.all_greedy and not self.needs_penalties and self.max_logprobs is None
 
-    @property
+    @cached_property
     def needs_penalties(self) -> bool:
         return any(
             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             for p in self.params
         )
 
-    @property
+    @cached_property
     def max_logprobs(self) -> int | None:
         ks = [p.logprobs for p in self.params if p.logprobs is not None]
         return max(ks) if ks else None

@@ -330,7 +330,10 @@ class ModelRunner:
             # a step whose every row samples (a decode step) reads hidden's first rows as a view, not a gather
             n_logits = inp.logits_indices.shape[0]
             all_rows = inp.drafts is None and n_logits == inp.input_ids.shape[0]
-            rows = hidden[:n_logits] if all_rows else hidden[inp.logits_indices]
+            if all_rows:  # hidden itself where it has no padding rows (a slice is one more op)
+                rows = hidden if hidden.shape[0] == n_logits else hidden[:n_logits]
+            else:
+                rows = hidden[inp.logits_indices]
             fused_argmax = getattr(self.model, "greedy_ids", None) if argmax_only else None
             greedy_ids = fused_argmax(rows) if fused_argmax is not None else None
             logits = None if greedy_ids is not None else self.model.compute_logits(rows, upcast=False)
