@@ -133,10 +133,15 @@ static Tensor team_layers(Tensor x, const Tensor& cos, const Tensor& sin, at::Te
   const auto sl = seq_lens.to(torch::kInt64).contiguous();
   TORCH_CHECK(slots.numel() == T_ && sl.numel() == T_ && qsl.numel() == T_ + 1 && bt.size(0) == T_,
               "planned_layers: one decode row per request");
+  // checked here, before the region: an exception inside it would end the process
   const int64_t nslots = kv_caches[0].size(1) * kv_caches[0].size(2);
-  for (int64_t t = 0; t < T_; ++t)
-    TORCH_CHECK(slots.data_ptr<int64_t>()[t] >= 0 && slots.data_ptr<int64_t>()[t] < nslots,
-                "slot_mapping: slot out of range");
+  const int64_t *slot_at = slots.data_ptr<int64_t>(), *qs_at = qsl.data_ptr<int64_t>(), *sl_at = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t) {
+    TORCH_CHECK(slot_at[t] >= 0 && slot_at[t] < nslots, "slot_mapping: slot out of range");
+    TORCH_CHECK(qs_at[t] == t && qs_at[t + 1] == t + 1, "query_start_loc: one query row per request, in order");
+    TORCH_CHECK(sl_at[t] >= 1 && (sl_at[t] + kv_caches[0].size(2) - 1) / kv_caches[0].size(2) <= bt.size(1),
+                "seq_lens: each request's context within its block table");
+  }
   std::vector<NextWeight> next;  // the hand-off of pack j: pack j + 1's first blocks (none after the last)
   next.reserve(packs.size());
   for (size_t j = 0; j < packs.size(); ++j)
