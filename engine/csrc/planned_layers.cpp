@@ -101,11 +101,10 @@ static bool team_applies(const Tensor& x, const Tensor& cos, const Tensor& sin, 
     if (p.scalar_type() != torch::kUInt8 || p.dim() != 3 || !p.is_contiguous() || p.size(0) == 0 ||
         packed_kind(p.size(2)) < 0)
       return false;
-  for (const Tensor* n : {&final_norm})
-    if (n->scalar_type() != torch::kBFloat16 || !n->is_contiguous() || n->numel() != hidden) return false;
-  for (const Tensor& n : norms)
-    if (n.scalar_type() != torch::kBFloat16 || !n.is_contiguous() || n.numel() != hidden) return false;
-  return true;
+  auto norm_ok = [&](const Tensor& n) {
+    return n.scalar_type() == torch::kBFloat16 && n.is_contiguous() && n.numel() == hidden;
+  };
+  return norm_ok(final_norm) && std::all_of(norms.begin(), norms.end(), norm_ok);
 }
 
 // The layers of a decode step of a few rows in one parallel region: the same kernels as the
@@ -308,14 +307,10 @@ TORCH_LIBRARY_FRAGMENT(servelab, m) {
                        std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, double, double>());
   m.def("planned_layers_bound(__torch__.torch.classes.servelab.LayerArgs args, Tensor input_ids, Tensor positions, "
         "Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
-  m.def("planned_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!)[] kv_caches, Tensor slot_mapping, "
-        "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor[] norms, Tensor[] packs, "
-        "Tensor final_norm, int[] shape, float eps, float scale) -> Tensor");
   m.def("set_decode_team(bool? enabled=None) -> bool", &servelab::set_decode_team);
   m.def("decode_team_steps() -> int", &servelab::decode_team_steps);
 }
 
 TORCH_LIBRARY_IMPL(servelab, CPU, m) {
-  m.impl("planned_layers", &servelab::planned_layers);
   m.impl("planned_layers_bound", &servelab::planned_layers_bound);
 }

@@ -6,25 +6,20 @@ about a millisecond. Where every row of the step is one decoding request and the
 decode kernels (amx_linear), this op makes the same calls, in the same order with the same
 arguments, from C++ through torch's dispatcher: the same numbers, bit for bit
 (tests/test_planned_layers.py), one Python call per step. torch.profiler still shows every
-kernel by name, under `servelab::planned_layers_bound` (the plan's call: `BoundLayers` below).
-
-    torch.ops.servelab.planned_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!)[] kv_caches,
-        Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens,
-        Tensor[] norms, Tensor[] packs, Tensor final_norm, int[] shape, float eps, float scale) -> Tensor
-
-x [T, H] bfloat16, the embedded tokens (overwritten: the residual stream); per layer two norm
-weights (input, post-attention) and four packed matrices (qkv, o, gate_up, down); block_table,
-query_start_loc and seq_lens as the attention backend gives them for its decode rows
-(`AttentionBackend.decode_rows`); shape: (Hq, Hkv, head_dim, qkv width, hidden size,
-intermediate size). Returns the final norm's output [T, H]. The plan calls it as
+kernel by name, under `servelab::planned_layers_bound`.
 
     torch.ops.servelab.planned_layers_bound(LayerArgs args, Tensor input_ids, Tensor positions,
         Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens) -> Tensor
 
-with the step's token ids and positions (int64 [T]): the op gathers their rows of the embedding
-and of the rotary cos / sin tables (an id or position outside its table is a RuntimeError naming
-it), and `args` (`torch.classes.servelab.LayerArgs(embed, cos_table, sin_table, kv_caches, norms,
-packs, final_norm, shape, eps, scale)`) holds the rest, made once (`BoundLayers`).
+input_ids, positions: the step's token ids and positions (int64 [T]; the op gathers their rows of
+the embedding and of the rotary cos / sin tables: an id or position outside its table is a
+RuntimeError naming it); block_table, query_start_loc and seq_lens as the attention backend gives
+them for its decode rows (`AttentionBackend.decode_rows`). `args`
+(`torch.classes.servelab.LayerArgs(embed, cos_table, sin_table, kv_caches, norms, packs,
+final_norm, shape, eps, scale)`, made once: `BoundLayers`) holds what stays from step to step: the
+bfloat16 tables, per layer a KV cache, two norm weights (input, post-attention) and four packed
+matrices (qkv, o, gate_up, down), and shape (Hq, Hkv, head_dim, qkv width, hidden size,
+intermediate size). Returns the final norm's output [T, H].
 
 Where hooks observe the attention calls (engine/hooks.observe_attention: a profiled run's
 "attention" phase ranges) the loop runs instead, so that every layer's attention stays inside its
@@ -65,12 +60,8 @@ _SOURCE = "planned_layers.cpp"  # engine/csrc
 
 
 def _register_fakes() -> None:
-    @torch.library.register_fake("servelab::planned_layers")
-    def _(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
-          slot_mapping: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
-          seq_lens: torch.Tensor, norms: list[torch.Tensor], packs: list[torch.Tensor], final_norm: torch.Tensor,
-          shape: list[int], eps: float, scale: float) -> torch.Tensor:  # fmt: skip
-        return torch.empty_like(x)
+    """None to register: the op takes a `LayerArgs` script object, and the model calls it only
+    outside torch.compile (`LlamaModel.forward` checks `torch.compiler.is_compiling()`)."""
 
 
 class BoundLayers:

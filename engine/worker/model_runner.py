@@ -142,7 +142,7 @@ class ModelRunner:
     # ---- inputs ----------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         simple = not (self._num_pending or so.scheduled_spec_decode_tokens or so.grammar_bitmask)
-        if simple and self.device.type == "cpu" and all(n == 1 for n in so.num_scheduled_tokens.values()):
+        if simple and all(n == 1 for n in so.num_scheduled_tokens.values()):
             return self._prepare_decode(so)
         b = self.batch
         req_ids = list(so.num_scheduled_tokens.keys())
@@ -167,23 +167,9 @@ class ModelRunner:
         )
         seq_lens = starts + n
         samples = seq_lens >= known_plus
-        max_blocks = int(-(-seq_lens.max() // self.block_size))
         qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
         qsl[1:] = cu
-        dev = self.device
-        metadata = AttentionMetadata(
-            num_reqs=len(req_ids),
-            num_tokens=total,
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_table=torch.from_numpy(np.ascontiguousarray(b.block_table[rows, :max_blocks])).to(dev),
-            max_query_len=int(n.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            block_size=self.block_size,
-        )
+        metadata = self._attention_metadata(rows, qsl, seq_lens, slots, int(n.max()))
         sample_idx = np.nonzero(samples)[0]
         sample_rows = rows[sample_idx]
         self._prev_sample_idx = {}
@@ -202,11 +188,11 @@ class ModelRunner:
         return StepInputs(
             req_ids=req_ids,
             rows=rows,
-            input_ids=torch.from_numpy(input_ids).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
+            input_ids=self._on_device(input_ids),
+            positions=self._on_device(positions),
             metadata=metadata,
             sample_req_idx=sample_idx,
-            logits_indices=torch.from_numpy(logits_rows).to(dev),
+            logits_indices=self._on_device(logits_rows),
             sampling=sampling,
             fill_dst=fill_dst,
             fill_src=fill_src,
@@ -215,13 +201,37 @@ class ModelRunner:
             grammar_bitmask=grammar_bitmask,
         )
 
+    def _on_device(self, a: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on the runner's device (on the CPU, the array's own memory: no
+        call to `.to`)."""
+        t = torch.from_numpy(a)
+        return t if self.device.type == "cpu" else t.to(self.device)
+
+    def _attention_metadata(self, rows: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,
+                            max_query_len: int) -> AttentionMetadata:  # fmt: skip
+        """The step's attention metadata: requests in persistent-batch `rows`, query starts `qsl`
+        [R + 1], context + query lengths `seq_lens` [R], one cache slot per token."""
+        bs, max_seq = self.block_size, int(seq_lens.max())
+        return AttentionMetadata(
+            num_reqs=len(rows),
+            num_tokens=int(qsl[-1]),
+            query_start_loc=self._on_device(qsl.astype(np.int32)),
+            seq_lens=self._on_device(seq_lens.astype(np.int32)),
+            slot_mapping=self._on_device(slots),
+            block_table=self._on_device(np.ascontiguousarray(self.batch.block_table[rows, : -(-max_seq // bs)])),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq,
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            block_size=bs,
+        )
+
     def _prepare_decode(self, so: SchedulerOutput) -> StepInputs:
-        """`_prepare_inputs` for a step of one token per request on the CPU, with no tokens of an
-        earlier step still to fill in, no drafts and no grammar: each request's token sits at its
-        computed count, every query start is its row index, and the tensors are the arrays' own
-        memory. The same inputs, in about half the calls: right after a step has streamed its
-        weights each numpy or torch call costs several microseconds (benchmarks/cold_after_stream.py),
-        and a batch-1 step's host work is ~20% of it."""
+        """`_prepare_inputs` for a step of one token per request, with no tokens of an earlier step
+        still to fill in, no drafts and no grammar: each request's token sits at its computed count
+        and every query start is its row index. The same inputs, in about half the calls: right
+        after a step has streamed its weights each numpy or torch call costs several microseconds
+        (benchmarks/cold_after_stream.py), and a batch-1 step's host work is ~20% of it."""
         b = self.batch
         req_ids = list(so.num_scheduled_tokens)
         r = len(req_ids)
@@ -231,21 +241,7 @@ class ModelRunner:
         bs = self.block_size
         slots = b.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = positions + 1
-        max_seq = int(seq_lens.max())
-        qsl = np.arange(r + 1, dtype=np.int64)
-        metadata = AttentionMetadata(
-            num_reqs=r,
-            num_tokens=r,
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            slot_mapping=torch.from_numpy(slots),
-            block_table=torch.from_numpy(np.ascontiguousarray(b.block_table[rows, : -(-max_seq // bs)])),
-            max_query_len=1,
-            max_seq_len=max_seq,
-            query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            block_size=bs,
-        )
+        metadata = self._attention_metadata(rows, np.arange(r + 1, dtype=np.int64), seq_lens, slots, 1)
         sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
         sample_rows = rows[sample_idx].tolist()
         pending, prev = self._num_pending, {}
@@ -256,11 +252,11 @@ class ModelRunner:
         return StepInputs(
             req_ids=req_ids,
             rows=rows,
-            input_ids=torch.from_numpy(b.token_ids[rows, positions]),
-            positions=torch.from_numpy(positions),
+            input_ids=self._on_device(b.token_ids[rows, positions]),
+            positions=self._on_device(positions),
             metadata=metadata,
             sample_req_idx=sample_idx,
-            logits_indices=torch.from_numpy(sample_idx),
+            logits_indices=self._on_device(sample_idx),
             sampling=SamplingBatch(params=[b.params[row] for row in sample_rows],  # type: ignore[misc]
                                    generators=[b.generators[row] for row in sample_rows]),
         )
