@@ -16,7 +16,8 @@ peers-llamacpp`). Like for like:
   benchmark, runnable threads and CPU steal while it ran, and the rate a buffer of the step's bytes
   read just before it; a round more than 5% off its side's median names what differed;
 - the floor: the bytes a batch-1 step reads (servelab: its block packs and the quantized LM head,
-  as its start-up log says; llama.cpp: the GGUF's matmul tensors as stored) at the best rate
+  as its start-up log says; llama.cpp: the GGUF's matmul tensors as stored; on both sides the
+  keys and values the mean measured step attends, side_by_side.kv_read_bytes) at the best rate
   `torch.sum` reads a buffer of that many bytes, again and again, on the same threads, before and
   after the rounds (the median of the two): a step's ~96 MB can sit in a large last-level cache
   and read at twice the memory's rate, so a bigger buffer's rate would flatter the engines. The
@@ -54,7 +55,15 @@ from peers import (  # noqa: E402
 )
 from round_conditions import RoundConditions, RunnableSampler, busy_processes, format_slow_rounds, slow_rounds  # noqa: E402
 from serving_sides import random_prompts  # noqa: E402
-from side_by_side import abba_order, format_cv, format_spread, ratio_spread, spread, step_read_bytes  # noqa: E402
+from side_by_side import (  # noqa: E402
+    abba_order,
+    format_cv,
+    format_spread,
+    kv_read_bytes,
+    ratio_spread,
+    spread,
+    step_read_bytes,
+)
 
 sys.path.insert(0, str(ROOT))
 from workloads.targets.peer import DEFAULT_LLAMACPP_VENV, PeerMissingError, check_llamacpp  # noqa: E402
@@ -153,9 +162,12 @@ def main(argv: list[str] | None = None) -> int:
 
     gguf = embedded_gguf_path()
     torch.set_num_threads(args.threads)
-    step_bytes = {"llamacpp": step_read_bytes("llamacpp", 0, gguf)["bytes"], "servelab": None}
+    arch = resolve_model(ModelConfig())[0]
+    kv = kv_read_bytes(arch.num_layers, arch.num_kv_heads, arch.head_dim, args.input_len, args.output_len)
+    weights: dict[str, float | None] = {"llamacpp": step_read_bytes("llamacpp", 0, gguf)["bytes"], "servelab": None}
+    step_bytes = {"llamacpp": _plus(weights["llamacpp"], kv), "servelab": None}
     rates_before = read_rates([step_bytes["llamacpp"]])
-    vocab = resolve_model(ModelConfig())[0].vocab_size
+    vocab = arch.vocab_size
     prompts = random_prompts(args.warmup + args.prompts, args.input_len, vocab, seed=38)
     job = {"model": str(gguf), "threads": args.threads, "prompts": prompts, "output_len": args.output_len,
            "warmup": args.warmup}  # fmt: skip
@@ -170,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             cond.runnable_mean, cond.steal = runnable.mean, runnable.steal
             fig = round_figures(res)
             if side == "servelab":
-                step_bytes["servelab"] = step_read_bytes("servelab-blocks", 0, gguf, res.get("step_bytes"))["bytes"]
+                weights["servelab"] = step_read_bytes("servelab-blocks", 0, gguf, res.get("step_bytes"))["bytes"]
+                step_bytes["servelab"] = _plus(weights["servelab"], kv)
             if side == "llamacpp":
                 versions["llama-cpp-python"] = res.get("version", "?")
             rounds.append({"round": rnd, "side": side, **fig, "conditions": cond.as_dict()})
@@ -178,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     rates_after = read_rates(step_bytes.values())
     rates = floor_rates(step_bytes, rates_before, rates_after)
     summary = summarize(rounds, step_bytes, rates, args.rounds)
+    summary["step_bytes"] = {"weights": weights, "kv": kv}
     print()
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; flags: {format_flags(cpu_flags())}; torch {torch.__version__}; "
           f"llama-cpp-python {versions.get('llama-cpp-python', '?')}")  # fmt: skip
@@ -185,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
           f"output tokens, greedy, EOS ignored, batch 1, {args.threads} threads, the same GGUF ({gguf.name}); "
           f"{args.rounds} rounds ABBA, a fresh process per side and round")  # fmt: skip
     print(rates_line(rates_before, rates_after, args.threads))
+    print(step_bytes_line(weights, kv, args.input_len, args.output_len))
     for line in format_summary(summary):
         print(line)
     if args.json:
@@ -206,6 +221,18 @@ def floor_rates(step_bytes: dict[str, float | None], before: dict[str, Any], aft
             got = [rate for r in (before, after) if (rate := rate_at(r, b, within=0.01)) is not None]
             out[side] = statistics.median(got) if got else None
     return out
+
+
+def _plus(a: float | None, b: float) -> float | None:
+    return a + b if a else None
+
+
+def step_bytes_line(weights: dict[str, float | None], kv: float, input_len: int, output_len: int) -> str:
+    """What a side's step reads, in parts: its matrices as stored and the keys and values it attends."""
+    parts = ", ".join(f"{side} {w / 1e6:.1f} MB of matrices" if w else f"{side} matrices unknown"
+                      for side, w in weights.items())  # fmt: skip
+    return (f"a step reads: {parts}; + {kv / 1e6:.2f} MB of keys and values each (the mean step of a TPOT attends "
+            f"{input_len + output_len / 2:.0f} positions; 16-bit on both sides)")
 
 
 def rates_line(before: dict[str, Any], after: dict[str, Any], threads: int) -> str:

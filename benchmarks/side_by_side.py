@@ -123,6 +123,16 @@ def gguf_matmul_bytes(path: str | Path) -> int:
     return tensors.get(head, 0) + sum(n for name, n in tensors.items() if name.endswith(GGUF_MATMUL_SUFFIXES))
 
 
+def kv_read_bytes(num_layers: int, num_kv_heads: int, head_dim: int, input_len: int, output_len: int,
+                  elem_bytes: int = 2) -> float:  # fmt: skip
+    """The keys and values a batch-1 decode step reads, on average over the steps a TPOT spans (the
+    tokens after the first): token k of n (k >= 2) comes from a step attending input_len + k - 1
+    positions, each `2 * num_layers * num_kv_heads * head_dim` 16-bit elements (bfloat16 in
+    servelab, float16 in llama.cpp), so the mean step attends input_len + n / 2."""
+    per_position = 2 * num_layers * num_kv_heads * head_dim * elem_bytes
+    return float(per_position * (input_len + output_len / 2))
+
+
 def step_read_bytes(side: str, matmul_params: int, gguf_path: str | Path | None,
                     servelab_logged_bytes: float | None = None) -> dict[str, Any]:
     """The bytes a batch-1 decode step of `side` reads ('servelab-bf16', 'servelab-blocks', 'vllm',

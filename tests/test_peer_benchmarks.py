@@ -186,6 +186,10 @@ def test_step_read_floors_count_the_bytes_each_side_reads() -> None:
     # Q4_1 layers (20 bytes per 32 weights) and the Q8_0 tied head (34 per 32): about a third of bfloat16
     assert 0.3 * 2 * params < blocks < 0.4 * 2 * params
     assert sbs.step_read_bytes("servelab-blocks", params, None, 96.4e6)["bytes"] == 96.4e6
+    # keys and values: 128-token prompts, 4 output tokens: the TPOT's steps attend 129, 130, 131 positions
+    per_position = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2
+    kv = sbs.kv_read_bytes(arch.num_layers, arch.num_kv_heads, arch.head_dim, 128, 4)
+    assert kv == per_position * (129 + 130 + 131) / 3 == 30 * 2 * 3 * 64 * 2 * 130
 
 
 def _m(server: str, rnd: int, tok_s: float, ttft: float, tpot: float, conc: int = 16,
@@ -282,6 +286,9 @@ def test_c1_inprocess_figures_and_floors(capsys: pytest.CaptureFixture[str]) -> 
     text = "\n".join(c1.format_summary(s3))
     assert "slow round: servelab round 3 (TPOT p50 +35.8% against the median): the step's bytes read at 30.0 GB/s" in text
     assert s["ratio"]["tpot_ms"]["min"] == pytest.approx(0.75) and s["ratio"]["tpot_ms"]["max"] == pytest.approx(0.8)
+    line = c1.step_bytes_line({"llamacpp": 96.4e6, "servelab": None}, 4.42e6, 128, 128)
+    assert line == ("a step reads: llamacpp 96.4 MB of matrices, servelab matrices unknown; + 4.42 MB of keys and "
+                    "values each (the mean step of a TPOT attends 192 positions; 16-bit on both sides)")
     text = "\n".join(c1.format_summary(s))
     assert "96.0 MB" in text and "servelab / llama.cpp, same round: TPOT 0.78 (0.75-0.80)x" in text
 
