@@ -52,6 +52,8 @@ def _run_both(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list
         return out
 
     inner.forward = recording
+    # every step through forward (whose output is recorded), not the greedy one-call path
+    _model(llm).greedy_decode = lambda *args: None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     try:
         for side[0], p in enumerate((with_op, without)):
@@ -60,6 +62,7 @@ def _run_both(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list
             tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     finally:
         inner.forward, inner.plan = forward, plan
+        del _model(llm).greedy_decode
     return tokens, hidden, calls[0]
 
 
@@ -110,6 +113,47 @@ def test_op_equals_the_python_loop_with_the_checkpoints_quant_packs(team: bool, 
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("team", [True, False], ids=["team", "dispatcher"])
+@pytest.mark.parametrize("rows", [1, 3])
+@torch.inference_mode()
+def test_greedy_decode_equals_the_forward_and_the_heads_argmax(team: bool, rows: int) -> None:
+    """`LlamaForCausalLM.greedy_decode` (the layers and the LM head's argmax in one call, in the team
+    step's region where it runs) gives at every greedy decode step the ids that the forward and
+    `greedy_ids` give apart, and the runner takes it on every decode step."""
+    llm = LLM(model="smollm2", max_num_seqs=rows, max_model_len=512)
+    plan = _needs_op(llm)
+    model = _model(llm)
+    if not plan.quant_packs or model.quant_lm_head is None:
+        pytest.skip("no quant packs: the CPU lacks AVX512-BF16 for the GGUF block kernels")
+    had = torch.ops.servelab.set_decode_team(None)
+    if team and not had:
+        pytest.skip("the team step needs the GGUF block kernels' AVX512-VNNI build (engine/csrc/gguf_blocks.h)")
+    fused = model.greedy_decode
+    checked = [0]
+
+    def checking(*args: Any) -> torch.Tensor | None:
+        ids = fused(*args)
+        if ids is not None:  # the same step again, apart (its cache write repeats the same values)
+            assert torch.equal(ids, model.greedy_ids(model.forward(*args)))
+            checked[0] += 1
+        return ids
+
+    torch.ops.servelab.set_decode_team(team)
+    model.greedy_decode = checking
+    before = _team_step_count()
+    try:
+        prompts = [list(range(300 + 40 * i, 332 + 40 * i + 5 * i)) for i in range(rows)]
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        torch.ops.servelab.set_decode_team(had)
+        del model.greedy_decode
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert checked[0] == 7  # every step after the prompts' one prefill step
+    # the team step ran each fused call and each forward beside it
+    assert _team_step_count() - before == (2 * checked[0] if team else 0)
+
+
 @torch.inference_mode()
 def test_a_profiled_step_keeps_every_kernel_in_view() -> None:
     """Under torch.profiler the op calls each kernel through the dispatcher (the profile lists them
@@ -123,7 +167,8 @@ def test_a_profiled_step_keeps_every_kernel_in_view() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         llm.generate([list(range(300, 320))], params, use_tqdm=False)
     names = {e.key for e in prof.key_averages()}
-    assert "servelab::planned_layers_bound" in names and "servelab::amx_linear" in names
+    # a greedy step's one call (the layers and the head's argmax), each kernel in it by name
+    assert {"servelab::planned_greedy_bound", "servelab::amx_linear", "servelab::amx_linear_argmax"} <= names
     assert _team_step_count() == before
     llm.generate([list(range(300, 320))], params, use_tqdm=False)
     assert _team_step_count() - before == 3  # unprofiled: the team step

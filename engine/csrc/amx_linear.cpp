@@ -48,66 +48,6 @@ torch::Tensor amx_pack(torch::Tensor w, int64_t interleave) {
 }
 
 #if defined(SERVELAB_LINEAR_ANY)
-// out [M] = each row's index of its first maximum logit (rounded to bfloat16).
-template <typename W>
-static void argmax_into(const RowTiles& rt, const W& wt, int64_t N, int64_t* op) {
-  const int64_t M = rt.M, NB = wt.NB;
-  // Per thread chunk (contiguous column ranges, in order) and row: each lane's best value and index.
-  const int64_t chunks = std::min<int64_t>(NB, at::get_num_threads());
-  std::vector<float> best(chunks * M * 16, -std::numeric_limits<float>::infinity());
-  std::vector<int32_t> where(chunks * M * 16, std::numeric_limits<int32_t>::max());
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    if constexpr (W::kTiles) begin_linear_thread();
-    alignas(64) float c[2][2][256];
-    for (int64_t ch = c0; ch < c1; ++ch) {
-      float* bv = best.data() + ch * M * 16;
-      int32_t* bi = where.data() + ch * M * 16;
-      const int64_t nb_end = NB * (ch + 1) / chunks;
-      for (int64_t nb = NB * ch / chunks; nb < nb_end; ++nb)
-        for (int64_t mt = 0; mt < rt.MT; mt += 2) {
-          wt.product(rt, mt, nb, c, mt == 0 && nb + 1 < nb_end ? wt.block(nb + 1) : nullptr);
-          for (int64_t h = 0; h < 2; ++h) {
-            const int64_t n0 = nb * 32 + h * 16;
-            if (n0 >= N) continue;
-            const __mmask16 valid = N - n0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n0)) - 1u);
-            const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(n0)));
-            for (int64_t t = 0; t < 2 && mt + t < rt.MT; ++t)
-              for (int64_t r = 0; r < rt.rows(mt + t); ++r) {
-                const int64_t row = (mt + t) * 16 + r;
-                const __m512 v = round_bf16(_mm512_load_ps(c[t][h] + r * 16));
-                __m512 b = _mm512_loadu_ps(bv + row * 16);
-                const __mmask16 nan_v = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan_b = _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
-                const __mmask16 take = valid & (_mm512_cmp_ps_mask(v, b, _CMP_GT_OQ) | (nan_v & static_cast<__mmask16>(~nan_b)) |
-                                                 _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(bi + row * 16), _mm512_set1_epi32(std::numeric_limits<int32_t>::max())));
-                _mm512_storeu_ps(bv + row * 16, _mm512_mask_mov_ps(b, take, v));
-                _mm512_storeu_si512(bi + row * 16, _mm512_mask_mov_epi32(_mm512_loadu_si512(bi + row * 16), take, idx));
-              }
-          }
-        }
-    }
-    if constexpr (W::kTiles) end_linear_thread();
-  });
-  // Merge lanes and chunks: the maximum, a NaN above everything, the smallest index among equals.
-  for (int64_t row = 0; row < M; ++row) {
-    float bvv = 0.f;
-    int64_t at = -1;
-    for (int64_t ch = 0; ch < chunks; ++ch)
-      for (int64_t l = 0; l < 16; ++l) {
-        const int32_t i = where[(ch * M + row) * 16 + l];
-        if (i == std::numeric_limits<int32_t>::max()) continue;  // a lane that saw no column
-        const float v = best[(ch * M + row) * 16 + l];
-        const bool better = at < 0 || (std::isnan(v) ? (!std::isnan(bvv) || i < at)
-                                                     : (!std::isnan(bvv) && (v > bvv || (v == bvv && i < at))));
-        if (better) {
-          bvv = v;
-          at = i;
-        }
-      }
-    op[row] = at;
-  }
-}
-
 // f(the packed weight as the loops walk it): Bf16Blocks for an amx_pack result, GgufBlocks<K>
 // for a quant_pack one (check_linear has told them apart).
 template <typename F>
@@ -172,7 +112,9 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t N
   auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
 #if defined(SERVELAB_LINEAR_ANY)
   const RowTiles rt = row_tiles(x, packed);
-  with_packed(packed, rt, "amx_linear_argmax", [&](const auto& wt) { argmax_into(rt, wt, N, out.data_ptr<int64_t>()); });
+  ArgmaxScratch scratch;
+  with_packed(packed, rt, "amx_linear_argmax",
+              [&](const auto& wt) { argmax_into(rt, wt, N, out.data_ptr<int64_t>(), scratch); });
 #else
   TORCH_CHECK(false, "amx_linear_argmax: built without AMX or AVX512-BF16");
 #endif

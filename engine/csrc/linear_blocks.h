@@ -4,6 +4,8 @@
 #pragma once
 #include "kernel_header.h"
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <vector>
 #include "amx_tiles.h"
@@ -235,6 +237,81 @@ static void silu_mul_into(const RowTiles& rt, const W& wt, int64_t I, bf16* yp, 
         vst(yp + ((mt + t) * 16 + r) * I + nb * 16, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
       }
   }, next);
+}
+
+// Per column chunk (one contiguous range of blocks a thread) and row: each lane's best logit so
+// far and its column (INT32_MAX: none yet). A team shares one (team.h: every thread of it makes
+// the same call, and the chunks' results meet in the merge).
+struct ArgmaxScratch {
+  std::vector<float> best;
+  std::vector<int32_t> where;
+  int64_t chunks = 0;
+};
+
+// out [M] = each row's index of its first maximum logit (rounded to bfloat16): each of
+// min(NB, threads) chunks keeps per row and lane its best value and column, then one merge takes
+// the maximum, a NaN above everything, the smallest index among equals (so the chunking does not
+// change the answer). In a team the scratch is sized on one thread and the merge runs on one.
+template <typename W>
+static void argmax_into(const RowTiles& rt, const W& wt, int64_t N, int64_t* op, ArgmaxScratch& s) {
+  const int64_t M = rt.M, NB = wt.NB;
+  team_single([&] {
+    s.chunks = std::min<int64_t>(NB, team_threads());
+    s.best.assign(s.chunks * M * 16, -std::numeric_limits<float>::infinity());
+    s.where.assign(s.chunks * M * 16, std::numeric_limits<int32_t>::max());
+  });
+  const int64_t chunks = s.chunks;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  team_for(0, chunks, [&](int64_t c0, int64_t c1) {
+    if constexpr (W::kTiles) begin_linear_thread();
+    alignas(64) float c[2][2][256];
+    for (int64_t ch = c0; ch < c1; ++ch) {
+      float* bv = s.best.data() + ch * M * 16;
+      int32_t* bi = s.where.data() + ch * M * 16;
+      const int64_t nb_end = NB * (ch + 1) / chunks;
+      for (int64_t nb = NB * ch / chunks; nb < nb_end; ++nb)
+        for (int64_t mt = 0; mt < rt.MT; mt += 2) {
+          wt.product(rt, mt, nb, c, mt == 0 && nb + 1 < nb_end ? wt.block(nb + 1) : nullptr);
+          for (int64_t h = 0; h < 2; ++h) {
+            const int64_t n0 = nb * 32 + h * 16;
+            if (n0 >= N) continue;
+            const __mmask16 valid = N - n0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+            const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(n0)));
+            for (int64_t t = 0; t < 2 && mt + t < rt.MT; ++t)
+              for (int64_t r = 0; r < rt.rows(mt + t); ++r) {
+                const int64_t row = (mt + t) * 16 + r;
+                const __m512 v = round_bf16(_mm512_load_ps(c[t][h] + r * 16));
+                __m512 b = _mm512_loadu_ps(bv + row * 16);
+                const __mmask16 nan_v = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan_b = _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+                const __mmask16 take = valid & (_mm512_cmp_ps_mask(v, b, _CMP_GT_OQ) | (nan_v & static_cast<__mmask16>(~nan_b)) |
+                                                 _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(bi + row * 16), _mm512_set1_epi32(std::numeric_limits<int32_t>::max())));
+                _mm512_storeu_ps(bv + row * 16, _mm512_mask_mov_ps(b, take, v));
+                _mm512_storeu_si512(bi + row * 16, _mm512_mask_mov_epi32(_mm512_loadu_si512(bi + row * 16), take, idx));
+              }
+          }
+        }
+    }
+    if constexpr (W::kTiles) end_linear_thread();
+  });
+  team_single([&] {
+    for (int64_t row = 0; row < M; ++row) {
+      float bvv = 0.f;
+      int64_t at = -1;
+      for (int64_t ch = 0; ch < chunks; ++ch)
+        for (int64_t l = 0; l < 16; ++l) {
+          const int32_t i = s.where[(ch * M + row) * 16 + l];
+          if (i == std::numeric_limits<int32_t>::max()) continue;  // a lane that saw no column
+          const float v = s.best[(ch * M + row) * 16 + l];
+          const bool better = at < 0 || (std::isnan(v) ? (!std::isnan(bvv) || i < at)
+                                                       : (!std::isnan(bvv) && (v > bvv || (v == bvv && i < at))));
+          if (better) {
+            bvv = v;
+            at = i;
+          }
+        }
+      op[row] = at;
+    }
+  });
 }
 
 #endif

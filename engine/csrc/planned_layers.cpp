@@ -43,6 +43,8 @@ struct LayerOps {
       op<void(Tensor, Tensor, Tensor, Tensor)>("servelab::write_kv_");
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, double, bool)> attention =
       op<Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, double, bool)>("servelab::paged_attention");
+  c10::TypedOperatorHandle<Tensor(Tensor, Tensor, int64_t)> argmax =
+      op<Tensor(Tensor, Tensor, int64_t)>("servelab::amx_linear_argmax");
 };
 
 const LayerOps& layer_ops() {
@@ -84,6 +86,26 @@ static void team_linear(const bf16* x, int64_t M, int64_t K, const Tensor& pack,
     run(GgufBlocks<BlockKind::Q8_0>{w, pack.size(0), pack.size(1), &xq});
 }
 
+// The LM head's fused argmax (amx_linear_argmax) on the checkpoint's blocks, run by every thread
+// of the team: each quantizes x itself, the chunks split as there, one merge; ids [M].
+static void team_argmax(const bf16* x, int64_t M, int64_t K, const Tensor& pack, int64_t N, int64_t* ids,
+                        ArgmaxScratch& scratch) {
+  static thread_local QuantX xq;
+  quantize_x(xq, x, M, K);
+  const RowTiles rt(x, M, K, false);
+  const uint8_t* w = static_cast<const uint8_t*>(pack.data_ptr());
+  if (packed_kind(pack.size(2)) == static_cast<int>(BlockKind::Q4_1))
+    argmax_into(rt, GgufBlocks<BlockKind::Q4_1>{w, pack.size(0), pack.size(1), &xq}, N, ids, scratch);
+  else
+    argmax_into(rt, GgufBlocks<BlockKind::Q8_0>{w, pack.size(0), pack.size(1), &xq}, N, ids, scratch);
+}
+
+// A quant_pack result the team step reads (uint8 [NB, KB, tile bytes] of a known kind).
+static bool team_pack(const Tensor& p) {
+  return p.scalar_type() == torch::kUInt8 && p.dim() == 3 && p.is_contiguous() && p.size(0) > 0 &&
+         packed_kind(p.size(2)) >= 0;
+}
+
 // Whether the team step runs this call: the checkpoint's blocks for every matrix, rows few enough
 // that paged_attention takes its AVX-512 path (kAmxMinRows), a head size it has a path for, the
 // inputs laid out as the loops read them, and no profiler listening (it would see one op where the
@@ -97,10 +119,7 @@ static bool team_applies(const Tensor& x, const Tensor& cos, const Tensor& sin, 
     return false;
   for (const Tensor& c : kv_caches)
     if (c.scalar_type() != torch::kBFloat16 || !c.is_contiguous() || c.dim() != 5 || c.size(4) != D) return false;
-  for (const Tensor& p : packs)
-    if (p.scalar_type() != torch::kUInt8 || p.dim() != 3 || !p.is_contiguous() || p.size(0) == 0 ||
-        packed_kind(p.size(2)) < 0)
-      return false;
+  if (!std::all_of(packs.begin(), packs.end(), team_pack)) return false;
   auto norm_ok = [&](const Tensor& n) {
     return n.scalar_type() == torch::kBFloat16 && n.is_contiguous() && n.numel() == hidden;
   };
@@ -117,7 +136,8 @@ template <int C>
 static Tensor team_layers(Tensor x, const Tensor& cos, const Tensor& sin, at::TensorList kv_caches,
                           const Tensor& slot_mapping, const Tensor& block_table, const Tensor& query_start_loc,
                           const Tensor& seq_lens, at::TensorList norms, at::TensorList packs, const Tensor& final_norm,
-                          int64_t hq, int64_t hkv, int64_t hidden, int64_t inter, double eps, double scale) {
+                          int64_t hq, int64_t hkv, int64_t hidden, int64_t inter, double eps, double scale,
+                          const Tensor* head, int64_t vocab, int64_t* ids) {
   constexpr int64_t D = 16 * C;
   const int64_t L = static_cast<int64_t>(kv_caches.size()), T_ = x.size(0), n_qkv = (hq + 2 * hkv) * D;
   const float e = static_cast<float>(eps);
@@ -150,6 +170,7 @@ static Tensor team_layers(Tensor x, const Tensor& cos, const Tensor& sin, at::Te
   const bf16 *cp = cos.data_ptr<bf16>(), *sp = sin.data_ptr<bf16>();
   const int64_t* slp = slots.data_ptr<int64_t>();
   SegmentScratch scratch;
+  ArgmaxScratch head_scratch;
   const int threads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(threads)
   {
@@ -176,6 +197,7 @@ static Tensor team_layers(Tensor x, const Tensor& cos, const Tensor& sin, at::Te
       team_linear(mp, T_, inter, w[3], hidden, hp, next[4 * i + 3], false);
     }
     team_single([&] { add_rms_norm_impl<bf16>(hp, xp, final_norm.data_ptr<bf16>(), T_, hidden, e); });
+    if (head) team_argmax(hp, T_, hidden, *head, vocab, ids, head_scratch);
   }
   g_team_steps.fetch_add(1, std::memory_order_relaxed);
   return h;
@@ -203,9 +225,11 @@ int64_t decode_team_steps() { return g_team_steps.load(); }
 // decoding request, in row order: block_table [T, n], query_start_loc [T + 1], seq_lens [T] as
 // the attention backend passes them to paged_attention. shape: Hq, Hkv, head_dim, qkv width,
 // hidden size, intermediate size.
+// head: also the LM head's argmax of the output (amx_linear_argmax with `vocab` columns) into *ids.
 Tensor planned_layers(Tensor x, Tensor cos, Tensor sin, at::TensorList kv_caches, Tensor slot_mapping,
                       Tensor block_table, Tensor query_start_loc, Tensor seq_lens, at::TensorList norms,
-                      at::TensorList packs, Tensor final_norm, at::IntArrayRef shape, double eps, double scale) {
+                      at::TensorList packs, Tensor final_norm, at::IntArrayRef shape, double eps, double scale,
+                      const Tensor* head = nullptr, int64_t vocab = 0, Tensor* ids = nullptr) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(norms.size()) == 2 * L && static_cast<int64_t>(packs.size()) == 4 * L,
               "planned_layers: 2 norms and 4 packed matrices per KV cache");
@@ -216,12 +240,18 @@ Tensor planned_layers(Tensor x, Tensor cos, Tensor sin, at::TensorList kv_caches
   const int64_t T_ = x.size(0);
   TORCH_CHECK(n_qkv == (hq + 2 * hkv) * D && x.size(1) == hidden, "planned_layers: shape does not match x");
 #if defined(SERVELAB_DECODE_TEAM)
-  if (team_applies(x, cos, sin, kv_caches, norms, final_norm, packs, D, hidden)) {
+  if (team_applies(x, cos, sin, kv_caches, norms, final_norm, packs, D, hidden) &&
+      (!head || (team_pack(*head) && head->size(0) == (vocab + 31) / 32 && head->size(1) * 32 == hidden))) {
+    int64_t* idp = nullptr;
+    if (head) {
+      *ids = torch::empty({T_}, x.options().dtype(torch::kInt64));
+      idp = ids->data_ptr<int64_t>();
+    }
     if (D == 64)
       return team_layers<4>(x, cos, sin, kv_caches, slot_mapping, block_table, query_start_loc, seq_lens, norms, packs,
-                            final_norm, hq, hkv, hidden, inter, eps, scale);
+                            final_norm, hq, hkv, hidden, inter, eps, scale, head, vocab, idp);
     return team_layers<8>(x, cos, sin, kv_caches, slot_mapping, block_table, query_start_loc, seq_lens, norms, packs,
-                          final_norm, hq, hkv, hidden, inter, eps, scale);
+                          final_norm, hq, hkv, hidden, inter, eps, scale, head, vocab, idp);
   }
 #endif
   const LayerOps& k = layer_ops();
@@ -245,6 +275,7 @@ Tensor planned_layers(Tensor x, Tensor cos, Tensor sin, at::TensorList kv_caches
     x = k.linear.call(k.linear_silu_mul.call(x, w[2], inter, Next(w[3])), w[3], hidden, following);
   }
   k.add_rms_norm.call(x, residual, final_norm, eps);
+  if (head) *ids = k.argmax.call(x, *head, vocab);
   return x;
 }
 
@@ -288,15 +319,36 @@ static Tensor gather_rows(const Tensor& table, const Tensor& idx, const char* wh
   return out;
 }
 
+// The layers of a step from its token ids and positions (head: and the LM head's argmax into *ids).
+static Tensor bound_layers(const LayerArgs& a, const Tensor& input_ids, const Tensor& positions, Tensor slot_mapping,
+                           Tensor block_table, Tensor query_start_loc, Tensor seq_lens, const Tensor* head = nullptr,
+                           int64_t vocab = 0, Tensor* ids = nullptr) {
+  Tensor x = gather_rows(a.embed, input_ids, "input_ids");
+  const int64_t T_ = x.size(0), D = a.cos_table.size(1);
+  const Tensor cos = gather_rows(a.cos_table, positions, "positions").view({T_, 1, D});
+  const Tensor sin = gather_rows(a.sin_table, positions, "positions").view({T_, 1, D});
+  return planned_layers(std::move(x), cos, sin, a.kv_caches, std::move(slot_mapping), std::move(block_table),
+                        std::move(query_start_loc), std::move(seq_lens), a.norms, a.packs, a.final_norm, a.shape, a.eps,
+                        a.scale, head, vocab, ids);
+}
+
 Tensor planned_layers_bound(const c10::intrusive_ptr<LayerArgs>& a, Tensor input_ids, Tensor positions,
                             Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens) {
-  Tensor x = gather_rows(a->embed, input_ids, "input_ids");
-  const int64_t T_ = x.size(0), D = a->cos_table.size(1);
-  const Tensor cos = gather_rows(a->cos_table, positions, "positions").view({T_, 1, D});
-  const Tensor sin = gather_rows(a->sin_table, positions, "positions").view({T_, 1, D});
-  return planned_layers(std::move(x), cos, sin, a->kv_caches, std::move(slot_mapping), std::move(block_table),
-                        std::move(query_start_loc), std::move(seq_lens), a->norms, a->packs, a->final_norm, a->shape,
-                        a->eps, a->scale);
+  return bound_layers(*a, input_ids, positions, std::move(slot_mapping), std::move(block_table),
+                      std::move(query_start_loc), std::move(seq_lens));
+}
+
+// A greedy decode step's token ids [T] in one call: the layers, the final norm and the LM head's
+// fused argmax (`head`, an amx_linear_argmax weight of `vocab` columns); in the team step the head
+// runs in the layers' parallel region, so the step pays no second call, fork or join for it.
+Tensor planned_greedy_bound(const c10::intrusive_ptr<LayerArgs>& a, Tensor head, int64_t vocab, Tensor input_ids,
+                            Tensor positions, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc,
+                            Tensor seq_lens) {
+  TORCH_CHECK(vocab > 0, "planned_greedy_bound: vocab must be positive");
+  Tensor ids;
+  bound_layers(*a, input_ids, positions, std::move(slot_mapping), std::move(block_table), std::move(query_start_loc),
+               std::move(seq_lens), &head, vocab, &ids);
+  return ids;
 }
 
 }  // namespace servelab
@@ -307,10 +359,14 @@ TORCH_LIBRARY_FRAGMENT(servelab, m) {
                        std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, double, double>());
   m.def("planned_layers_bound(__torch__.torch.classes.servelab.LayerArgs args, Tensor input_ids, Tensor positions, "
         "Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
+  m.def("planned_greedy_bound(__torch__.torch.classes.servelab.LayerArgs args, Tensor head, int vocab, "
+        "Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, "
+        "Tensor seq_lens) -> Tensor");
   m.def("set_decode_team(bool? enabled=None) -> bool", &servelab::set_decode_team);
   m.def("decode_team_steps() -> int", &servelab::decode_team_steps);
 }
 
 TORCH_LIBRARY_IMPL(servelab, CPU, m) {
   m.impl("planned_layers_bound", &servelab::planned_layers_bound);
+  m.impl("planned_greedy_bound", &servelab::planned_greedy_bound);
 }

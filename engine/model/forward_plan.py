@@ -284,12 +284,15 @@ def planned_forward(
 def planned_decode(
     plan: ForwardPlan, input_ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
     rotary: RotaryEmbedding, kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
+    head: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor | None:  # fmt: skip
     """The embedding, the layers and the final norm of a step's tokens in one `layers_op` call
     (engine/model/planned_layers.py), where every row of the step is one decoding request that the
     decode kernels take (up to `amx_max_rows`) and the attention backend would make the op's
     attention calls (`AttentionBackend.decode_rows`); None otherwise (the caller embeds and runs
-    `planned_forward`). Asked before the embedding: the op gathers the step's rows of it."""
+    `planned_forward`). Asked before the embedding: the op gathers the step's rows of it. With
+    `head` (the LM head as `amx_linear_argmax` reads it, and its columns): the rows' greedy token
+    ids instead of the norm's output (`LlamaForCausalLM.greedy_decode`)."""
     t = input_ids.shape[0]
     if plan.layers_op is None or plan.amx_ops is None or t > plan.amx_max_rows or embed.dtype != plan.dtype:
         return None
@@ -301,7 +304,7 @@ def planned_decode(
     quant = t <= plan.quant_max_rows  # a few rows: the checkpoint's blocks
     return plan.layers_op(input_ids, positions, embed, rotary.cos_table, rotary.sin_table, kv_caches,
                           metadata.slot_mapping, *rows, plan.norms, plan.quant_packs if quant else plan.bf16_packs,
-                          plan.final_norm, plan.layer_shape, plan.eps, first.scale)  # fmt: skip
+                          plan.final_norm, plan.layer_shape, plan.eps, first.scale, head)  # fmt: skip
 
 
 @torch.inference_mode()

@@ -159,6 +159,15 @@ class LlamaModel(nn.Module):
         return x
 
 
+def _module_hooks(*modules: nn.Module) -> bool:
+    """Whether a forward hook would run when any of `modules` is called (its own or a global one)."""
+    from torch.nn.modules import module as mm
+
+    return bool(mm._global_forward_hooks or mm._global_forward_pre_hooks) or any(
+        mod._forward_hooks or mod._forward_pre_hooks for mod in modules
+    )
+
+
 # HF projection name -> (fused parameter name, shard index).
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -192,6 +201,33 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def greedy_decode(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:  # [T] int64
+        """`greedy_ids(forward(...))` for a step whose every row is a decoding request sampled
+        greedily, in one call where both would take the decode kernels (the plan's layers op and the
+        AMX LM head's fused argmax): the same ids, with no Python between the layers and the head and
+        no second fork and join (`planned_decode` with `head`). None where either would not, or where
+        module hooks are installed (they would see no module calls): the caller runs the two."""
+        m = self.model
+        plan = m.plan
+        if (
+            plan is None or self.amx_lm_head is None or plan.amx_ops is None or plan.dtype != torch.bfloat16
+            or not m.layers or input_ids.device.type != "cpu" or torch.is_grad_enabled()
+            or torch.compiler.is_compiling() or type(m.embed_tokens) is not nn.Embedding or _module_hooks(self, m)
+        ):  # fmt: skip
+            return None
+        t = input_ids.shape[0]
+        quant = self.quant_lm_head is not None and t <= amx_linear.quant_max_rows(self.quant_lm_head)
+        head = self.quant_lm_head if quant else self.amx_lm_head
+        assert head is not None
+        return planned_decode(plan, input_ids, positions, m.embed_tokens.weight, m.rotary_emb, kv_caches,
+                              attn_metadata, (head, self.arch.vocab_size))  # fmt: skip
 
     def _lm_head_weight(self) -> torch.Tensor:
         """[vocab, H]: the LM head's weight, the embedding's where they are tied."""

@@ -83,7 +83,11 @@ class BoundLayers:
                  sin_table: torch.Tensor, kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                  block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                  norms: Sequence[torch.Tensor], packs: Sequence[torch.Tensor], final_norm: torch.Tensor,
-                 shape: Sequence[int], eps: float, scale: float) -> torch.Tensor:  # fmt: skip
+                 shape: Sequence[int], eps: float, scale: float,
+                 head: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:  # fmt: skip
+        """The final norm's output [T, H]; with `head` (an `amx_linear_argmax` weight and its column
+        count), each row's greedy token id [T] instead (`planned_greedy_bound`: the LM head's fused
+        argmax in the same call)."""
         key = (embed, cos_table, sin_table, norms, packs, final_norm, tuple(shape), eps, scale)
         old = self._key
         if (old is None or any(a is not b for a, b in zip(old[:6], key[:6], strict=True)) or old[6:] != key[6:]
@@ -91,6 +95,9 @@ class BoundLayers:
             self._args = torch.classes.servelab.LayerArgs(embed, cos_table, sin_table, list(kv_caches), list(norms),
                                                           list(packs), final_norm, list(shape), eps, scale)  # fmt: skip
             self._key, self._caches = key, tuple(kv_caches)
+        if head is not None:
+            return torch.ops.servelab.planned_greedy_bound(self._args, head[0], head[1], input_ids, positions,
+                                                           slot_mapping, block_table, query_start_loc, seq_lens)  # fmt: skip
         return torch.ops.servelab.planned_layers_bound(self._args, input_ids, positions, slot_mapping, block_table,
                                                        query_start_loc, seq_lens)  # fmt: skip
 

@@ -317,7 +317,6 @@ class ModelRunner:
             inp.input_ids[inp.fill_dst] = torch.tensor(self._last_sampled, dtype=torch.int64, device=self.device)[inp.fill_src]
         self.attn_backend.begin_step(inp.metadata)
         with self.hooks.phase("forward"):
-            hidden, mode = self._forward(inp)
             # Greedy-only steps need each row's argmax only: the LM head's fused argmax where the
             # model has one (no logits stored), else the logits in the model's dtype (the C++
             # argmax reads bfloat16 directly). The sampler upcasts only what needs it (its
@@ -326,13 +325,20 @@ class ModelRunner:
             # a step whose every row samples (a decode step) reads hidden's first rows as a view, not a gather
             n_logits = inp.logits_indices.shape[0]
             all_rows = inp.drafts is None and n_logits == inp.input_ids.shape[0]
-            if all_rows:  # hidden itself where it has no padding rows (a slice is one more op)
-                rows = hidden if hidden.shape[0] == n_logits else hidden[:n_logits]
+            # ... and a greedy one of those may take the forward and the head's argmax in one call
+            greedy_ids = self._greedy_decode(inp) if argmax_only and all_rows else None
+            if greedy_ids is not None:
+                mode = ForwardMode(False, inp.metadata.num_tokens)
+                logits = None
             else:
-                rows = hidden[inp.logits_indices]
-            fused_argmax = getattr(self.model, "greedy_ids", None) if argmax_only else None
-            greedy_ids = fused_argmax(rows) if fused_argmax is not None else None
-            logits = None if greedy_ids is not None else self.model.compute_logits(rows, upcast=False)
+                hidden, mode = self._forward(inp)
+                if all_rows:  # hidden itself where it has no padding rows (a slice is one more op)
+                    rows = hidden if hidden.shape[0] == n_logits else hidden[:n_logits]
+                else:
+                    rows = hidden[inp.logits_indices]
+                fused_argmax = getattr(self.model, "greedy_ids", None) if argmax_only else None
+                greedy_ids = fused_argmax(rows) if fused_argmax is not None else None
+                logits = None if greedy_ids is not None else self.model.compute_logits(rows, upcast=False)
             if logits is not None and inp.grammar_rows is not None and inp.grammar_bitmask is not None:
                 logits = apply_bitmask(logits, inp.grammar_rows, inp.grammar_bitmask)
         t2 = time.perf_counter()
@@ -357,6 +363,13 @@ class ModelRunner:
         out.prepare_time, out.forward_time, out.sample_time = inp.prepare_time, t2 - t1, t3 - t2
         out.compiled, out.padded_tokens = mode.compiled, mode.padded_tokens
         return out
+
+    def _greedy_decode(self, inp: StepInputs) -> torch.Tensor | None:
+        """A greedy decode step's token ids from the model's one-call path (`greedy_decode`:
+        the forward and the LM head's argmax together), or None (the caller runs them apart).
+        Eager only: a compiled forward runs its own graph."""
+        fused = getattr(self.model, "greedy_decode", None) if self.compiled is None else None
+        return fused(inp.input_ids, inp.positions, self.kv_caches, inp.metadata) if fused is not None else None
 
     def _forward(self, inp: StepInputs) -> tuple[torch.Tensor, ForwardMode]:
         """hidden [T' >= T, H] (rows past T are padding) and how the forward ran."""
