@@ -28,6 +28,15 @@ import torch
 
 
 @dataclass
+class OneRowEach:
+    """What a decode step whose request i is query row i (one row each, in order) adds for the
+    backends, in the forms the CPU paged-attention op reads: no conversion per step."""
+
+    seq_lens: torch.Tensor  # [num_reqs] int64: the same lengths as AttentionMetadata.seq_lens
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int64: 0 .. num_reqs
+
+
+@dataclass
 class AttentionMetadata:
     num_reqs: int
     num_tokens: int  # total query tokens this step
@@ -41,6 +50,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    one_row_each: OneRowEach | None = None  # set by the runner's persistent decode inputs (CPU)
 
     @property
     def is_pure_decode(self) -> bool:

@@ -59,7 +59,7 @@ _OP_DTYPES = (torch.float32, torch.bfloat16)  # the C++ ops' dtypes
 @dataclass
 class _DecodeGroup:
     rows: torch.Tensor | slice  # query rows of the decoding requests (a slice when contiguous)
-    table: torch.Tensor  # [B, nblk] int64 block ids of each decoding request
+    table: torch.Tensor  # [B, nblk] int64 (int32 from OneRowEach) block ids of each decoding request
     lens: torch.Tensor  # [B] int64 context lengths
     num_reqs: int
     max_len: int  # longest context: positions attended are 0 .. max_len - 1
@@ -177,6 +177,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     # ---- per-step plan -----------------------------------------------------------------
     def begin_step(self, metadata: AttentionMetadata) -> None:
+        one = metadata.one_row_each
+        if one is not None and not self.batch_invariant:  # decode rows in request order, inputs as the op reads them
+            n = metadata.num_reqs
+            self._decode = _DecodeGroup(slice(0, n), metadata.block_table, one.seq_lens, n, metadata.max_seq_len,
+                                        one.query_start_loc)  # fmt: skip
+            self._prefills, self._prefill_rows, self._step_rows = [], None, None
+            return
         seq_lens = np.asarray(metadata.seq_lens_cpu, dtype=np.int64)
         if metadata.max_query_len == 1 and not self.batch_invariant:  # a decode step: one row per request
             self._decode = self._plan_decode(metadata, None, seq_lens)

@@ -8,6 +8,8 @@ per-step work is proportional to the tokens scheduled, not to the sequence lengt
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import torch
 
@@ -27,7 +29,9 @@ class InputBatch:
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
-        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # a min-heap: a new request takes the lowest free row, so requests that run together sit in
+        # the first rows (a decode step of rows 0 .. r - 1 takes the runner's persistent inputs)
+        self._free_rows = list(range(max_num_reqs))
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -47,7 +51,7 @@ class InputBatch:
             raise RuntimeError("persistent batch is full: more running requests than max_num_seqs")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"request {req_id}: {len(token_ids)} tokens exceed max_model_len {self.max_model_len}")
-        row = self._free_rows.pop()
+        row = heapq.heappop(self._free_rows)
         self.row_of[req_id] = row
         n = len(token_ids)
         self.token_ids[row, :n] = token_ids
@@ -69,7 +73,7 @@ class InputBatch:
             return
         self.params[row] = None
         self.generators[row] = None
-        self._free_rows.append(row)
+        heapq.heappush(self._free_rows, row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:

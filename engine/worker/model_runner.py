@@ -35,6 +35,8 @@ from engine.sample.sampler import Sampler, SamplingBatch
 from engine.spec_decode.verify import logits_layout, sample_with_drafts
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.compiled import CompiledForward, ForwardMode
+from engine.worker.decode_inputs import MAX_ROWS as LEADING_MAX_ROWS
+from engine.worker.decode_inputs import LeadingDecodeInputs
 from engine.worker.input_batch import InputBatch
 
 
@@ -102,6 +104,8 @@ class ModelRunner:
         # req_id -> its index in the sampled ids of the last prepared (non-empty) step.
         self._prev_sample_idx: dict[str, int] = {}
         self._last_sampled: list[int] | None = None  # [S] sampled ids of the last step run
+        # a CPU decode step of the batch's first rows: inputs in persistent tensors (decode_inputs.py)
+        self._leading = LeadingDecodeInputs(max_num_seqs, max_blocks, block_size) if device.type == "cpu" else None
 
     def warm_up(self) -> float:
         """Compile / capture the forward's shapes before serving; seconds taken (0 when eager)."""
@@ -231,11 +235,23 @@ class ModelRunner:
         still to fill in, no drafts and no grammar: each request's token sits at its computed count
         and every query start is its row index. The same inputs, in about half the calls: right
         after a step has streamed its weights each numpy or torch call costs several microseconds
-        (benchmarks/cold_after_stream.py), and a batch-1 step's host work is ~20% of it."""
+        (benchmarks/cold_after_stream.py), and a batch-1 step's host work is ~20% of it. On the CPU
+        a step of the batch's first rows in order, up to decode_inputs.MAX_ROWS of them, takes
+        persistent tensors filled element by element instead (engine/worker/decode_inputs.py)."""
         b = self.batch
         req_ids = list(so.num_scheduled_tokens)
         r = len(req_ids)
         row_of = b.row_of
+        if self._leading is not None and r <= LEADING_MAX_ROWS and all(row_of[rid] == i for i, rid in enumerate(req_ids)):
+            lead = self._leading.prepare(b, r)
+            if lead is not None:  # every row samples
+                self._num_pending.update(dict.fromkeys(req_ids, 1))  # nothing was pending (the caller's condition)
+                self._prev_sample_idx = {rid: i for i, rid in enumerate(req_ids)}
+                return StepInputs(req_ids=req_ids, rows=lead.rows, input_ids=lead.input_ids, positions=lead.positions,
+                                  metadata=lead.metadata, sample_req_idx=lead.sample_idx,
+                                  logits_indices=lead.logits_indices,
+                                  sampling=SamplingBatch(params=[b.params[i] for i in range(r)],  # type: ignore[misc]
+                                                         generators=[b.generators[i] for i in range(r)]))  # fmt: skip
         rows = np.fromiter((row_of[rid] for rid in req_ids), dtype=np.int64, count=r)
         positions = b.num_computed[rows]
         bs = self.block_size
