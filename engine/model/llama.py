@@ -13,12 +13,14 @@ fused (one GEMM each), so the loader copies each HF tensor into its slice.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _nn_module
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.model import amx_linear, batch_invariance
@@ -161,11 +163,33 @@ class LlamaModel(nn.Module):
 
 def _module_hooks(*modules: nn.Module) -> bool:
     """Whether a forward hook would run when any of `modules` is called (its own or a global one)."""
-    from torch.nn.modules import module as mm
-
-    return bool(mm._global_forward_hooks or mm._global_forward_pre_hooks) or any(
+    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks) or any(
         mod._forward_hooks or mod._forward_pre_hooks for mod in modules
     )
+
+
+@dataclass(frozen=True)
+class _GreedyPath:
+    """What `LlamaForCausalLM.greedy_decode` reads of the model while a plan stands."""
+
+    plan: ForwardPlan
+    runs: bool  # the plan's decode path and the AMX head both exist (the plan exists only for a CPU model)
+    embed: torch.Tensor
+    rotary: RotaryEmbedding
+    head: torch.Tensor | None  # the head amx_linear_argmax reads beyond quant_rows rows
+    quant_head: torch.Tensor | None  # ... and up to them (the checkpoint's blocks)
+    quant_rows: int
+    vocab: int
+
+    @staticmethod
+    def of(model: LlamaForCausalLM, inner: LlamaModel, plan: ForwardPlan) -> _GreedyPath:
+        runs = (
+            model.amx_lm_head is not None and plan.amx_ops is not None and plan.dtype == torch.bfloat16
+            and len(inner.layers) > 0 and type(inner.embed_tokens) is nn.Embedding
+        )  # fmt: skip
+        quant = model.quant_lm_head
+        return _GreedyPath(plan, runs, inner.embed_tokens.weight, inner.rotary_emb, model.amx_lm_head, quant,
+                           amx_linear.quant_max_rows(quant) if quant is not None else 0, model.arch.vocab_size)  # fmt: skip
 
 
 # HF projection name -> (fused parameter name, shard index).
@@ -213,21 +237,22 @@ class LlamaForCausalLM(nn.Module):
         greedily, in one call where both would take the decode kernels (the plan's layers op and the
         AMX LM head's fused argmax): the same ids, with no Python between the layers and the head and
         no second fork and join (`planned_decode` with `head`). None where either would not, or where
-        module hooks are installed (they would see no module calls): the caller runs the two."""
-        m = self.model
+        module hooks are installed (they would see no module calls): the caller runs the two.
+        Called every step, right after the weights have pushed everything else out of the caches: what
+        does not change while the plan stands is looked up once per plan (`_GreedyPath`)."""
+        m: LlamaModel = self._modules["model"]  # type: ignore[assignment]  # (no nn.Module.__getattr__ search)
         plan = m.plan
-        if (
-            plan is None or self.amx_lm_head is None or plan.amx_ops is None or plan.dtype != torch.bfloat16
-            or not m.layers or input_ids.device.type != "cpu" or torch.is_grad_enabled()
-            or torch.compiler.is_compiling() or type(m.embed_tokens) is not nn.Embedding or _module_hooks(self, m)
-        ):  # fmt: skip
+        if plan is None or torch.is_grad_enabled() or torch.compiler.is_compiling() or _module_hooks(self, m):
             return None
-        t = input_ids.shape[0]
-        quant = self.quant_lm_head is not None and t <= amx_linear.quant_max_rows(self.quant_lm_head)
-        head = self.quant_lm_head if quant else self.amx_lm_head
-        assert head is not None
-        return planned_decode(plan, input_ids, positions, m.embed_tokens.weight, m.rotary_emb, kv_caches,
-                              attn_metadata, (head, self.arch.vocab_size))  # fmt: skip
+        path = self.__dict__.get("_greedy_path")
+        if path is None or path.plan is not plan:
+            path = self.__dict__["_greedy_path"] = _GreedyPath.of(self, m, plan)
+        if not path.runs:
+            return None
+        head = path.quant_head if input_ids.shape[0] <= path.quant_rows else path.head
+        assert head is not None  # (runs: the AMX head exists)
+        return planned_decode(plan, input_ids, positions, path.embed, path.rotary, kv_caches, attn_metadata,
+                              (head, path.vocab))  # fmt: skip
 
     def _lm_head_weight(self) -> torch.Tensor:
         """[vocab, H]: the LM head's weight, the embedding's where they are tied."""
