@@ -259,6 +259,14 @@ static void merge_segments(const std::vector<float>& pmax, const std::vector<flo
 // The segments' partial sums of one call (S > 1), shared by the threads that attend its units.
 struct SegmentScratch {
   std::vector<float> max, sum, acc;
+  int64_t reserved = 0;  // (unit, query head) pairs `reserve` made room for
+  // Room for n (unit, query head) pairs of D outputs each; before a team's region only.
+  void reserve(int64_t n, int64_t D) {
+    max.resize(n);
+    sum.resize(n);
+    acc.resize(n * D);
+    reserved = n;
+  }
 };
 
 // scratch: where the segments' partial sums go; null: the calling thread's own (a team shares
@@ -300,7 +308,9 @@ static void paged_attention_avx512(const torch::Tensor& q, const torch::Tensor& 
   std::vector<float>& part_max = shared.max;
   std::vector<float>& part_sum = shared.sum;
   std::vector<float>& part_acc = shared.acc;
-  if (S > 1)
+  // A caller that reserved room enough (before its team's region: `reserved` never changes
+  // inside it, so every thread decides alike) saves the resize and its barrier.
+  if (S > 1 && !(scratch && scratch->reserved >= Tn * parts * S * nh))
     team_single([&] {
       part_max.resize(Tn * parts * S * nh);
       part_sum.resize(part_max.size());

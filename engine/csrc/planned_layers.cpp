@@ -7,6 +7,7 @@
 #include <ATen/record_function.h>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <vector>
 #include "layer_ops.h"
@@ -165,25 +166,41 @@ static Tensor team_layers(Tensor x, const Tensor& cos, const Tensor& sin, at::Te
   next.reserve(packs.size());
   for (size_t j = 0; j < packs.size(); ++j)
     next.emplace_back(j + 1 < packs.size() ? std::optional<Tensor>(packs[j + 1]) : std::nullopt);
-  bf16 *xp = x.data_ptr<bf16>(), *hp = h.data_ptr<bf16>(), *qkvp = qkv.data_ptr<bf16>();
+  auto out = torch::empty({T_, hidden}, x.options());  // the final norm's output (hp is read until the end)
+  bf16 *xp = x.data_ptr<bf16>(), *hp = h.data_ptr<bf16>(), *qkvp = qkv.data_ptr<bf16>(), *op = out.data_ptr<bf16>();
   bf16 *ap = attn.data_ptr<bf16>(), *mp = mid.data_ptr<bf16>();
   const bf16 *cp = cos.data_ptr<bf16>(), *sp = sin.data_ptr<bf16>();
   const int64_t* slp = slots.data_ptr<int64_t>();
-  SegmentScratch scratch;
   ArgmaxScratch head_scratch;
   const int threads = std::max(1, at::get_num_threads());
+  // the attention's context segments: at most 2 per thread for each row's Hq query heads
+  // (context_segments), so no layer resizes the scratch inside the region
+  SegmentScratch scratch;
+  scratch.reserve(T_ * 2 * threads * hq, D);
+  const int64_t rows = T_ * hidden;
 #pragma omp parallel num_threads(threads)
   {
     const TeamScope team;
+    // Every thread keeps the residual stream and each norm's output itself (a few KB): each norm
+    // runs on every thread, from the shared output of the linear before it, with no barrier after
+    // it (the next linear reads only this thread's copy); the same sums as one thread's.
+    static thread_local std::vector<bf16> res_v, nrm_v;
+    res_v.resize(rows);
+    nrm_v.resize(rows);
+    bf16 *res = res_v.data(), *nrm = nrm_v.data();
+    // nrm = the shared linear output yp; res += nrm; nrm = norm(res) * w (add_rms_norm_ in place)
+    auto add_norm = [&](const bf16* yp, const Tensor& w) {
+      std::memcpy(nrm, yp, rows * sizeof(bf16));
+      add_rms_norm_impl<bf16>(nrm, res, w.data_ptr<bf16>(), T_, hidden, e);
+    };
+    std::memcpy(res, xp, rows * sizeof(bf16));
     for (int64_t i = 0; i < L; ++i) {
       const Tensor* w = packs.data() + 4 * i;
-      team_single([&] {
-        if (i == 0)
-          rms_norm_impl<bf16>(xp, hp, norms[0].data_ptr<bf16>(), T_, hidden, e);
-        else
-          add_rms_norm_impl<bf16>(hp, xp, norms[2 * i].data_ptr<bf16>(), T_, hidden, e);
-      });
-      team_linear(hp, T_, hidden, w[0], n_qkv, qkvp, next[4 * i], false);
+      if (i == 0)
+        rms_norm_impl<bf16>(res, nrm, norms[0].data_ptr<bf16>(), T_, hidden, e);
+      else
+        add_norm(hp, norms[2 * i]);
+      team_linear(nrm, T_, hidden, w[0], n_qkv, qkvp, next[4 * i], false);
       team_single([&] {
         rope_impl<bf16>(qkvp, cp, sp, T_, hq + 2 * hkv, D, hq + hkv);
         write_kv_rows<bf16>(kv_caches[i], k, v, slp, T_);
@@ -192,15 +209,19 @@ static Tensor team_layers(Tensor x, const Tensor& cos, const Tensor& sin, at::Te
       paged_attention_avx512<bf16, C>(q, kv_caches[i], bt.data_ptr<int64_t>(), bt.size(1), qsl.data_ptr<int64_t>(),
                                       sl.data_ptr<int64_t>(), T_, static_cast<float>(scale), out, false, &scratch);
       team_linear(ap, T_, hq * D, w[1], hidden, hp, next[4 * i + 1], false);
-      team_single([&] { add_rms_norm_impl<bf16>(hp, xp, norms[2 * i + 1].data_ptr<bf16>(), T_, hidden, e); });
-      team_linear(hp, T_, hidden, w[2], inter, mp, next[4 * i + 2], true);
+      add_norm(hp, norms[2 * i + 1]);
+      team_linear(nrm, T_, hidden, w[2], inter, mp, next[4 * i + 2], true);
       team_linear(mp, T_, inter, w[3], hidden, hp, next[4 * i + 3], false);
     }
-    team_single([&] { add_rms_norm_impl<bf16>(hp, xp, final_norm.data_ptr<bf16>(), T_, hidden, e); });
-    if (head) team_argmax(hp, T_, hidden, *head, vocab, ids, head_scratch);
+    add_norm(hp, final_norm);
+    if (omp_get_thread_num() == 0) {  // the outputs (nothing in the region reads x or out)
+      std::memcpy(op, nrm, rows * sizeof(bf16));
+      std::memcpy(xp, res, rows * sizeof(bf16));
+    }
+    if (head) team_argmax(nrm, T_, hidden, *head, vocab, ids, head_scratch);
   }
   g_team_steps.fetch_add(1, std::memory_order_relaxed);
-  return h;
+  return out;
 }
 #endif
 
