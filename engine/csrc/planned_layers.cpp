@@ -166,8 +166,9 @@ static Tensor team_layers(Tensor x, const Tensor& cos, const Tensor& sin, at::Te
   next.reserve(packs.size());
   for (size_t j = 0; j < packs.size(); ++j)
     next.emplace_back(j + 1 < packs.size() ? std::optional<Tensor>(packs[j + 1]) : std::nullopt);
-  auto out = torch::empty({T_, hidden}, x.options());  // the final norm's output (hp is read until the end)
-  bf16 *xp = x.data_ptr<bf16>(), *hp = h.data_ptr<bf16>(), *qkvp = qkv.data_ptr<bf16>(), *op = out.data_ptr<bf16>();
+  auto result = torch::empty({T_, hidden}, x.options());  // the final norm's output (hp is read until the end)
+  bf16 *xp = x.data_ptr<bf16>(), *hp = h.data_ptr<bf16>(), *qkvp = qkv.data_ptr<bf16>();
+  bf16* rp = result.data_ptr<bf16>();
   bf16 *ap = attn.data_ptr<bf16>(), *mp = mid.data_ptr<bf16>();
   const bf16 *cp = cos.data_ptr<bf16>(), *sp = sin.data_ptr<bf16>();
   const int64_t* slp = slots.data_ptr<int64_t>();
@@ -214,14 +215,14 @@ static Tensor team_layers(Tensor x, const Tensor& cos, const Tensor& sin, at::Te
       team_linear(mp, T_, inter, w[3], hidden, hp, next[4 * i + 3], false);
     }
     add_norm(hp, final_norm);
-    if (omp_get_thread_num() == 0) {  // the outputs (nothing in the region reads x or out)
-      std::memcpy(op, nrm, rows * sizeof(bf16));
+    if (omp_get_thread_num() == 0) {  // the outputs (nothing in the region reads x or result)
+      std::memcpy(rp, nrm, rows * sizeof(bf16));
       std::memcpy(xp, res, rows * sizeof(bf16));
     }
     if (head) team_argmax(nrm, T_, hidden, *head, vocab, ids, head_scratch);
   }
   g_team_steps.fetch_add(1, std::memory_order_relaxed);
-  return out;
+  return result;
 }
 #endif
 
