@@ -12,7 +12,7 @@ GATE_RUN := runs/ci_gate/latest
 GATE_PAIRED := runs/ci_gate/paired
 GATE_BASELINE := benchmarks/baselines/ci_gate.json
 
-.PHONY: setup bench test lint typecheck docs gate gate-stored gate-baseline soak gpu-check peers peers-llamacpp ray-venv clean
+.PHONY: setup bench test lint typecheck docs gate gate-stored gate-baseline soak gpu-check peers peers-llamacpp peers-llamacpp-python ray-venv clean
 
 $(SETUP_STAMP): pyproject.toml constraints.txt scripts/setup.sh
 	bash scripts/setup.sh
@@ -88,9 +88,15 @@ gpu-check:
 peers: $(SETUP_STAMP)
 	PY=$(PY) bash scripts/peers.sh
 
-# llama-cpp-python's server in a side venv (~/.cache/servelab-peers/llamacpp), for target=llamacpp.
+# llama.cpp's own llama-server and llama-bench, built natively (~/.cache/servelab-peers/llamacpp-bin, ~25 min on
+# 2 cores), for serving_throughput.py --peer llamacpp and c1_inprocess.py's llama-bench row.
 peers-llamacpp:
-	bash scripts/peers.sh --llamacpp
+	PY=$(PY) bash scripts/peers.sh --llamacpp
+
+# llama-cpp-python's server (one request at a time) in a side venv (~/.cache/servelab-peers/llamacpp), for
+# target=llamacpp, serving_throughput.py --peer llamacpp-python and c1_inprocess.py's in-process row.
+peers-llamacpp-python:
+	bash scripts/peers.sh --llamacpp-python
 
 # Ray and hydra-ray-launcher in a side venv over .venv (~/.cache/servelab-ray; RAY_VENV to move it): Ray needs
 # cloudpickle < 3, kept out of .venv. For hydra/launcher=ray; tests/test_launcher_ray.py skips, saying so, without it.

@@ -8,9 +8,21 @@
 #      (config.json + safetensors + tokenizer files) with transformers, which vLLM reads.
 # Idempotent: each step is skipped when its result is already there.
 #
-# `scripts/peers.sh --llamacpp` instead makes llama-cpp-python's side venv (target=llamacpp):
-# llama-cpp-python[server] built from source for this CPU (~9 min on 2 cores). It reads the
-# embedded GGUF itself, so no conversion is needed.
+# `scripts/peers.sh --llamacpp` instead builds llama.cpp's own C++ `llama-server` and `llama-bench`
+# (what llama.cpp's users run and quote) from the llama.cpp source that llama-cpp-python vendors, at
+# the version constraints.txt pins (`pip download --no-binary`): GGML_NATIVE=ON, so every instruction
+# set this CPU has, AMX included where it has AMX; a build that crashes on its first tokens is rebuilt
+# with the instruction sets named one by one and AMX off, and BUILD_INFO.json says so. The binaries
+# and their shared libraries go to one folder (run them with LD_LIBRARY_PATH set to it). ~25 min on 2
+# busy cores; the compiler runs under `nice -n 19`.
+#
+#   SERVELAB_LLAMACPP_BIN   binaries + libs    (default ~/.cache/servelab-peers/llamacpp-bin)
+#   SERVELAB_BUILD_JOBS     compile jobs       (default: the cores this process may use)
+#
+# `scripts/peers.sh --llamacpp-python` makes llama-cpp-python's side venv (target=llamacpp, and
+# `--peer llamacpp-python` in the benchmarks): llama-cpp-python[server] built from source for this
+# CPU (~9 min on 2 cores); its server serves one request at a time. It reads the embedded GGUF
+# itself, so no conversion is needed.
 #
 #   SERVELAB_LLAMACPP_VENV  side venv          (default ~/.cache/servelab-peers/llamacpp)
 #
@@ -35,6 +47,10 @@ export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 VPY="$PEERS_VENV/bin/python"
 
 if [ "${1:-}" = "--llamacpp" ]; then
+  exec bash scripts/peers_llamacpp.sh "$LLAMACPP_VERSION"
+fi
+
+if [ "${1:-}" = "--llamacpp-python" ]; then
   LVENV=${SERVELAB_LLAMACPP_VENV:-$HOME/.cache/servelab-peers/llamacpp}
   [ -x "$LVENV/bin/python" ] || { echo "[peers] creating $LVENV"; "$PYTHON" -m venv "$LVENV"; }
   if ! "$LVENV/bin/python" -c "import llama_cpp, uvicorn" >/dev/null 2>&1; then
