@@ -57,10 +57,10 @@ def format_analysis(name: str, a: dict[str, Any]) -> str:
         lines.append(f"  {key:<14} mean {s['mean']:9.1f}  p50 {s['p50']:8.0f}  p90 {s['p90']:8.0f}  "
                      f"p99 {s['p99']:8.0f}  max {s['max']:8.0f}")  # fmt: skip
     lines.append(
-        f"  arrivals       {arr['rate']:.3f} req/s, gamma shape {arr['gamma_shape']:.3f} "
-        f"(1 = Poisson), gap CV {arr['interarrival_cv']:.2f}, {arr['zero_gaps']} zero gaps; "
+        f"  arrivals       {arr['rate']:.3f} req/s, gap CV {arr['interarrival_cv']:.2f}, {arr['zero_gaps']} zero gaps; "
         f"per {arr['window_s']:g} s window {arr['window_rate_min']:.2f}..{arr['window_rate_max']:.2f} req/s"
     )
+    lines.extend(format_burstiness(arr))
     lines.append(
         f"  sessions       {ses['sessions']} ({ses['turns_mean']:.2f} turns mean, max "
         f"{ses['turns_max']:.0f}; {ses['multi_turn_row_share']:.1%} of rows in multi-turn sessions)"
@@ -73,6 +73,24 @@ def format_analysis(name: str, a: dict[str, Any]) -> str:
             f"{pc['trace_block_size']}-token blocks)"
         )
     return "\n".join(lines)
+
+
+def format_burstiness(arr: dict[str, Any]) -> list[str]:
+    """The resolution, batches, dispersion and gamma verdict lines (workloads/trace_arrivals.py)."""
+    res, b = arr["resolution_s"], arr["batches"]
+    grid = f"timestamps on a {res:g} s grid" if res is not None else "continuous timestamps"
+    lines = [f"  timestamps     {grid}; {arr['tied_share']:.1%} of requests share the previous one's"]
+    if arr["arrival_model"] == "batches":
+        size, gap = b["size"], b["gap_s"]
+        lines.append(f"  batches        {b['count']} of {size['mean']:.1f} requests mean (p90 {size['p90']:.0f}, max "
+                     f"{size['max']:.0f}), {gap['mean']:.3g} s apart mean (CV {gap['cv']:.2f})")  # fmt: skip
+    if arr["dispersion"]:
+        per = ", ".join(f"{d['index_of_dispersion']:.2f} at {d['window_s']:.3g} s" for d in arr["dispersion"])
+        lines.append(f"  dispersion     counts per window, variance / mean (1 = Poisson): {per}")
+    verdict = "describes the gaps" if arr["gamma_describes_gaps"] else "does not describe the gaps"
+    lines.append(f"  gamma fit      shape {arr['gamma_shape']:.3g} (1 = Poisson) {verdict}: {arr['gamma_note']}; "
+                 f"synthesize draws {arr['arrival_model']}")  # fmt: skip
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,11 +2,11 @@
 
 `analyze_trace(rows)` measures what a replay of the trace asks of a server:
 - lengths: prompt and output token distributions (mean, std, min, p50, p90, p99, max);
-- arrivals: the mean rate, the rate in windows of `window_s` seconds, and burstiness as the
-  shape k of a gamma distribution fitted to the inter-arrival gaps (scipy.stats.gamma.fit,
-  loc fixed at 0; k = 1 is Poisson, k < 1 burstier, k > 1 more regular) beside the gaps' CV.
-  Gaps of 0 (requests in the same clock tick: BurstGPT's whole seconds) cannot enter a gamma
-  fit; they are left out of it and counted;
+- arrivals (workloads/trace_arrivals.py): the mean rate, the rate in windows of `window_s`
+  seconds, the gaps' CV and the shape k of a gamma fitted to the positive gaps (k = 1 is
+  Poisson, k < 1 burstier, k > 1 more regular), the timestamps' resolution, the batches of
+  requests that share a timestamp, the index of dispersion of the counts per window, and
+  whether the gamma describes the gaps at all (a trace logged in batches is not a gamma);
 - sessions: multi-turn conversations. Rows with a `group` are sessions by group; rows with
   hash ids are chained by prefix: a row continues the latest earlier, not yet continued, row
   whose blocks all but the last (a turn's last block is partial, so the next turn rewrites it)
@@ -19,8 +19,10 @@
   in the source's order, so each length pair, session turn order and prefix stays as it was;
 - a hash block that only one source row uses is that row's own text: each drawn copy gets a
   fresh id for it; blocks shared by two rows or more keep their ids (the prefix tree stays);
-- gaps are stratified draws (Latin hypercube over the quantiles) of the fitted gamma with the
-  mean divided by `rate_scale`: the rate is k times the source's and the shape the same.
+- arrival times follow what describes the source's (`trace_arrivals.synthesize_arrivals`): its
+  batches (sizes and gaps) where requests share timestamps, else the fitted gamma where it
+  describes the gaps, else the gaps themselves; gaps divided by `rate_scale` (the rate is k
+  times the source's, the shape the same).
 With n equal to the source's rows, the lengths and the prefix hit rate are the source's
 exactly (the hits of chained blocks do not depend on the order: a block hits on every visit
 after its first); a different n visits the shared prefixes proportionally less or more often,
@@ -36,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
+from workloads.trace_arrivals import arrival_stats, synthesize_arrivals
 from workloads.traces import MOONCAKE_BLOCK, TraceRow
 
 PERCENTILES = (50, 90, 99)
@@ -51,38 +53,6 @@ def length_stats(values: np.ndarray) -> dict[str, float]:
     out.update({f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES})
     out["max"] = float(values.max())
     return out
-
-
-def gamma_shape(gaps: np.ndarray) -> tuple[float, float, int]:
-    """(shape, scale, zero gaps) of gamma.fit(gaps > 0, floc=0); NaN shape under 2 positive gaps."""
-    pos = gaps[gaps > 0]
-    zeros = int(len(gaps) - len(pos))
-    if len(pos) < 2:
-        return float("nan"), float("nan"), zeros
-    shape, _, scale = stats.gamma.fit(pos, floc=0)
-    return float(shape), float(scale), zeros
-
-
-def arrival_stats(ts: np.ndarray, window_s: float) -> dict[str, Any]:
-    """Mean rate, rate per window, gamma shape and CV of the gaps, of sorted times `ts` (s)."""
-    span = float(ts[-1] - ts[0]) if len(ts) > 1 else 0.0
-    gaps = np.diff(ts)
-    shape, scale, zeros = gamma_shape(gaps)
-    edges = np.arange(0.0, span + window_s, window_s) if span > 0 else np.array([0.0, window_s])
-    counts, _ = np.histogram(ts - ts[0], bins=edges) if len(ts) else (np.zeros(1), None)
-    rates = (counts / window_s).tolist()
-    return {
-        "span_s": span,
-        "rate": (len(ts) - 1) / span if span > 0 else 0.0,  # gaps per second = 1 / mean gap
-        "interarrival_cv": float(gaps.std() / gaps.mean()) if len(gaps) and gaps.mean() > 0 else 0.0,
-        "gamma_shape": shape,
-        "gamma_scale_s": scale,
-        "zero_gaps": zeros,
-        "window_s": window_s,
-        "rate_per_window": rates,
-        "window_rate_min": float(min(rates)) if rates else 0.0,
-        "window_rate_max": float(max(rates)) if rates else 0.0,
-    }
 
 
 def _prefix_ids(r: TraceRow, trace_block: int) -> list[int]:
@@ -187,13 +157,6 @@ def _draw_rows(m: int, n: int, rng: np.random.Generator) -> list[tuple[int, int]
     return sorted(picks, key=lambda p: (p[1], p[0]))
 
 
-def _stratified_gaps(shape: float, mean_gap: float, n: int, rng: np.random.Generator) -> np.ndarray:
-    """n gamma gaps with the given shape and mean, one from each of n equal-probability strata,
-    in random order (the sample's mean and shape stay close to the target's at any n)."""
-    u = (rng.permutation(n) + rng.random(n)) / n
-    return stats.gamma.ppf(u, shape, scale=mean_gap / shape)
-
-
 def synthesize_trace(
     rows: list[TraceRow],
     num_requests: int,
@@ -208,11 +171,7 @@ def synthesize_trace(
         raise ValueError("need source rows, num_requests >= 1 and rate_scale > 0")
     rng = np.random.default_rng(seed)
     ts = np.array([r.timestamp_s for r in rows], dtype=np.float64)
-    arr = arrival_stats(ts, 60.0)
-    shape = arr["gamma_shape"] if np.isfinite(arr["gamma_shape"]) else 1.0
-    mean_gap = 1.0 / (arr["rate"] * rate_scale) if arr["rate"] > 0 else 1.0
-    gaps = _stratified_gaps(shape, mean_gap, num_requests - 1, rng) if num_requests > 1 else np.zeros(0)
-    times = np.concatenate([[0.0], np.cumsum(gaps)])
+    times = synthesize_arrivals(ts, num_requests, rate_scale, rng)
 
     visits = Counter(h for r in rows for h in set(_prefix_ids(r, trace_block)))
     fresh = itertools.count(max((h for r in rows for h in r.hash_ids or []), default=-1) + 1)
