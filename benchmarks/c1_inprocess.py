@@ -1,28 +1,38 @@
-"""Batch 1 in process: servelab's offline engine against llama.cpp on the same GGUF file (issue 38, item 3).
+"""Batch 1: servelab's offline engine against llama.cpp on the same GGUF file (issue 38, item 3; issue 55).
 
 Both engines read the same file's Q4_1 / Q8_0 blocks as stored: servelab's block kernels
-(`model.quantized_decode=true`, its default) and llama-cpp-python's `Llama` (`make
-peers-llamacpp`). Like for like:
+(`model.quantized_decode=true`, its default) and llama.cpp, two ways:
+- `llama-bench` (llama.cpp's own, `make peers-llamacpp`: built natively): the figure llama.cpp's
+  users quote. Its tg test at the measured depth, `llama-bench -p 0 -n <output-len> -d <input-len>
+  -t <threads> -r <reps> -o json`: `output-len` tokens decoded one at a time after `input-len`
+  tokens of context, the mean time per token; once per round, after the in-process pair;
+- llama-cpp-python's `Llama.generate` loop in process (`make peers-llamacpp-python`), labelled
+  `llama-cpp-python`: llama.cpp's kernels under a Python loop per token, as that binding's users
+  run it; the same prompts and timing as servelab's side.
+Either may be absent (the line says which `make` target builds it); at least one must be there.
+Like for like:
 - the same prompts (random token ids, `--input-len`), the same number of output tokens
   (`--output-len`, EOS ignored on both sides), greedy, one request at a time, `--threads` threads
-  on both sides, a context of 2,048 tokens;
-- each side runs in a fresh process of its own per round (llama.cpp in its side venv:
-  benchmarks/llamacpp_c1_worker.py), one at a time, in ABBA order over `--rounds`; each process
-  decodes `--warmup` prompts at the measured shape first and drops them;
+  on every side, a context of 2,048 tokens;
+- each in-process side runs in a fresh process of its own per round (llama-cpp-python in its side
+  venv: benchmarks/llamacpp_c1_worker.py), one at a time, in ABBA order over `--rounds`; each
+  process decodes `--warmup` prompts at the measured shape first and drops them (llama-bench warms
+  up itself);
 - per round and side: the median over the prompts of TPOT (time between the first and the last
   token over the tokens between) and of TTFT (the prompt's evaluation and the first token);
-  reported as the median (min-max) over the rounds, the ratio servelab / llama.cpp in the same round;
+  reported as the median (min-max) over the rounds, the ratio servelab / peer in the same round;
 - each round records what it ran on (benchmarks/round_conditions.py): processes busy outside the
   benchmark, runnable threads and CPU steal while it ran, and the rate a buffer of the step's bytes
   read just before it; a round more than 5% off its side's median names what differed;
-- the floor: the bytes a batch-1 step reads (servelab: its block packs and the quantized LM head,
-  as its start-up log says; llama.cpp: the GGUF's matmul tensors as stored; on both sides the
-  keys and values the mean measured step attends, side_by_side.kv_read_bytes) at the best rate
-  `torch.sum` reads a buffer of that many bytes, again and again, on the same threads, before and
-  after the rounds (the median of the two): a step's ~96 MB can sit in a large last-level cache
-  and read at twice the memory's rate, so a bigger buffer's rate would flatter the engines. The
-  rate beyond every cache (`memory`, a buffer of twice the last-level cache) and the floor at it
-  are printed beside it.
+- two floors, from the bytes a batch-1 step reads (servelab: its block packs and the quantized LM
+  head, as its start-up log says; llama.cpp: the GGUF's matmul tensors as stored; on every side
+  the keys and values the mean measured step attends, side_by_side.kv_read_bytes): the *DRAM-rate
+  floor*, those bytes at the rate `torch.sum` reads a buffer beyond every cache (twice the
+  last-level cache, at least 1 GiB): the bar that means the same on every machine, the one docs
+  quote; and the *cache-rate floor*, at the best rate a buffer of the step's own size reads, again
+  and again, on the same threads, before and after the rounds (the median of the two): a step's
+  ~96 MB can sit in a large last-level cache and read at twice the memory's rate, so on such a
+  machine no engine gets under it.
 
     .venv/bin/python benchmarks/c1_inprocess.py --rounds 3 --json c1.json
 """
@@ -44,10 +54,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peers import (  # noqa: E402
     ROOT,
+    LlamaCppBinaries,
     cpu_flags,
     cpu_model,
     format_flags,
     format_rates,
+    llamacpp_binaries,
+    llamacpp_missing,
     rate_at,
     read_bandwidth,
     read_rates,
@@ -69,6 +82,9 @@ sys.path.insert(0, str(ROOT))
 from workloads.targets.peer import DEFAULT_LLAMACPP_VENV, PeerMissingError, check_llamacpp  # noqa: E402
 
 WORKER_TIMEOUT_S = 1800
+# The sides, in the report's words: the key "llamacpp" is llama-cpp-python's in-process loop.
+SIDE_LABEL = {"servelab": "servelab", "llamacpp": "llama-cpp-python", "llama-bench": "llama-bench"}
+PEERS = ("llamacpp", "llama-bench")
 
 
 def tpot_s(token_times: list[float]) -> float | None:
@@ -121,6 +137,32 @@ def run_side(side: str, job: dict[str, Any], llama_python: Path) -> dict[str, An
     return json.loads(lines[-1])
 
 
+def llama_bench_command(bins: LlamaCppBinaries, gguf: Path, input_len: int, output_len: int, threads: int,
+                        reps: int) -> list[str]:  # fmt: skip
+    """llama-bench's tg test at the measured depth: `output_len` tokens after `input_len` of context."""
+    return [str(bins.bench), "-m", str(gguf), "-p", "0", "-n", str(output_len), "-d", str(input_len),
+            "-t", str(threads), "-r", str(reps), "-o", "json"]  # fmt: skip
+
+
+def llama_bench_figures(stdout: str, output_len: int) -> dict[str, Any]:
+    """The tg row of llama-bench's JSON: TPOT (1000 / its mean tokens/s), its spread over the
+    repetitions, and what it says of itself (build commit, CPU, backends, depth)."""
+    rows = json.loads(stdout[stdout.index("[") :])
+    tg = next(r for r in rows if int(r.get("n_gen", 0)) == output_len and int(r.get("n_prompt", 0)) == 0)
+    return {"tpot_ms": 1e3 / float(tg["avg_ts"]), "ttft_ms": None, "tokens_per_s": float(tg["avg_ts"]),
+            "stddev_ts": float(tg.get("stddev_ts", 0.0)), "depth": tg.get("n_depth"),
+            "build": {k: tg.get(k) for k in ("build_commit", "build_number", "cpu_info", "backends", "n_threads",
+                                             "type_k", "type_v")}}  # fmt: skip
+
+
+def run_llama_bench(bins: LlamaCppBinaries, gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = llama_bench_command(bins, gguf, args.input_len, args.output_len, args.threads, args.llama_bench_reps)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=bins.env(), timeout=WORKER_TIMEOUT_S, check=False)
+    if proc.returncode != 0 or "[" not in proc.stdout:
+        raise RuntimeError(f"llama-bench failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr.strip()[-2000:]}")
+    return llama_bench_figures(proc.stdout, args.output_len)
+
+
 def round_figures(res: dict[str, Any]) -> dict[str, float | None]:
     """A round's medians over its prompts: TPOT and TTFT in ms."""
     tpots = [t for r in res["requests"] if (t := tpot_s(r["token_times"])) is not None]
@@ -138,6 +180,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="both sides' threads "
                    "(default: torch's, %(default)s here)")  # fmt: skip
     p.add_argument("--llamacpp-venv", type=Path, default=DEFAULT_LLAMACPP_VENV, help="llama-cpp-python's side venv")
+    p.add_argument("--llama-bench-reps", type=int, default=3, help="llama-bench's repetitions per round (default: 3)")
+    p.add_argument("--no-llama-bench", dest="llama_bench", action="store_false", help="leave llama-bench out")
+    p.add_argument("--no-llamacpp-python", dest="llamacpp_python", action="store_false",
+                   help="leave llama-cpp-python's in-process loop out")
     p.add_argument("--json", type=Path, help="write every round's figures and the summary here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -146,15 +192,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def available_peers(args: argparse.Namespace) -> tuple[Path | None, LlamaCppBinaries, list[str]]:
+    """llama-cpp-python's python (None where left out or missing), llama.cpp's binaries, and the
+    peer sides that can run ("llamacpp", "llama-bench"); what is missing is printed, with the
+    `make` target that builds it."""
+    llama_python, missing = None, []
+    if args.llamacpp_python:
+        try:
+            llama_python = check_llamacpp(args.llamacpp_venv.expanduser())
+        except PeerMissingError as e:
+            missing.append(f"llama-cpp-python: {e} (`make peers-llamacpp-python`)")
+    bins = llamacpp_binaries()
+    bench_missing = llamacpp_missing(bins) if args.llama_bench else "left out (--no-llama-bench)"
+    if args.llama_bench and bench_missing:
+        missing.append(f"llama-bench: {bench_missing}")
+    for line in missing:
+        print(f"c1_inprocess: left out {line}", file=sys.stderr)
+    here = (["llamacpp"] if llama_python is not None else []) + (["llama-bench"] if not bench_missing else [])
+    return llama_python, bins, here
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         servelab_worker()
         return 0
-    try:
-        llama_python = check_llamacpp(args.llamacpp_venv.expanduser())
-    except PeerMissingError as e:
-        print(f"c1_inprocess: {e}", file=sys.stderr)
+    llama_python, bins, peers_here = available_peers(args)
+    if not peers_here:
+        print("c1_inprocess: no llama.cpp side to measure against", file=sys.stderr)
         return 2
     from engine.config import ModelConfig
     from engine.model.loader import resolve_model
@@ -164,40 +229,54 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     arch = resolve_model(ModelConfig())[0]
     kv = kv_read_bytes(arch.num_layers, arch.num_kv_heads, arch.head_dim, args.input_len, args.output_len)
-    weights: dict[str, float | None] = {"llamacpp": step_read_bytes("llamacpp", 0, gguf)["bytes"], "servelab": None}
-    step_bytes = {"llamacpp": _plus(weights["llamacpp"], kv), "servelab": None}
-    rates_before = read_rates([step_bytes["llamacpp"]])
+    gguf_bytes = step_read_bytes("llamacpp", 0, gguf)["bytes"]
+    weights: dict[str, float | None] = {"servelab": None} | {s: gguf_bytes for s in peers_here}
+    step_bytes = {"servelab": None} | {s: _plus(gguf_bytes, kv) for s in peers_here}
+    peer_bytes = _plus(gguf_bytes, kv)
+    rates_before = read_rates([peer_bytes])
     vocab = arch.vocab_size
     prompts = random_prompts(args.warmup + args.prompts, args.input_len, vocab, seed=38)
     job = {"model": str(gguf), "threads": args.threads, "prompts": prompts, "output_len": args.output_len,
            "warmup": args.warmup}  # fmt: skip
     rounds: list[dict[str, Any]] = []
     versions: dict[str, str] = {}
-    for rnd, order in enumerate(abba_order(args.rounds, "servelab", "llamacpp")):
+    pair = "llamacpp" if "llamacpp" in peers_here else "llama-bench"
+    for rnd, order in enumerate(abba_order(args.rounds, "servelab", pair)):
+        if pair == "llamacpp" and "llama-bench" in peers_here:
+            order = [*order, "llama-bench"]  # after the in-process pair, every round
         for side in order:
-            print(f"[{side}] round {rnd + 1}", flush=True)
-            cond = RoundConditions(busy=busy_processes(), step_read_rate=read_bandwidth(step_bytes["llamacpp"], 0.3))
+            print(f"[{SIDE_LABEL[side]}] round {rnd + 1}", flush=True)
+            cond = RoundConditions(busy=busy_processes(), step_read_rate=read_bandwidth(peer_bytes, 0.3))
             with RunnableSampler() as runnable:
-                res = run_side(side, job, llama_python)
+                if side == "llama-bench":
+                    fig: dict[str, Any] = run_llama_bench(bins, gguf, args)
+                    versions["llama.cpp"] = bins.describe()
+                else:
+                    res = run_side(side, job, llama_python or Path())
+                    fig = round_figures(res)
             cond.runnable_mean, cond.steal = runnable.mean, runnable.steal
-            fig = round_figures(res)
             if side == "servelab":
                 weights["servelab"] = step_read_bytes("servelab-blocks", 0, gguf, res.get("step_bytes"))["bytes"]
                 step_bytes["servelab"] = _plus(weights["servelab"], kv)
             if side == "llamacpp":
                 versions["llama-cpp-python"] = res.get("version", "?")
             rounds.append({"round": rnd, "side": side, **fig, "conditions": cond.as_dict()})
-            print(f"  TPOT p50 {fig['tpot_ms']:.2f} ms  TTFT p50 {fig['ttft_ms']:.1f} ms", flush=True)
+            ttft = f"{fig['ttft_ms']:.1f} ms" if fig.get("ttft_ms") is not None else "n/a (tg only)"
+            print(f"  TPOT p50 {fig['tpot_ms']:.2f} ms  TTFT p50 {ttft}", flush=True)
     rates_after = read_rates(step_bytes.values())
     rates = floor_rates(step_bytes, rates_before, rates_after)
     summary = summarize(rounds, step_bytes, rates, args.rounds)
     summary["step_bytes"] = {"weights": weights, "kv": kv}
     print()
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; flags: {format_flags(cpu_flags())}; torch {torch.__version__}; "
-          f"llama-cpp-python {versions.get('llama-cpp-python', '?')}")  # fmt: skip
+          + "; ".join(f"{k} {v}" for k, v in versions.items()))  # fmt: skip
     print(f"workload: {args.prompts} prompts (+{args.warmup} warm-up) x {args.input_len} random tokens, {args.output_len} "
           f"output tokens, greedy, EOS ignored, batch 1, {args.threads} threads, the same GGUF ({gguf.name}); "
           f"{args.rounds} rounds ABBA, a fresh process per side and round")  # fmt: skip
+    if "llama-bench" in peers_here:
+        print("llama-bench: " + " ".join(llama_bench_command(bins, gguf, args.input_len, args.output_len, args.threads,
+                                                              args.llama_bench_reps))
+              + " (tg at the measured depth; TPOT = 1000 / its mean tokens/s; no TTFT)")  # fmt: skip
     print(rates_line(rates_before, rates_after, args.threads))
     print(step_bytes_line(weights, kv, args.input_len, args.output_len))
     for line in format_summary(summary):
@@ -245,9 +324,10 @@ def summarize(rounds: list[dict[str, Any]], step_bytes: dict[str, float | None],
     """Per side the spread over rounds of TPOT and TTFT, same-round ratios, and the floor multiples:
     `floor_ms` at the rate a buffer of the step's bytes reads (the floor), `memory_floor_ms` at the
     rate beyond every cache (what the step would take if its bytes came from memory each step)."""
+    present = ["servelab", *(s for s in PEERS if any(r["side"] == s for r in rounds))]
     by = {s: [next((r for r in rounds if r["side"] == s and r["round"] == k), None) for k in range(n)]
-          for s in ("servelab", "llamacpp")}  # fmt: skip
-    out: dict[str, Any] = {"sides": {}, "ratio": {}}
+          for s in present}  # fmt: skip
+    out: dict[str, Any] = {"sides": {}, "ratio": {}, "ratios": {}}
     for side, rs in by.items():
         f = step_floors(step_bytes[side], rates.get(side), rates.get("memory"))
         tpot = [r["tpot_ms"] if r else None for r in rs]
@@ -258,30 +338,34 @@ def summarize(rounds: list[dict[str, Any]], step_bytes: dict[str, float | None],
                for k in ("floor_ms", "memory_floor_ms")},
             "slow_rounds": slow_rounds([(r["round"], r, r.get("conditions", {})) for r in rs if r], SLOW_FIGURES),
         }  # fmt: skip
-    for key in ("tpot_ms", "ttft_ms"):
-        out["ratio"][key] = ratio_spread([r[key] if r else None for r in by["servelab"]],
-                                         [r[key] if r else None for r in by["llamacpp"]])  # fmt: skip
+    for peer in present[1:]:
+        out["ratios"][peer] = {key: ratio_spread([r.get(key) if r else None for r in by["servelab"]],
+                                                 [r.get(key) if r else None for r in by[peer]])
+                               for key in ("tpot_ms", "ttft_ms")}  # fmt: skip
+    out["ratio"] = out["ratios"].get("llamacpp", {})  # the in-process pair's (the key earlier summaries had)
     return out
 
 
 def format_summary(summary: dict[str, Any]) -> list[str]:
-    lines = [f"  {'side':<10} {'TPOT p50 ms':>22} {'TTFT p50 ms':>24} {'step reads':>12} {'floor ms':>16} "
-             f"{'TPOT / floor':>20} {'memory floor ms':>16} {'TPOT / memory floor':>20}"]  # fmt: skip
+    lines = [f"  {'side':<17} {'TPOT p50 ms':>22} {'TTFT p50 ms':>24} {'step reads':>12} {'DRAM floor ms':>14} "
+             f"{'TPOT / DRAM floor':>20} {'cache floor ms':>16} {'TPOT / cache floor':>20}"]  # fmt: skip
     for side, s in summary["sides"].items():
         mb = f"{s['step_bytes'] / 1e6:.1f} MB" if s["step_bytes"] else "n/a"
         floor = f"{s['floor_ms']:.2f} ({s['read_rate'] / 1e9:.0f} GB/s)" if s["floor_ms"] else "n/a"
         mfloor = f"{s['memory_floor_ms']:.2f}" if s["memory_floor_ms"] else "n/a"
-        lines.append(f"  {side:<10} {format_spread(s['tpot_ms'], '.2f'):>22} {format_spread(s['ttft_ms']):>24} "
-                     f"{mb:>12} {floor:>16} {format_spread(s['tpot_over_floor'], '.2f') + 'x':>20} {mfloor:>16} "
-                     f"{format_spread(s['tpot_over_memory_floor'], '.2f') + 'x':>20}")  # fmt: skip
-        lines.append(f"  {'':<10} {format_cv(s['tpot_ms']):>22} {format_cv(s['ttft_ms']):>24}")
+        lines.append(f"  {SIDE_LABEL.get(side, side):<17} {format_spread(s['tpot_ms'], '.2f'):>22} "
+                     f"{format_spread(s['ttft_ms']):>24} {mb:>12} {mfloor:>14} "
+                     f"{format_spread(s['tpot_over_memory_floor'], '.2f') + 'x':>20} {floor:>16} "
+                     f"{format_spread(s['tpot_over_floor'], '.2f') + 'x':>20}")  # fmt: skip
+        lines.append(f"  {'':<17} {format_cv(s['tpot_ms']):>22} {format_cv(s['ttft_ms']):>24}")
     for side, s in summary["sides"].items():
-        lines += ["  " + line for line in format_slow_rounds(side, s.get("slow_rounds", []))]
-    r = summary["ratio"]
-    lines.append(f"  servelab / llama.cpp, same round: TPOT {format_spread(r['tpot_ms'], '.2f')}x, "
-                 f"TTFT {format_spread(r['ttft_ms'], '.2f')}x")  # fmt: skip
-    lines.append("  floor: the step's bytes at the rate a buffer of that size reads (it may sit in the last-level "
-                 "cache); memory floor: at the rate beyond every cache")
+        lines += ["  " + line for line in format_slow_rounds(SIDE_LABEL.get(side, side), s.get("slow_rounds", []))]
+    for peer, r in summary.get("ratios", {"llamacpp": summary["ratio"]}).items():
+        lines.append(f"  servelab / {SIDE_LABEL.get(peer, peer)}, same round: TPOT {format_spread(r['tpot_ms'], '.2f')}x"
+                     + (f", TTFT {format_spread(r['ttft_ms'], '.2f')}x" if r["ttft_ms"]["n"] else ""))  # fmt: skip
+    lines.append("  DRAM floor: the step's bytes read at the rate beyond every cache (the machine-independent bar); "
+                 "cache floor: at the rate a buffer of the step's size reads (the last-level cache's, where it holds "
+                 "the step)")
     return lines
 
 

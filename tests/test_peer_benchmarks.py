@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -113,7 +114,8 @@ def test_no_server_is_sent_a_prompt_twice(monkeypatch: pytest.MonkeyPatch, tmp_p
 
     def fake_drive(server: FakeServer, specs: list, concurrency: int, sampling: str) -> dict:
         sent.setdefault(server.name, []).extend(tuple(s.prompt_token_ids) for s in specs)
-        return {"output_throughput": 1.0, "median_ttft_ms": 1.0, "median_tpot_ms": 1.0}
+        return {"output_throughput": 1.0, "median_ttft_ms": 1.0, "median_tpot_ms": 1.0,
+                "work": serving_sides.work_counts(len(specs), len(specs), 4.0 * len(specs), None)}
 
     def fake_bench(peer, server, args, concurrency, sampling, tmp, tag, seed):  # type: ignore[no-untyped-def]
         bench_seeds.setdefault(server.name, []).append(seed)
@@ -226,7 +228,8 @@ def test_serving_report_gives_medians_ranges_ratios_and_floors(capsys: pytest.Ca
     assert "210.0 (200.0-220.0)" in out and "2.10 (2.00-2.20)" in out and "ABBA" in out
     assert "CV 4.8%" in out  # the servelab rounds' throughput: stdev 10 over mean 210
     assert "torch.mm at batch 16" in out and "avx512_bf16" in out and "max_num_batched_tokens=512" in out
-    assert "the read floor" in out and "bfloat16 matmul weights" in out and "its memory floor" in out
+    assert "the DRAM-rate floor" in out and "bfloat16 matmul weights" in out and "the cache-rate floor" in out
+    assert "machine-independent bar" in out
 
 
 def test_offline_summary_takes_vllm_best_per_round(capsys: pytest.CaptureFixture[str]) -> None:
@@ -290,7 +293,15 @@ def test_c1_inprocess_figures_and_floors(capsys: pytest.CaptureFixture[str]) -> 
     assert line == ("a step reads: llamacpp 96.4 MB of matrices, servelab matrices unknown; + 4.42 MB of keys and "
                     "values each (the mean step of a TPOT attends 192 positions; 16-bit on both sides)")
     text = "\n".join(c1.format_summary(s))
-    assert "96.0 MB" in text and "servelab / llama.cpp, same round: TPOT 0.78 (0.75-0.80)x" in text
+    assert "96.0 MB" in text and "servelab / llama-cpp-python, same round: TPOT 0.78 (0.75-0.80)x, TTFT" in text
+    assert "DRAM floor" in text and "cache floor" in text
+    # llama-bench beside it: TPOT only (no TTFT), its ratio to servelab in the same round
+    bench_rounds = rounds + [{"round": k, "side": "llama-bench", "tpot_ms": 11.0, "ttft_ms": None} for k in range(2)]
+    s2 = c1.summarize(bench_rounds, step_bytes | {"llama-bench": 100e6}, rates | {"llama-bench": 25e9}, 2)
+    assert s2["ratios"]["llama-bench"]["tpot_ms"]["median"] == pytest.approx((8 / 11 + 9 / 11) / 2)
+    assert s2["sides"]["llama-bench"]["memory_floor_ms"] == pytest.approx(100e6 / 12e9 * 1e3)
+    text = "\n".join(c1.format_summary(s2))
+    assert "servelab / llama-bench, same round: TPOT 0.77 (0.73-0.82)x" in text and "llama-bench TTFT" not in text
 
 
 def test_c1_inprocess_servelab_worker_reads_the_blocks() -> None:
@@ -310,3 +321,119 @@ def test_c1_inprocess_servelab_worker_reads_the_blocks() -> None:
     assert res["requests"][0]["ttft_s"] == times[0] and times == sorted(times)
     if res["step_bytes"] is not None:  # a CPU whose decode kernels read the GGUF's blocks
         assert 50e6 < res["step_bytes"] < 150e6
+
+
+# ---- the peers as their maintainers run them (issue 55) -----------------------------------------
+def test_vllm_is_served_bound_to_its_cores_with_one_kept_for_the_api_server(tmp_path: Path) -> None:
+    """vLLM's CPU docs: OpenMP bound to cores of its own, 1-2 cores for the serving framework."""
+    assert peers.vllm_cpu_binding([0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    assert peers.vllm_cpu_binding([3]) == {"VLLM_CPU_OMP_THREADS_BIND": "3", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert peers.vllm_cpu_binding(list(range(32)))["VLLM_CPU_OMP_THREADS_BIND"] == "0-29"
+    assert peers.vllm_cpu_binding([0, 1, 2, 5, 6, 9])["VLLM_CPU_OMP_THREADS_BIND"] == "0-2,5-6"
+    peer = peers.Peer(tmp_path / "venv", tmp_path / "model")
+    env = peer.serving_env(cores=[0, 1])
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    server = serving_sides.vllm_server(tmp_path, peer, [], "t")
+    assert server.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == ("1" if len(os.sched_getaffinity(0)) > 1 else "0")
+
+
+def test_llama_server_gets_a_slot_per_request_and_the_same_context_per_slot(tmp_path: Path) -> None:
+    bins = peers.LlamaCppBinaries(tmp_path)
+    cmd = serving_sides.llama_server_command(bins, Path("m.gguf"), 8080, 16, 2048, 512, 2)
+    arg = {a: cmd[i + 1] for i, a in enumerate(cmd[:-1])}
+    assert cmd[0] == str(tmp_path / "llama-server") and arg["-m"] == "m.gguf"
+    assert arg["-np"] == "16" and "-cb" in cmd and arg["-c"] == str(16 * 2048) and "--no-kv-unified" in cmd
+    assert arg["-t"] == arg["-tb"] == "2" and arg["-b"] == arg["-ub"] == "512" and "--metrics" in cmd
+    own = serving_sides.llama_server_command(bins, Path("m.gguf"), 8080, 4, None, None, 2)
+    assert "-c" not in own and "-b" not in own and own[own.index("-np") + 1] == "4"
+    assert bins.env()["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(tmp_path)  # the libraries sit beside them
+    # each concurrency gets its own pair of fresh servers with that many slots
+    args = serving.parse_args(["--peer", "llamacpp", "--concurrency", "1,16"])
+    assert serving.concurrency_groups(args) == [[1], [16]]
+    assert serving.concurrency_groups(serving.parse_args(["--concurrency", "1,16"])) == [[1, 16]]
+    py = serving.parse_args(["--peer", "llamacpp-python"])
+    assert serving.make_server("servelab", "llamacpp-python", None, py, tmp_path, "t").cmd.count(
+        "model.quantized_decode=true") == 1
+
+
+def test_a_missing_llama_cpp_build_names_make_peers_llamacpp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SERVELAB_LLAMACPP_BIN", str(tmp_path))
+    why = peers.llamacpp_missing()
+    assert why is not None and "make peers-llamacpp" in why and "llama-server" in why
+    with pytest.raises(SystemExit, match="make peers-llamacpp"):
+        serving_sides.llama_server(tmp_path, 1, 2048, 512, "t")
+    for name in ("llama-server", "llama-bench"):
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    (tmp_path / "BUILD_INFO.json").write_text('{"llama_cpp_python": "0.3.36", "llama_cpp_commit": "0c1e57098bba", '
+                                              '"cmake_flags": "-DGGML_NATIVE=ON", "amx": "absent", "fallback": "none"}')
+    assert peers.llamacpp_missing() is None
+    assert peers.llamacpp_binaries().describe() == ("llama.cpp 0c1e57098b (vendored by llama-cpp-python 0.3.36), "
+                                                    "-DGGML_NATIVE=ON, AMX absent")
+
+
+def test_llama_bench_runs_tg_at_the_measured_depth() -> None:
+    import c1_inprocess as c1
+
+    bins = peers.LlamaCppBinaries(Path("/b"))
+    cmd = c1.llama_bench_command(bins, Path("m.gguf"), 128, 128, 2, 3)
+    assert cmd == ["/b/llama-bench", "-m", "m.gguf", "-p", "0", "-n", "128", "-d", "128", "-t", "2", "-r", "3",
+                   "-o", "json"]
+    out = ('load: noise before the JSON\n[{"build_commit": "0c1e570", "n_prompt": 0, "n_gen": 128, "n_depth": 128, '
+           '"n_threads": 2, "avg_ts": 80.0, "stddev_ts": 1.5, "cpu_info": "AMD EPYC"}]')
+    fig = c1.llama_bench_figures(out, 128)
+    assert fig["tpot_ms"] == pytest.approx(12.5) and fig["ttft_ms"] is None and fig["depth"] == 128
+    assert fig["build"]["build_commit"] == "0c1e570"
+
+
+def test_unequal_work_is_said_under_the_table() -> None:
+    def m(server: str, rnd: int, completed: int, got: float, generated: float | None) -> serving_sides.Measured:
+        fig = {"work": serving_sides.work_counts(64, completed, got, generated), "errors": ["Server disconnected"]}
+        return serving_sides.Measured(server, "equal settings", "greedy", 16, "workbench", rnd, fig)
+
+    same = {"servelab": [m("servelab", 0, 64, 8192, 8192)], "llamacpp": [m("llamacpp", 0, 64, 8192, 8192)]}
+    assert serving.work_differs(same) == []
+    lost = {"servelab": [m("servelab", 0, 64, 8192, 8192)], "llamacpp": [m("llamacpp", 0, 60, 7680, 8100)]}
+    notes = serving.work_differs(lost)
+    assert notes[0] == "round 1: llamacpp completed 60 of 64 requests (Server disconnected)"
+    assert notes[1] == "round 1: llamacpp generated 8100 tokens, its client received 7680"
+    assert notes[2].startswith("round 1: unequal work, completed servelab 64, llamacpp 60")
+    assert serving_sides.format_work(lost["llamacpp"][0].figures["work"]) == (
+        "60/64 completed, 7680 tokens received, the server generated 8100")
+
+
+def test_a_server_that_oversubscribes_itself_is_named_slow_in_every_round() -> None:
+    """vLLM-CPU with no core kept for its API server: ~3.3 of its threads runnable on 2 cores in
+    every round, so no round falls off the median; each is named slow by that cause."""
+    import round_conditions as rc
+
+    fig = {"output_throughput": 100.0, "median_ttft_ms": 400.0, "median_tpot_ms": 30.0}
+    cond = rc.RoundConditions(runnable_mean=3.4, cores=2, server_runnable_mean=3.3).as_dict()
+    slow = rc.slow_rounds([(r, fig, cond) for r in range(3)], serving.SLOW_FIGURES)
+    assert [s["round"] for s in slow] == [0, 1, 2] and all(s["off"] == {} for s in slow)
+    assert slow[0]["reasons"] == ["oversubscribed by the server itself: 3.3 of its threads runnable on average on "
+                                  "2 cores (its threads waited for a core in turn)"]
+    assert rc.format_slow_rounds("vllm", slow[:1])[0].startswith("slow round: vllm round 1 (its figures near the median")
+    assert rc.slow_rounds([(0, fig, cond)], serving.SLOW_FIGURES)[0]["round"] == 0  # one round is enough
+    bound = rc.RoundConditions(runnable_mean=2.1, cores=2, server_runnable_mean=1.6).as_dict()
+    assert rc.slow_rounds([(r, fig, bound) for r in range(3)], serving.SLOW_FIGURES) == []
+
+
+def test_the_sampler_counts_a_process_groups_own_runnable_threads() -> None:
+    import subprocess
+    import time
+
+    import round_conditions as rc
+
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 5\nwhile time.time() < t: pass"],
+                            start_new_session=True)
+    try:
+        time.sleep(0.2)
+        assert rc.group_pids(spin.pid) == [spin.pid]
+        with rc.RunnableSampler(interval_s=0.02, group=spin.pid) as s:
+            time.sleep(0.4)
+        assert s.server_mean is not None and 0 < s.server_mean <= 1.0  # one spinning thread, runnable or running
+    finally:
+        spin.kill()
+        spin.wait()
+    assert rc.runnable_threads([]) == 0
