@@ -111,3 +111,29 @@ def test_plan_rates_stop_climbing_past_the_first_saturated_rate(tmp_path: Path) 
     rows = json.loads((out / "plan.json").read_text())["rows"]
     assert [(r["rate"], r["saturated"]) for r in rows] == [(2, False), (4000, True)]  # 8000 never ran
     assert "saturated" in rows[1]["violations"] and not rows[1]["meets_slo"]
+
+
+def test_warm_up_counts_in_neither_the_monitor_nor_the_summary() -> None:
+    """One rule for both (issue 60 item 6): a cold start queues the warm-up requests (served one
+    every 40 ms while they arrive every 10 ms: in flight and TTFT climb, the look of an
+    over-saturated run), then the measured requests are answered at once. The summary leaves
+    warm-up out and finds no saturation; the monitor must not stop the run on the warm-up."""
+    from workloads.saturation import saturation_summary
+
+    warm, measured, rate, cold_rate = 60, 100, 100.0, 25.0
+    specs = [RequestSpec(f"w-{i}", i / rate, "x", None, 4, 2, is_warmup=True) for i in range(warm)]
+    specs += [RequestSpec(f"r-{i}", (warm + i) / rate, "x", None, 4, 2) for i in range(measured)]
+
+    def script(spec: RequestSpec) -> Script:
+        kind, i = spec.request_id.split("-")
+        if kind == "w":  # FIFO behind the cold start
+            return Script(ttft_s=max(0.0, (int(i) + 1) / cold_rate - int(i) / rate), chunk_gap_s=0.001)
+        return Script(ttft_s=0.005, chunk_gap_s=0.001)
+
+    monitor = SaturationMonitor(check_interval_s=0.05, min_duration_s=0.4)
+    result = asyncio.run(Driver(ScriptedTarget(script=script), saturation=monitor).run(specs))
+    assert result.stop_reason == "", (result.stop_reason, monitor.verdict)
+    summary = saturation_summary(result.records)
+    assert summary["saturated"] is False, summary["saturation"]
+    assert len(result.records) == warm + measured and not any(r.error for r in result.records)
+    assert monitor.verdict is not None and not monitor.verdict.saturated

@@ -207,7 +207,7 @@ class Driver:
         partial = _Partial()
         start = self.now()
         if self.saturation is not None:
-            self.saturation.sent(partial, start)
+            self.saturation.sent(partial, start, spec)
         try:
             result = await self.target.send(spec, partial.add)
         except asyncio.CancelledError:

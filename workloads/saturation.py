@@ -19,6 +19,8 @@ sending):
 A closed loop cannot over-saturate (its users wait for answers); it is never tested.
 `saturation_summary(records)` gives the summary.json figures of a finished run;
 `SaturationMonitor` runs the same test while the driver sends (`run.stop_when_saturated`).
+Both see the same requests (`counted`): warm-up requests are left out of each, so a cold start
+that queues the warm-up (the look of an over-saturated run) neither stops a run nor marks it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from scipy import stats
 
 from workloads.record import RequestRecord
 from workloads.send_schedule import send_limits
+from workloads.spec import RequestSpec
 
 WINDOWS = 10
 MIN_RHO = 0.8
@@ -104,6 +107,12 @@ def detect(
     )
 
 
+def counted(request: RequestRecord | RequestSpec) -> bool:
+    """Whether the saturation test sees this request, in the summary and while sending: every
+    request but the warm-up (the summary's statistics leave it out too)."""
+    return not request.is_warmup
+
+
 def _record_times(records: Sequence[RequestRecord]) -> tuple[list[float], list[float], list[float]]:
     sends = [r.start_s for r in records]
     firsts = [r.token_times[0] if r.token_times else np.nan for r in records]
@@ -116,7 +125,7 @@ def saturation_summary(records: Sequence[RequestRecord], open_loop: bool = True)
     and the reason, over the sending phase of a finished run (warm-up requests left out)."""
     if not open_loop:
         return {"saturated": None, "saturation": "closed loop: not tested"}
-    recs = [r for r in records if not r.is_warmup]
+    recs = [r for r in records if counted(r)]
     if not recs:
         return {"saturated": None, "saturation": "no requests"}
     sends, firsts, ends = _record_times(recs)
@@ -127,7 +136,8 @@ def saturation_summary(records: Sequence[RequestRecord], open_loop: bool = True)
 
 class SaturationMonitor:
     """The test while a run sends: the driver calls `sent` / `done` with its own per-request
-    object whose `times` list fills with chunk times; `check(now)` runs `detect`."""
+    object whose `times` list fills with chunk times; `check(now)` runs `detect` over the
+    requests `counted` (the warm-up's are never kept)."""
 
     def __init__(self, check_interval_s: float = 1.0, min_duration_s: float = 5.0) -> None:
         self.check_interval_s = check_interval_s
@@ -136,8 +146,9 @@ class SaturationMonitor:
         self._done: list[tuple[float, float, float]] = []
         self.verdict: Verdict | None = None
 
-    def sent(self, partial: Any, t: float) -> None:
-        self._live[id(partial)] = (t, partial)
+    def sent(self, partial: Any, t: float, spec: RequestSpec) -> None:
+        if counted(spec):
+            self._live[id(partial)] = (t, partial)
 
     def done(self, partial: Any, t: float) -> None:
         start, p = self._live.pop(id(partial), (None, partial))
