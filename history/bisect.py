@@ -1,0 +1,232 @@
+"""`servelab-bisect GOOD BAD`: the first commit that made a metric worse, found by `git bisect`
+with the paired gate as its test.
+
+1. A worktree is made at BAD (`--in-place`: the checkout itself, which must be clean), and BAD
+   is gated against GOOD: the step to find, its size Δ and interval. If BAD is not worse
+   beyond noise there is nothing to bisect (exit 1).
+2. `git bisect start BAD GOOD`; at each commit git checks out, the gate runs against GOOD (the
+   same paired measurement, its baseline trees reused) and the commit is classified by where the
+   interval of its change lies against the threshold (default Δ / 2): wholly above, bad; wholly
+   below, good; across it, or the gate failed to give a figure, inconclusive. An inconclusive
+   commit is measured again (`--retries`), then `git bisect skip`ped: never guessed.
+3. git names the first bad commit; `servelab-explain` runs on it against its parent (which
+   operators, which phases) and its answer is printed after the verdict. bisect.json holds
+   every gate run (commit, change, interval, class, seconds) and git's bisect log.
+
+The gate command is a template (`--gate-cmd`) with {good}, {repo}, {out}, {bin} (this Python's
+bin folder) and {python}; it must write {out}/gate.json as `servelab-gate --against` does.
+Exit codes: 0 found, 1 no regression between GOOD and BAD, 2 usage error, 3 undecided (every
+commit left was skipped; git lists the candidates).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from history.machine import git
+
+DEFAULT_GATE_CMD = "{bin}/servelab-gate --against {good} --repo {repo} --out {out} --explain-repeats 0"
+DEFAULT_EXPLAIN_CMD = "{bin}/servelab-explain {parent} {commit} --repo {repo} --out {out}"
+
+
+@dataclass(frozen=True)
+class BisectSettings:
+    metric: str = "cpu_ms_per_token"
+    gate_cmd: str = DEFAULT_GATE_CMD
+    explain_cmd: str | None = DEFAULT_EXPLAIN_CMD  # None: no explanation
+    retries: int = 1  # further gate runs of an inconclusive commit before it is skipped
+    threshold: float | None = None  # a worsening beyond this is bad; None: half the step GOOD -> BAD
+    in_place: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    commit: str
+    attempt: int
+    worse: float | None  # the change in the bad direction (a slowdown > 0), None: the gate gave none
+    interval: tuple[float, float] | None  # in the bad direction too
+    verdict: str  # "bad" | "good" | "inconclusive" | "step" (the GOOD -> BAD measurement)
+    seconds: float
+    note: str = ""
+
+
+@dataclass
+class BisectResult:
+    good: str
+    bad: str
+    metric: str
+    step: Step | None = None
+    threshold: float | None = None
+    first_bad: str | None = None
+    candidates: list[str] = field(default_factory=list)  # when undecided: git's list
+    steps: list[Step] = field(default_factory=list)
+    explain: str = ""
+    log: str = ""
+
+    @property
+    def gate_runs(self) -> int:
+        return len(self.steps)
+
+    def to_json(self) -> dict[str, object]:
+        return {**{k: v for k, v in asdict(self).items() if k != "steps"}, "gate_runs": self.gate_runs,
+                "steps": [asdict(s) for s in self.steps]}  # fmt: skip
+
+
+def _format(template: str, **values: str) -> list[str]:
+    quoted = {k: shlex.quote(v) for k, v in values.items()}
+    return shlex.split(template.format(bin=shlex.quote(str(Path(sys.executable).parent)),
+                                       python=shlex.quote(sys.executable), **quoted))  # fmt: skip
+
+
+def read_change(gate_json: Path, metric: str) -> tuple[float, tuple[float, float] | None]:
+    """The metric's change and interval from a gate.json, turned so that worse is positive."""
+    data = json.loads(gate_json.read_text())
+    for c in data.get("checks", []):
+        if c.get("metric") == metric:
+            sign = -1.0 if (c.get("rule") or {}).get("direction") == "higher" else 1.0
+            iv = c.get("interval")
+            interval = None if not iv else tuple(sorted((sign * float(iv[0]), sign * float(iv[1]))))
+            return sign * float(c["change"]), interval  # type: ignore[return-value]
+    raise KeyError(f"{gate_json}: no check for metric {metric!r}")
+
+
+def classify(worse: float | None, interval: tuple[float, float] | None, threshold: float) -> str:
+    if worse is None or interval is None:
+        return "inconclusive"
+    if interval[0] > threshold:
+        return "bad"
+    if interval[1] < threshold:
+        return "good"
+    return "inconclusive"
+
+
+class Bisector:
+    """One bisection (module docstring); `log` prints progress."""
+
+    def __init__(self, repo: Path, good: str, bad: str, settings: BisectSettings, out: Path,
+                 log: Callable[[str], None] = print,
+                 on_gate: Callable[[Path, Path], None] | None = None) -> None:  # fmt: skip
+        self.repo, self.settings, self.out, self.log = repo.resolve(), settings, out, log
+        self.on_gate = on_gate  # called with (gate.json, tree) after every gate run that wrote one
+        self.good = git(self.repo, "rev-parse", "--verify", f"{good}^{{commit}}")
+        self.bad = git(self.repo, "rev-parse", "--verify", f"{bad}^{{commit}}")
+        ancestry = ["git", "-C", str(self.repo), "merge-base", "--is-ancestor", self.good, self.bad]
+        if self.good == self.bad or subprocess.run(ancestry).returncode != 0:
+            raise ValueError(f"GOOD {good} is not an ancestor of BAD {bad}")
+        self.result = BisectResult(self.good, self.bad, settings.metric)
+
+    def gate(self, tree: Path, commit: str, attempt: int) -> Step:
+        step_dir = self.out / f"gate-{len(self.result.steps):02d}-{commit[:10]}"
+        shutil.rmtree(step_dir, ignore_errors=True)
+        step_dir.mkdir(parents=True)
+        cmd = _format(self.settings.gate_cmd, good=self.good, repo=str(tree), out=str(step_dir))
+        t0 = time.perf_counter()
+        with open(step_dir / "gate.log", "w") as logf:
+            code = subprocess.run(cmd, cwd=tree, stdout=logf, stderr=subprocess.STDOUT).returncode
+        seconds = time.perf_counter() - t0
+        gate_json = step_dir / "gate.json"
+        if code not in (0, 1) or not gate_json.is_file():
+            return Step(commit, attempt, None, None, "inconclusive", seconds, f"the gate exited {code} without a figure")
+        if self.on_gate is not None:
+            self.on_gate(gate_json, tree)
+        worse, interval = read_change(gate_json, self.settings.metric)
+        threshold = self.result.threshold if self.result.threshold is not None else 0.0
+        return Step(commit, attempt, worse, interval, classify(worse, interval, threshold), seconds)
+
+    def measure(self, tree: Path, commit: str) -> Step:
+        """The commit's class, retried while inconclusive; every gate run is kept in the result."""
+        step = self.gate(tree, commit, 0)
+        self._keep(step)
+        for attempt in range(1, self.settings.retries + 1):
+            if step.verdict != "inconclusive":
+                break
+            step = self.gate(tree, commit, attempt)
+            self._keep(step)
+        return step
+
+    def _keep(self, step: Step) -> None:
+        self.result.steps.append(step)
+        fig = "no figure" if step.worse is None else f"{step.worse:+.1%}"
+        iv = "" if step.interval is None else f" ({step.interval[0]:+.1%} .. {step.interval[1]:+.1%})"
+        self.log(f"bisect: gate run {len(self.result.steps)}: {step.commit[:10]} {fig}{iv} -> {step.verdict} "
+                 f"in {step.seconds:.1f} s{'; ' + step.note if step.note else ''}")  # fmt: skip
+
+    @contextmanager
+    def tree(self) -> Iterator[Path]:
+        if self.settings.in_place:
+            if git(self.repo, "status", "--porcelain", "--untracked-files=no"):
+                raise ValueError(f"{self.repo} has uncommitted changes: commit or stash them, or leave out --in-place")
+            start = git(self.repo, "rev-parse", "--abbrev-ref", "HEAD")
+            git(self.repo, "checkout", "-q", "--detach", self.bad)
+            try:
+                yield self.repo
+            finally:
+                git(self.repo, "checkout", "-q", start if start != "HEAD" else self.bad, check=False)
+            return
+        tmp = Path(tempfile.mkdtemp(prefix="servelab-bisect-")) / self.repo.name
+        git(self.repo, "worktree", "add", "-q", "--detach", str(tmp), self.bad)
+        try:
+            yield tmp
+        finally:
+            git(self.repo, "worktree", "remove", "--force", str(tmp), check=False)
+            shutil.rmtree(tmp.parent, ignore_errors=True)
+
+    def run(self) -> BisectResult:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with self.tree() as tree:
+            step = self.measure(tree, self.bad)
+            self.result.step = step
+            if step.worse is None or step.interval is None or step.interval[0] <= 0:
+                self.log(f"bisect: BAD {self.bad[:10]} is not worse than GOOD {self.good[:10]} beyond noise in "
+                         f"{self.settings.metric}: nothing to bisect")  # fmt: skip
+                return self.result
+            self.result.threshold = self.settings.threshold if self.settings.threshold is not None else step.worse / 2
+            self.log(f"bisect: the step is {step.worse:+.1%}; a commit is bad above {self.result.threshold:+.1%}")
+            self._bisect(tree)
+        return self.result
+
+    def _bisect(self, tree: Path) -> None:
+        out = git(tree, "bisect", "start", self.bad, self.good)
+        try:
+            while True:
+                done = self._finished(out)
+                if done:
+                    break
+                head = git(tree, "rev-parse", "HEAD")
+                verdict = self.measure(tree, head).verdict
+                out = git(tree, "bisect", "skip" if verdict == "inconclusive" else verdict, check=False)
+        finally:
+            self.result.log = git(tree, "bisect", "log", check=False)
+            git(tree, "bisect", "reset", check=False)
+
+    def _finished(self, out: str) -> bool:
+        if "is the first bad commit" in out:
+            self.result.first_bad = out.split()[0]
+            return True
+        if "only 'skip'ped commits left" in out:
+            self.result.candidates = [w for w in out.split() if len(w) == 40 and all(ch in "0123456789abcdef" for ch in w)]
+            return True
+        return False
+
+    def explain(self) -> str:
+        """servelab-explain's answer for the first bad commit against its parent ('' when none)."""
+        if self.result.first_bad is None or not self.settings.explain_cmd:
+            return ""
+        parent = git(self.repo, "rev-parse", f"{self.result.first_bad}^")
+        cmd = _format(self.settings.explain_cmd, parent=parent, commit=self.result.first_bad, repo=str(self.repo),
+                      out=str(self.out / "explain"))  # fmt: skip
+        proc = subprocess.run(cmd, cwd=self.repo, capture_output=True, text=True)
+        text = proc.stdout.strip() if proc.returncode == 0 else f"explain failed (exit {proc.returncode}): " + (
+            (proc.stderr or proc.stdout).strip().splitlines() or [""])[-1]
+        self.result.explain = text
+        return text
