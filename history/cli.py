@@ -16,9 +16,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from sqlalchemy.exc import SQLAlchemyError
+
+from history.schema import SchemaTooNew
 from history.store import DEFAULT_URL, Store
 
-USAGE_ERRORS = (FileNotFoundError, NotADirectoryError, ValueError, KeyError, subprocess.CalledProcessError)
+USAGE_ERRORS = (FileNotFoundError, NotADirectoryError, ValueError, KeyError, subprocess.CalledProcessError,
+                SQLAlchemyError, SchemaTooNew)  # fmt: skip
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error as one line (SQLAlchemy's add the statement and a link on lines of their own)."""
+    if isinstance(exc, subprocess.CalledProcessError) and exc.stderr:
+        return str(exc.stderr).strip().splitlines()[-1]
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _guard(main: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser,
@@ -27,8 +38,7 @@ def _guard(main: Callable[[argparse.Namespace], int], parser: argparse.ArgumentP
     try:
         return main(args)
     except USAGE_ERRORS as e:
-        msg = (e.stderr or "").strip() or str(e) if isinstance(e, subprocess.CalledProcessError) else str(e)
-        print(f"{parser.prog}: error: {msg}", file=sys.stderr)
+        print(f"{parser.prog}: error: {_first_line(e)}", file=sys.stderr)
         return 2
 
 
@@ -46,6 +56,20 @@ def _record(args: argparse.Namespace) -> int:
                 print(f"history: recorded {path} as run {run_id}: {what}, {len(rec.measurements)} values, "
                       f"machine {rec.machine.fingerprint} ({rec.machine.cpu_model})")  # fmt: skip
     return 0
+
+
+def record_after_run(url: str, run_dirs: list[str], repo: Path = Path(".")) -> None:
+    """`servelab-run run.history=URL` (workloads/cli.py): each finished run folder into the store, at
+    the checkout's commit. A failure to record is one line on stderr, never the run's exit code."""
+    try:
+        from history.ingest import load_record
+
+        with Store(url) as store:
+            for run_dir in run_dirs:
+                stored = store.add(load_record(Path(run_dir), repo))
+                print(f"history: {run_dir}: {'recorded' if stored is not None else 'already recorded'} in {url}")
+    except Exception as exc:  # the run's results stand whatever the store says
+        print(f"servelab-run: run.history: not recorded: {type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)
 
 
 def _settings(args: argparse.Namespace):  # -> history.changes.Settings

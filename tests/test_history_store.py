@@ -273,3 +273,19 @@ def test_record_cli_prints_what_it_stored(tmp_path: Path, capsys: pytest.Capture
     assert "recorded" in out and "already recorded" in out
     assert history_main(["record", str(tmp_path / "nothing"), "--history", url, "--repo", str(repo)]) == 2
     assert "not a run folder or gate.json" in capsys.readouterr().err
+
+
+def test_servelab_run_history_hook_records_and_never_fails_the_run(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """`servelab-run run.history=URL` (workloads/cli.py) calls record_after_run with its finished run folders."""
+    from history.cli import record_after_run
+
+    repo = _repo(tmp_path)
+    runs = [str(_run_folder(tmp_path / "r1", 2.5)), str(_run_folder(tmp_path / "r2", 2.6))]
+    url = str(tmp_path / "h.sqlite")
+    record_after_run(url, runs, repo)
+    with Store(url) as store:
+        assert len(store.runs()) == 2
+    record_after_run("postgresql+psycopg://nobody@127.0.0.1:1/none", runs, repo)  # no server there
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run.history: not recorded: OperationalError" in err

@@ -26,6 +26,8 @@ from conf.schema import RunConfig, check_overrides, compose_typed, register_sche
 
 register_schemas()
 _FAILED: list[str] = []  # run folders whose experiment failed (Hydra drops the task's return value)
+_DONE: list[str] = []  # run folders that finished, for run.history
+HISTORY_KEY = "run.history="  # `run.history=URL`: record each finished run in that store (docs/history.md)
 
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="run")
@@ -51,6 +53,8 @@ def _main(cfg: DictConfig) -> int:
         print(f"report: {outcome.report}")
     if outcome.error:
         _FAILED.append(str(outcome.run_dir))
+    else:
+        _DONE.append(str(outcome.run_dir))
     return 1 if outcome.error else 0
 
 
@@ -107,7 +111,8 @@ def precheck(argv: list[str]) -> str | None:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Hydra's own logging stays out of the way unless the user asks for it.
-    argv = sys.argv[1:]
+    history = [a[len(HISTORY_KEY):] for a in sys.argv[1:] if a.startswith(HISTORY_KEY)]
+    argv = [a for a in sys.argv[1:] if not a.startswith(HISTORY_KEY)]  # not a config key: kept out of Hydra
     problem = precheck(argv)
     if problem:
         print(f"servelab-run: {problem}", file=sys.stderr)
@@ -117,6 +122,10 @@ def main() -> None:
         quiet = []
     sys.argv = [sys.argv[0], *flags_first(argv), *quiet]
     _main()
+    if history and _DONE:
+        from history.cli import record_after_run
+
+        record_after_run(history[-1], _DONE)
     if _FAILED:
         sys.exit(1)
 
