@@ -38,7 +38,8 @@ def _series_figure(series: Series, changes: list[ChangePoint]) -> Section:
         ax.hlines(y[a:b].mean(), a - 0.4, b - 0.6, color="#333333", lw=1.5)
     for c in changes:
         ax.axvline(c.index - 0.5, ls="--", color="#c44e52" if c.kind == "regression" else "#55a868", lw=1)
-        ax.annotate(f"{c.change:+.1%}", (c.index - 0.5, ax.get_ylim()[1]), ha="center", va="top", fontsize=8)
+        ax.annotate(f"{c.change:+.1%}", (c.index - 0.5, 0.97), xycoords=("data", "axes fraction"), ha="left",
+                    va="top", fontsize=8, xytext=(3, 0), textcoords="offset points")  # fmt: skip
     for verdict, marker, color in (("fail", "x", "#c44e52"), ("pass", ".", "#55a868")):
         idx = [i for i, p in enumerate(series.points) if p.verdict == verdict]
         if idx:

@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
@@ -27,6 +26,9 @@ from sqlalchemy.exc import IntegrityError
 
 from history.ingest import Record
 from history.schema import MEASUREMENTS, RUNS, migrate
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 DEFAULT_URL = "runs/history.sqlite"
 SQLITE_BUSY_TIMEOUT_S = 120  # a writer waits this long for another's transaction before failing
@@ -102,6 +104,7 @@ class Store:
     def measurements(self, metric: str | None = None, machine: str | None = None,
                      since_time: float | None = None, include_dirty: bool = False) -> pd.DataFrame:  # fmt: skip
         """Every stored value with its run's context, one row per measurement."""
+        import pandas as pd  # not for writers: a CI step that only records starts faster
         m, r = MEASUREMENTS, RUNS
         q = sa.select(
             m.c.run_id, m.c.commit_sha, m.c.commit_time, m.c.role, m.c.metric, m.c.value, m.c.change, m.c.ci_low,
@@ -123,6 +126,7 @@ class Store:
 
     def runs(self) -> pd.DataFrame:
         """Every stored run, oldest recorded first."""
+        import pandas as pd
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(RUNS).order_by(RUNS.c.recorded_at, RUNS.c.id)).mappings().all()
         return pd.DataFrame(rows, columns=[c.name for c in RUNS.columns])

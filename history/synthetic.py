@@ -13,12 +13,15 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from history.changes import Settings, find_splits
 from history.ingest import Measurement, Record, digest
 from history.machine import Commit, Machine
+
+if TYPE_CHECKING:  # the change-point search (ruptures, pandas) only for evaluate(): writers in tests start fast
+    from history.changes import Settings
 
 POWER_RUNS = Path(__file__).resolve().parents[1] / "benchmarks" / "gate_power_2026-12-05.jsonl"
 STEPS = ((20, 0.08), (40, 0.15))  # (first commit of the new level, relative step over the level before)
@@ -81,6 +84,7 @@ class Row:
 
 
 def evaluate(sigma: float, tails: str, seeds: int, settings: Settings, n: int = 60) -> Row:
+    from history.changes import find_splits
     exact = within = false = noise_any = 0
     t0 = time.perf_counter()
     for seed in range(seeds):
@@ -97,6 +101,8 @@ def evaluate(sigma: float, tails: str, seeds: int, settings: Settings, n: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from history.changes import Settings
+
     parser = argparse.ArgumentParser(prog="python -m history.synthetic", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=100, help="series of each kind (default: %(default)s)")
     parser.add_argument("--noise-scale", type=float, nargs="*", default=[1.0, 2.0],

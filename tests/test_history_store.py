@@ -289,3 +289,24 @@ def test_servelab_run_history_hook_records_and_never_fails_the_run(tmp_path: Pat
     record_after_run("postgresql+psycopg://nobody@127.0.0.1:1/none", runs, repo)  # no server there
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "run.history: not recorded: OperationalError" in err
+
+
+def test_since_keeps_the_commits_from_a_ref_on(tmp_path: Path) -> None:
+    from history.cli import _scan, history_parser
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    url = str(tmp_path / "h.sqlite")
+    with Store(url) as store:
+        for i in range(4):
+            (repo / "f.txt").write_text(f"{i}\n")
+            _git(repo, "add", "f.txt")
+            date = f"@{1_700_000_000 + 3600 * i} +0000"
+            subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m",
+                            f"c{i}"], check=True, env={**os.environ, "GIT_COMMITTER_DATE": date})  # fmt: skip
+            store.add(load_record(_run_folder(tmp_path / f"r{i}", 2.0 + i), repo))
+    args = history_parser().parse_args(["changes", "--history", url, "--repo", str(repo), "--metric",
+                                        "cpu_ms_per_token", "--since", "HEAD~1"])  # fmt: skip
+    (series,) = _scan(args).series
+    assert [p.value for p in series.points] == [4.0, 5.0]
