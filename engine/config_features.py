@@ -66,6 +66,9 @@ class StructuredOutputsConfig:
     recently used is dropped (its next request compiles it again). `compile_timeout_s`: a
     compile still running this long after it started fails its requests (HTTP 400 naming the
     timeout; offline an error result) while other constrained requests go on.
+    `max_compiles_in_flight`: compiles queued, running, or written off and still running (a
+    native compile cannot be stopped); while that many are, a request for a grammar not yet
+    compiled is refused (HTTP 429 naming the setting; offline an error result).
     """
 
     grammar_cache_size: int = 128
@@ -73,10 +76,16 @@ class StructuredOutputsConfig:
     compile_timeout_s: float = 10.0
     """A grammar compile still running this long after it began fails its requests (HTTP 400 naming the
     timeout; offline `finish_reason: "error"`) while the others go on (> 0)."""
+    max_compiles_in_flight: int = 8
+    """Grammar compiles queued, running, or past `compile_timeout_s` and still running (≥ 1); while that many
+    are, a request whose grammar is not compiled yet is refused (HTTP 429 with `Retry-After`; offline
+    `finish_reason: "error"`); compiled grammars are still served."""
 
     def validate(self) -> None:
         if not isinstance(self.grammar_cache_size, int) or self.grammar_cache_size < 1:
             raise ValueError("structured_outputs_config.grammar_cache_size must be an integer >= 1")
+        if not isinstance(self.max_compiles_in_flight, int) or self.max_compiles_in_flight < 1:
+            raise ValueError("structured_outputs_config.max_compiles_in_flight must be an integer >= 1")
         if not self.compile_timeout_s > 0:
             raise ValueError("structured_outputs_config.compile_timeout_s must be > 0")
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.config import EngineConfig, StructuredOutputsConfig
 from engine.structured_output.grammar_cache import CompileJob, GrammarCache
-from engine.structured_output.params import StructuredOutputsParams, is_grammar_failure
+from engine.structured_output.params import StructuredOutputsParams, is_compile_busy, is_grammar_failure
 
 
 def _regex(i: int) -> StructuredOutputsParams:
@@ -115,3 +115,39 @@ def test_config_fields_and_their_checks() -> None:
         EngineConfig.from_sections({"structured_outputs_config": {"grammar_cache_size": 0}})
     with pytest.raises(ValueError, match="compile_timeout_s"):
         EngineConfig.from_kwargs(compile_timeout_s=0)
+
+
+def test_compiles_in_flight_are_capped_and_a_written_off_one_leaves_the_count_when_it_ends() -> None:
+    """Issue 60 item 2, without a model: two stuck specs written off still count (their threads
+    burn on), so with a cap of 3 a third new spec compiles, a fourth is refused at once (not
+    cached) while a cached spec is still served; once the stuck compiles end, the count falls
+    and the refused spec compiles when asked again. The written-off threads leave the books."""
+    compiler = FakeCompiler(stuck=("s1", "s2"))
+    cache = GrammarCache(lambda: "tok", compiler, capacity=8, timeout_s=0.2, max_in_flight=3)
+    try:
+        done = cache.get(_regex(0))
+        _settle(cache, done)
+        stuck = [cache.get(StructuredOutputsParams(regex=s)) for s in ("s1", "s2")]
+        _settle(cache, *stuck)  # both timed out; their compiles still run
+        assert cache.num_timeouts == 2 and cache.num_in_flight == 2
+        third = cache.get(_regex(3))
+        refused = cache.get(_regex(4))  # 3 in flight (2 written off, r3 queued or running)
+        assert refused.done.is_set() and refused.matcher is None and refused.error is not None
+        assert is_compile_busy(refused.error) and not is_grammar_failure(refused.error)
+        assert "3 grammar compiles in flight" in refused.error and "max_compiles_in_flight" in refused.error
+        assert _regex(4) not in cache and cache.num_refused == 1
+        assert cache.get(_regex(0)) is done  # a cached spec is served at the cap
+        _settle(cache, third)
+        compiler.release.set()
+        deadline = time.monotonic() + 10
+        while cache.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert cache.num_in_flight == 0 and not cache._written_off and len(cache._threads) == 2
+        again = cache.get(_regex(4))
+        _settle(cache, again)
+        assert again.matcher == "matcher<r4>"
+    finally:
+        compiler.release.set()
+        cache.shutdown()
+    with pytest.raises(ValueError, match="max_compiles_in_flight"):
+        EngineConfig.from_kwargs(max_compiles_in_flight=0)

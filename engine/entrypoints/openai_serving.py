@@ -26,7 +26,7 @@ from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from engine.outputs import CompletionOutput
 from engine.processor import ProcessedRequest
 from engine.sampling_params import SamplingParams
-from engine.structured_output.params import is_grammar_failure
+from engine.structured_output.params import is_compile_busy, is_grammar_failure
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -329,9 +329,12 @@ class OpenAIServing:
 
 def _failure(call: _Call, exc: RequestFailedError | EngineDeadError) -> ApiError:
     """A constrained request whose grammar failed in the engine (it does not compile, or its
-    compile timed out: the message names the field) is the client's error, a 400; any other
+    compile timed out: the message names the field) is the client's error, a 400; one refused
+    while the grammar compiles in flight are at their cap is a 429 (retry later); any other
     failure is the engine's, a 500."""
     constrained = call.params.structured_outputs is not None
+    if isinstance(exc, RequestFailedError) and constrained and is_compile_busy(str(exc)):
+        return ApiError(429, str(exc), code="grammar_compiles_busy")
     if isinstance(exc, RequestFailedError) and constrained and is_grammar_failure(str(exc)):
         return from_value_error(ValueError(str(exc)))
     return ApiError(500, f"engine error: {exc}", code="engine_error")

@@ -12,6 +12,8 @@ Lifecycle of a constrained request (one whose `SamplingParams.structured_outputs
    scheduler; a grammar that failed to compile, or is still compiling
    `structured_outputs_config.compile_timeout_s` after its compile began, fails its request
    with a message naming the field ("<field>: why"), which the HTTP layer answers with a 400.
+   A grammar not compiled yet while `structured_outputs_config.max_compiles_in_flight`
+   compiles are in flight fails at once with `params.COMPILES_BUSY` (a 429: retry later).
 3. `fill_bitmask` (after `schedule`, before execute): one int32 bitmask row (bit `t` of
    word `t // 32`: token `t` is allowed) per constrained request that samples this step.
 4. `accept_tokens` (after `update_from_output`): each request's grammar consumes the tokens
@@ -57,7 +59,8 @@ class StructuredOutputManager:
         set later, before the compiles it should run."""
         config = config or StructuredOutputsConfig()
         self._tokenizer_source = tokenizer_source
-        self.cache = GrammarCache(self._make_tokenizer, compiler, config.grammar_cache_size, config.compile_timeout_s)
+        self.cache = GrammarCache(self._make_tokenizer, compiler, config.grammar_cache_size, config.compile_timeout_s,
+                                  max_in_flight=config.max_compiles_in_flight)  # fmt: skip
         self._awaiting: dict[str, _Awaiting] = {}
         self._matchers: dict[str, llg.LLMatcher] = {}
         self.vocab_words = 0  # int32 words per bitmask row, known once the tokenizer is

@@ -66,6 +66,16 @@ def is_grammar_failure(message: str) -> bool:
     return message.partition(":")[0] in FIELDS.values()
 
 
+COMPILES_BUSY = "grammar compiles busy"
+
+
+def is_compile_busy(message: str) -> bool:
+    """Whether an engine error message is a grammar refused because `max_compiles_in_flight`
+    compiles are in flight (grammar_cache.GrammarCache.get): the HTTP layer answers it 429,
+    the client may retry later."""
+    return message.startswith(COMPILES_BUSY + ":")
+
+
 def from_request_fields(
     response_format: dict[str, Any] | None = None,
     guided_json: Any = None,
