@@ -1,87 +1,12 @@
 // Attention straight from the paged KV cache on a CPU (engine/attention/cpu_paged_attention.py):
-// the scalar path, the choice of path per call, the KV write, and the op registrations.
+// the choice of path per call, the KV write, and the op registrations (the portable path, split
+// over rows, kv heads and context segments: paged_attention_split.h).
 #include "paged_attention_amx.h"
 #include "paged_attention_avx512.h"
 #include "paged_attention_common.h"
+#include "paged_attention_split.h"
 
 namespace servelab {
-
-template <typename T>
-static void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp,
-                                 int64_t bts, const int64_t* qslp, const int64_t* slp, int64_t B,
-                                 float scale, torch::Tensor& out) {
-  const PagedView<T> v(q, kv_cache, qslp, B, out);
-  const int64_t Tn = v.Tn, Hq = v.Hq, D = v.D, BS = v.BS, Hkv = v.Hkv, G = v.G, row = v.row;
-  const int64_t qs0 = v.qs0, qs1 = v.qs1;
-  const T *qp = v.qp, *kp = v.kp, *vp = v.vp;
-  T* op = v.op;
-  const std::vector<int64_t>& req_of = v.req_of;
-  at::parallel_for(0, Tn, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(Hq * D), acc(Hq * D), kf(D), mx(Hq), inv(Hq);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = req_of[i];
-      const int64_t q_len = qslp[b + 1] - qslp[b];
-      const int64_t L = slp[b] - q_len + (i - qslp[b]) + 1;  // positions attended: 0 .. L - 1
-      const int64_t* blocks = btp + b * bts;
-      scores.resize(Hq * L);
-      for (int64_t j = 0; j < Hq; ++j) {
-        const T* qj = qp + i * qs0 + j * qs1;
-        float* f = qf.data() + j * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) f[d] = ld(qj, d) * scale;
-        mx[j] = -std::numeric_limits<float>::infinity();
-      }
-      for (int64_t t = 0; t < L; ++t) {
-        const T* kt = kp + (blocks[t / BS] * BS + t % BS) * row;
-        for (int64_t h = 0; h < Hkv; ++h) {
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) kf[d] = ld(kt + h * D, d);
-          for (int64_t j = h * G; j < (h + 1) * G; ++j) {
-            const float* f = qf.data() + j * D;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += f[d] * kf[d];
-            scores[j * L + t] = s;
-            mx[j] = s > mx[j] ? s : mx[j];
-          }
-        }
-      }
-      for (int64_t j = 0; j < Hq; ++j) {
-        float* sj = scores.data() + j * L;
-        const float m = mx[j];
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; ++t) {
-          const float e = exp_approx(sj[t] - m);
-          sj[t] = e;
-          sum += e;
-        }
-        inv[j] = 1.f / sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const T* vt = vp + (blocks[t / BS] * BS + t % BS) * row;
-        for (int64_t h = 0; h < Hkv; ++h) {
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) kf[d] = ld(vt + h * D, d);
-          for (int64_t j = h * G; j < (h + 1) * G; ++j) {
-            const float p = scores[j * L + t];
-            float* a = acc.data() + j * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * kf[d];
-          }
-        }
-      }
-      T* o = op + i * Hq * D;
-      for (int64_t j = 0; j < Hq; ++j) {
-        const float* a = acc.data() + j * D;
-        const float r = inv[j];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) st(o + j * D, d, a[d] * r);
-      }
-    }
-  });
-}
 
 // Prefill rows through the AMX path (module note): request b's query rows are q[query_start[b] ..
 // + query_len[b]), attending to positions 0 .. seq_lens[b] - 1 (causal with offset), written to the
@@ -172,8 +97,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
       return;
     }
 #endif
-    paged_attention_impl<scalar_t>(q, kv_cache, bt.data_ptr<int64_t>(), bt.size(1), qsl.data_ptr<int64_t>(),
-                                   sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out);
+    paged_attention_split<scalar_t>(q, kv_cache, bt.data_ptr<int64_t>(), bt.size(1), qsl.data_ptr<int64_t>(),
+                                    sl.data_ptr<int64_t>(), B, static_cast<float>(scale), out, batch_invariant);
   });
   return out;
 }

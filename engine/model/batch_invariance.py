@@ -34,7 +34,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
-from engine.model import amx_linear
+from engine.model import amx_linear, cpu_blocks
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
@@ -90,11 +90,17 @@ def step_weights(model: LlamaForCausalLM) -> dict[str, str]:
     weight = model._lm_head_weight()
     base = _base(str(weight.dtype).removeprefix("torch."), model.gguf_path is not None)
     plan = model.model.plan
-    if plan is None or not plan.quant:
-        return {"all": base}
-    kinds = {amx_linear.block_kind(t) for lp in plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant}
-    head = model.quant_lm_head
-    return _describe(base, kinds, amx_linear.block_kind(head) if head is not None else None)
+    if plan is not None and plan.quant:
+        kinds = {amx_linear.block_kind(t) for lp in plan.layers if lp.amx and lp.amx.quant for t in lp.amx.quant}
+        head = model.quant_lm_head
+        return _describe(base, kinds, amx_linear.block_kind(head) if head is not None else None, amx_linear.QUANT_MAX_ROWS)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    attached = [m.__dict__.get("gguf_blocks") for m in linears]
+    kinds = {b[0] for b in attached if b is not None}
+    if not kinds or any(b is None for b in attached):
+        return {"all": base}  # cpu_blocks reads every dense layer's matrices or none (LlamaForCausalLM._attach_blocks)
+    head_kind = model.block_lm_head[0] if model.block_lm_head is not None else None
+    return _describe(base, kinds, head_kind, _block_rows())
 
 
 def planned_step_weights(config: ModelConfig, dtype: str) -> dict[str, str]:
@@ -111,14 +117,25 @@ def planned_step_weights(config: ModelConfig, dtype: str) -> dict[str, str]:
     gguf = source.kind == "gguf" and config.load_format in ("auto", "gguf")
     base = _base(dtype, gguf)
     if (config.batch_invariant or not config.quantized_decode or not config.prepack_weights or not gguf
-            or dtype != "bfloat16" or not amx_linear.quant_available()):  # fmt: skip
+            or dtype not in ("bfloat16", "float32")):  # fmt: skip
+        return {"all": base}
+    if dtype == "bfloat16" and amx_linear.quant_available():
+        rows = amx_linear.QUANT_MAX_ROWS
+    elif cpu_blocks.block_ops() is not None:
+        rows = _block_rows()
+    else:
         return {"all": base}
     types = {t.name: getattr(t.tensor_type, "name", "") for t in open_gguf(source.path).tensors}
     kinds = {kind for name, kind in types.items() if name.startswith("blk.") and name.endswith(_LAYER_MATRICES)}
-    if not kinds or not kinds <= set(amx_linear.QUANT_MAX_ROWS):
+    if not kinds or not kinds <= set(rows):
         return {"all": base}
     head = types.get("output.weight", types.get("token_embd.weight"))
-    return _describe(base, kinds, head if head in amx_linear.QUANT_MAX_ROWS else None)
+    return _describe(base, kinds, head if head in rows else None, rows)
+
+
+def _block_rows() -> dict[str, int]:
+    """cpu_blocks' row limits by block kind on this CPU (its scalar build: 1 row)."""
+    return {kind: cpu_blocks.max_rows(kind) for kind in cpu_blocks.BLOCK_BYTES}
 
 
 # A GGUF layer's linear matrices (the quant packs need every one of them in a block kind they read).
@@ -131,11 +148,11 @@ def _base(dtype: str, gguf: bool) -> str:
     return f"{dtype} (loader-rounded)" if gguf and dtype != "float32" else dtype
 
 
-def _describe(base: str, layer_kinds: set[str], head_kind: str | None) -> dict[str, str]:
+def _describe(base: str, layer_kinds: set[str], head_kind: str | None, rows: dict[str, int]) -> dict[str, str]:
     """Step-size ranges -> weights, the layers reading blocks of `layer_kinds` and the LM head
-    blocks of `head_kind` (None: bfloat16 always) up to their QUANT_MAX_ROWS."""
-    layer_rows = min(amx_linear.QUANT_MAX_ROWS[k] for k in layer_kinds)
-    head_rows = amx_linear.QUANT_MAX_ROWS[head_kind] if head_kind is not None else 0
+    blocks of `head_kind` (None: the dense weights always) up to `rows` of their kind."""
+    layer_rows = min(rows[k] for k in layer_kinds)
+    head_rows = rows[head_kind] if head_kind is not None else 0
     out, lo = {}, 1
     for hi in sorted({layer_rows, head_rows} - {0}):
         layers = f"gguf {'/'.join(sorted(layer_kinds))} blocks" if hi <= layer_rows else base

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata
 from engine.hugepages import copies_on_huge_pages
-from engine.model import amx_linear, cpu_gemv
+from engine.model import amx_linear, cpu_blocks, cpu_gemv
 from engine.model.cpu_kernels import kernels
 from engine.model.cpu_linear import packed_linear, padded_rows
 from engine.model.planned_layers import layers_op
@@ -72,6 +72,9 @@ class LayerPlan:
     down: torch.Tensor
     amx: AmxPacks | None = None
     plain: tuple[torch.Tensor, ...] | None = None  # float32: row-major qkv, o, gate_up, down for the GEMV
+    # the checkpoint's GGUF blocks of qkv, o, gate_up, down for cpu_blocks (AVX2 / scalar), where the
+    # AVX-512 quant packs do not apply (engine/model/cpu_blocks.py)
+    blocks: tuple[GgufBlock, ...] | None = None
 
 
 _NO_PLAIN: tuple[None, None, None, None] = (None, None, None, None)  # a plan without the GEMV's weights
@@ -97,6 +100,7 @@ class ForwardPlan:
     # planned_layers: the same layers in one C++ call for a step of decode rows only
     # (engine/model/planned_layers.py; build_plan sets it where `_layers_op` allows)
     layers_op: Any = None
+    block_max_rows: int = 0  # every layer has `blocks`: steps up to this many rows read them (cpu_blocks)
     # What layers_op reads, flattened from `layers` at construction (so a plan made with other
     # layers, as on_huge_pages makes, never keeps the old tensors); empty where a layer has no packs.
     norms: tuple[torch.Tensor, ...] = field(init=False, default=())  # per layer: input, post-attention
@@ -145,9 +149,11 @@ def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None, batch_invari
         plain: tuple[torch.Tensor, ...] | None = tuple(m.weight.detach() for m in linears)
         if not all(cpu_gemv.max_rows(w.dtype) and w.is_contiguous() for w in plain or ()):
             plain = None
+        gguf = tuple(cast("GgufBlock | None", m.__dict__.get("gguf_blocks")) for m in linears)  # cpu_blocks.attach
         layers.append(LayerPlan(attn, layer.input_layernorm.weight.detach(),
                                 layer.post_attention_layernorm.weight.detach(), qkv, o, gate_up, down,
-                                _amx_packs(attn, mlp, _layer_blocks(blocks, index)), plain))  # fmt: skip
+                                _amx_packs(attn, mlp, layer_blocks(blocks, index)), plain,
+                                tuple(g for g in gguf if g is not None) if all(g is not None for g in gguf) else None))  # fmt: skip
     if not layers:
         return None
     with_amx = all(lp.amx is not None for lp in layers)
@@ -162,12 +168,15 @@ def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None, batch_invari
     # steps up to this many rows read the quant packs (0: none left): the fewest any of them allows
     quant_rows = min((amx_linear.quant_max_rows(t) for lp in layers if lp.amx and lp.amx.quant for t in lp.amx.quant),
                      default=0)
+    with_blocks = not with_quant and not batch_invariant and all(lp.blocks is not None for lp in layers)
+    block_rows = min((cpu_blocks.max_rows(kind) for lp in layers for kind, _ in lp.blocks or ()), default=0)
     return ForwardPlan(model.embed_tokens.weight.dtype, ops, model.norm.eps, tuple(layers),
                        model.norm.weight.detach(), amx_linear.amx_ops() if with_amx else None, sizes,
                        cpu_gemv.gemv_ops() if with_gemv and not batch_invariant else None,
                        0 if batch_invariant else quant_rows, batch_invariant,
                        amx_linear.max_rows() if with_amx else 0,
-                       _layers_op(layers) if with_amx and not batch_invariant else None)  # fmt: skip
+                       _layers_op(layers) if with_amx and not batch_invariant else None,
+                       block_rows if with_blocks else 0)  # fmt: skip
 
 
 def _layers_op(layers: Sequence[LayerPlan]) -> Any | None:
@@ -212,7 +221,7 @@ _FUSED_PARTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("
                 ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))  # fmt: skip
 
 
-def _layer_blocks(blocks: GgufBlocks | None, index: int) -> tuple[GgufBlock | None, ...] | None:
+def layer_blocks(blocks: GgufBlocks | None, index: int) -> tuple[GgufBlock | None, ...] | None:
     """Layer `index`'s qkv, o, gate_up and down blocks, the fused ones concatenated as their
     weights are (None for a matrix whose parts are missing or of different block types)."""
     if not blocks:
@@ -240,7 +249,8 @@ def planned_forward(
     amx = plan.amx_ops if t <= plan.amx_max_rows or plan.batch_invariant else None
     quant = amx is not None and t <= plan.quant_max_rows  # a few rows: the checkpoint's blocks
     gemv = plan.gemv_ops is not None and t <= cpu_gemv.max_rows(plan.dtype)  # a few rows: packed_linear's GEMV
-    rows = t if amx is not None or gemv else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
+    blocks = amx is None and t <= plan.block_max_rows  # a few rows: the checkpoint's blocks (cpu_blocks)
+    rows = t if amx is not None or gemv or blocks else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
     if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them
         x = F.pad(x, (0, 0, 0, rows - t))
         cos, sin = F.pad(cos, (0, 0, 0, 0, 0, rows - t)), F.pad(sin, (0, 0, 0, 0, 0, rows - t))
@@ -260,6 +270,8 @@ def planned_forward(
             # each call names the next one's weight: its threads prefetch their first blocks of it
             w_qkv, w_o, w_gate_up, w_down = packs.matrices(quant)
             qkv = amx.amx_linear(x, w_qkv, n_qkv, w_o).view(t, hq + 2 * hkv, a.head_dim)
+        elif blocks and lp.blocks is not None:
+            qkv = cpu_blocks.linear(x, lp.blocks[0][1], lp.blocks[0][0]).view(t, hq + 2 * hkv, a.head_dim)
         else:
             qkv = packed_linear(x, lp.qkv, plain=plain[0]).view(rows, hq + 2 * hkv, a.head_dim)
         ops.rope_(qkv, cos, sin, hq + hkv)
@@ -272,6 +284,11 @@ def planned_forward(
             following = plan.layers[i + 1].amx if i < last else None  # the next layer's qkv comes next
             x = amx.amx_linear(amx.amx_linear_silu_mul(x, w_gate_up, inter, w_down), w_down, hidden,
                                following.matrices(quant)[0] if following is not None else None)
+        elif blocks and lp.blocks is not None:
+            (k_o, b_o), (k_gu, b_gu), (k_d, b_d) = lp.blocks[1:]
+            x = cpu_blocks.linear(o.reshape(t, a.q_size), b_o, k_o)
+            ops.add_rms_norm_(x, residual, lp.post_norm, eps)
+            x = cpu_blocks.linear(ops.silu_mul(cpu_blocks.linear(x, b_gu, k_gu)), b_d, k_d)
         else:
             o = o.reshape(t, a.q_size)
             x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o, plain=plain[1])

@@ -23,14 +23,16 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.model import amx_linear, batch_invariance
+from engine.model import amx_linear, batch_invariance, cpu_blocks
 from engine.model.arch import ModelArch
 from engine.model.cpu_kernels import kernels
 from engine.model.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
 from engine.model.forward_plan import (
     ForwardPlan,
+    GgufBlock,
     GgufBlocks,
     build_plan,
+    layer_blocks,
     on_huge_pages,
     planned_decode,
     planned_forward,
@@ -214,6 +216,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None  # set by prepack()
         self.amx_lm_head: torch.Tensor | None = None  # the LM head for the AMX kernels, set by prepack()
         self.quant_lm_head: torch.Tensor | None = None  # the same from the checkpoint's blocks (quant_pack)
+        self.block_lm_head: GgufBlock | None = None  # the LM head's GGUF blocks for cpu_blocks (prepack)
         self.gguf_path: Path | None = None  # the GGUF file the weights came from (loader.load_model)
         self.batch_invariant = False  # model.batch_invariant (loader.load_model; engine/model/batch_invariance.py)
 
@@ -264,8 +267,11 @@ class LlamaForCausalLM(nn.Module):
         weight = self._lm_head_weight()
         packed = self.packed_lm_head
         amx = self._amx_head(hidden)
+        blocks = self.block_lm_head
         if amx is not None:
             logits = amx.amx_linear(hidden.contiguous(), self._head_pack(hidden), weight.shape[0])
+        elif blocks is not None and hidden.device.type == "cpu" and cpu_blocks.takes(hidden, blocks[0]):
+            logits = cpu_blocks.linear(hidden, blocks[1], blocks[0])
         elif packed is not None and hidden.dtype == weight.dtype and not torch.compiler.is_compiling():
             logits = packed_linear(hidden, packed, plain=weight)
         else:
@@ -342,12 +348,16 @@ class LlamaForCausalLM(nn.Module):
     def prepack(self, quantized_decode: bool = True) -> int:
         """Prepack the linear weights and the LM head for oneDNN where that applies
         (engine/model/cpu_linear.py), and for the decode kernels (amx_linear; with
-        `quantized_decode`, also from the GGUF checkpoint's own blocks, unless `batch_invariant`);
+        `quantized_decode`, also from the GGUF checkpoint's own blocks, unless `batch_invariant`:
+        the AVX-512 quant packs where they run, else cpu_blocks on AVX2 or its scalar reference);
         returns how many matrices were packed for oneDNN."""
         n = prepack_linears(self)
-        blocks = self._gguf_blocks() if quantized_decode and n and not self.batch_invariant else None
+        blocks = self._gguf_blocks() if quantized_decode and not self.batch_invariant else None
+        avx512_blocks = blocks is not None and self._lm_head_weight().dtype == torch.bfloat16 and amx_linear.quant_available()
+        if blocks is not None and not avx512_blocks:
+            self._attach_blocks(blocks)
         if n:
-            self.model.build_plan(blocks, self.batch_invariant)
+            self.model.build_plan(blocks if avx512_blocks else None, self.batch_invariant)
         if self.lm_head is not None:  # an untied LM head is one of the linears just packed
             self.packed_lm_head = self.lm_head.__dict__.get("packed_weight")
         elif n and prepack_supported(self.model.embed_tokens.weight):
@@ -357,7 +367,7 @@ class LlamaForCausalLM(nn.Module):
         plan = self.model.plan
         if plan is not None and plan.amx_ops is not None and amx_linear.supports(head):
             self.amx_lm_head = amx_linear.pack(head)
-            found = (blocks or {}).get("lm_head.weight" if self.lm_head is not None else "model.embed_tokens.weight")
+            found = (blocks or {}).get(self._lm_head_name())
             if found is not None and plan.layers[0].amx is not None and plan.layers[0].amx.quant is not None:
                 self.quant_lm_head = amx_linear.quant_pack(found[1], found[0], head)
         if plan is not None and plan.amx_ops is not None:  # forward_plan.on_huge_pages: why
@@ -368,17 +378,40 @@ class LlamaForCausalLM(nn.Module):
         batch_invariance.log_step_weights(self)
         return n
 
+    def _lm_head_name(self) -> str:
+        return "lm_head.weight" if self.lm_head is not None else "model.embed_tokens.weight"
+
+    def _attach_blocks(self, blocks: GgufBlocks) -> None:
+        """The dense layers' linears and the LM head read the checkpoint's blocks at decode-sized
+        steps (cpu_blocks: AVX2, or the scalar reference); a layer whose matrices are not all in
+        block kinds it reads keeps its dense weights."""
+        for index, module in enumerate(self.model.layers):
+            found = layer_blocks(blocks, index)
+            layer = module if isinstance(module, LlamaDecoderLayer) else None
+            if found is None or layer is None or layer.is_moe or any(b is None for b in found):
+                continue
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(b is not None and cpu_blocks.attach(m, b[0], b[1]) for m, b in zip(linears, found, strict=True)):
+                for m in linears:
+                    cpu_blocks.detach(m)
+        head = blocks.get(self._lm_head_name())
+        weight = self._lm_head_weight()
+        if head is not None and tuple(head[1].shape[:2]) == (weight.shape[0], weight.shape[1] // 32):
+            self.block_lm_head = head
+
     def step_weights(self) -> dict[str, str]:
         """Which weights the linears multiply, by step size (batch_invariance.step_weights)."""
         return batch_invariance.step_weights(self)
 
     def _gguf_blocks(self) -> GgufBlocks | None:
-        """The checkpoint's Q4_1 / Q8_0 matrices for the quant decode kernels, where they can
-        apply: a GGUF file, bfloat16 weights on the CPU, kernels built for this CPU."""
+        """The checkpoint's block matrices for the decode kernels that read them, where they can
+        apply: a GGUF file, bfloat16 or float32 weights on the CPU, kernels built for this CPU
+        (amx_linear's quant packs in bfloat16 on AVX-512, else cpu_blocks)."""
         weight = self._lm_head_weight()
-        if self.gguf_path is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        if self.gguf_path is None or weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
             return None
-        if not amx_linear.quant_available():
+        if not (weight.dtype == torch.bfloat16 and amx_linear.quant_available()) and cpu_blocks.block_ops() is None:
             return None
         return load_gguf_blocks(self.gguf_path, self.arch)
 

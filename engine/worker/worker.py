@@ -13,6 +13,7 @@ from engine.hugepages import zeros_huge_in_background
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
 from engine.kv_transfer.worker_step import execute_with_connector
+from engine.model.kernel_choices import quantized_decode_fallback
 from engine.platform import resolve_device, resolve_dtype
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
@@ -96,6 +97,9 @@ class Worker:
             packed = self.model.prepack(self.config.model.quantized_decode)
             if packed:
                 logger.info("prepacked %d weight matrices for oneDNN", packed)
+            if (fallback := quantized_decode_fallback(self.model, self.config.model.quantized_decode,
+                                                      self.config.model.batch_invariant)) is not None:
+                logger.warning(fallback)
         kv_caches = pending_kv.result()
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size,
                     num_blocks * per_block / (1 << 20))

@@ -1,0 +1,345 @@
+// The decode linears on a GGUF checkpoint's blocks as stored (Q4_1, Q8_0, Q5_0), on any CPU: an
+// AVX2 path (with FMA and F16C: x86-64-v3, the hosted CI runners, AMD cloud machines, laptops) and a
+// scalar reference that builds with no x86 flags at all (an ARM machine gets a correct engine and a
+// place for NEON in the same dispatch). engine/model/cpu_blocks.py is the Python side.
+//
+// Weights: uint8 [N, K / 32, block bytes], the GGUF blocks of each output column in input order,
+// read in place (no repack: each column's blocks are contiguous, so a thread streams its columns).
+//   Q4_1 (20 bytes): d, m fp16; 16 bytes, input j in the low nibble of byte j, input j + 16 in the
+//                    high one; w = d q + m, q in 0..15.
+//   Q8_0 (34 bytes): d fp16; 32 int8; w = d q.
+//   Q5_0 (22 bytes): d fp16; 4 bytes of fifth bits (bit j = input j); 16 bytes of nibbles as Q4_1;
+//                    w = d (q - 16), q in 0..31.
+// Activations: each row's 32-input block is written as s v_k with s = max_k |x_k| / 16256 and
+// v_k = round(x_k / s) in [-16256, 16256] (about 14 bits, where llama.cpp's AVX2 path keeps 8),
+// split v = 128 hi + lo with hi in [-127, 127], lo in [-64, 64]: two signed bytes per input. A block's
+// integer sum over its 32 products is 128 A_hi + A_lo, exact in int32; per block and column
+//   Q4_1: y += d s (128 A_hi + A_lo) + m sx          (sx: the block's float32 sum of x)
+//   Q8_0: y += d s (128 A_hi + A_lo)
+//   Q5_0: y += d s (128 A_hi + A_lo) - 16 d sx
+// AVX2 has no byte dot product instruction (VNNI), so `vpmaddubsw` multiplies 32 unsigned weight bytes
+// by 32 signed activation bytes into 16 saturating int16 pair sums, and `vpmaddwd` widens them into
+// int32: Q4_1 / Q5_0's unsigned nibbles (<= 31) times a byte of at most 127 never saturate; Q8_0's
+// signed weights go in as |q| with the sign moved onto the activation (`vpsignb`), at most
+// 2 * 128 * 127 = 32512. The scalar path computes the same integers, so the two differ only in the
+// order of the float32 sums. The one rounding beyond float32's is x's to 14 bits: at most s / 2 per
+// input, 2^-15 of its block's largest |x| (bfloat16 keeps 2^-9 of each value); tests/test_cpu_blocks.py
+// holds both paths against float64 with that bound.
+#include "kernel_header.h"
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SERVELAB_BLOCKS_AVX2 1
+#endif
+
+namespace servelab {
+namespace blocks {
+
+enum class Kind : int { Q4_1 = 0, Q8_0 = 1, Q5_0 = 2 };
+
+static Kind kind_of(const std::string& name) {
+  if (name == "Q4_1") return Kind::Q4_1;
+  if (name == "Q8_0") return Kind::Q8_0;
+  if (name == "Q5_0") return Kind::Q5_0;
+  TORCH_CHECK(false, "block_linear: block kind Q4_1, Q8_0 or Q5_0, got ", name);
+}
+static constexpr int64_t block_bytes(Kind k) { return k == Kind::Q4_1 ? 20 : k == Kind::Q8_0 ? 34 : 22; }
+
+// IEEE half -> float, with no instruction-set flag (the F16C path converts in one instruction).
+static inline float half_to_float(const uint8_t* p) {
+  const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
+#if defined(SERVELAB_BLOCKS_AVX2)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);  // inf / NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 0x400u)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// x's rows quantised per 32-input block (module note): hi / lo bytes [M, KB, 32], s and sx [M, KB].
+struct QuantX {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> s, sx;
+  int64_t KB = 0;
+};
+
+template <typename T>
+static void quantize_x(const T* x, int64_t M, int64_t K, QuantX& qx) {
+  const int64_t KB = K / 32;
+  qx.KB = KB;
+  qx.hi.resize(M * K);
+  qx.lo.resize(M * K);
+  qx.s.resize(M * KB);
+  qx.sx.resize(M * KB);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < KB; ++b) {
+      float v[32], amax = 0.f, sum = 0.f;
+      bool finite = true;
+      for (int k = 0; k < 32; ++k) {
+        v[k] = ld(x, r * K + b * 32 + k);
+        finite = finite && std::isfinite(v[k]);
+        amax = std::max(amax, std::fabs(v[k]));
+        sum += v[k];
+      }
+      const float s = amax / 16256.f;
+      const float inv = finite && s > 0.f ? 1.f / s : 0.f;
+      int8_t* hi = qx.hi.data() + r * K + b * 32;
+      int8_t* lo = qx.lo.data() + r * K + b * 32;
+      for (int k = 0; k < 32; ++k) {
+        // |v| <= 16256 (+ rounding): clamp so a division rounding up cannot leave the range
+        const int q = std::min(16256, std::max(-16256, static_cast<int>(std::nearbyint(v[k] * inv))));
+        const int h = (q >= 0 ? q + 64 : q - 63) / 128;  // round(q / 128), halves away from zero
+        hi[k] = static_cast<int8_t>(h);
+        lo[k] = static_cast<int8_t>(q - 128 * h);
+      }
+      // an inf or NaN in the block: s is not finite and the block's products become NaN
+      qx.s[r * KB + b] = finite ? s : std::numeric_limits<float>::quiet_NaN();
+      qx.sx[r * KB + b] = sum;
+    }
+}
+
+// The weight of input k (0..31) of a block, as the integer its scale multiplies (Q4_1: 0..15,
+// Q8_0: -128..127, Q5_0: 0..31 before the -16 that the sx term carries).
+template <Kind K>
+static inline int weight_q(const uint8_t* blk, int k) {
+  if constexpr (K == Kind::Q4_1) {
+    const uint8_t byte = blk[4 + (k & 15)];
+    return k < 16 ? byte & 15 : byte >> 4;
+  } else if constexpr (K == Kind::Q8_0) {
+    return static_cast<int8_t>(blk[2 + k]);
+  } else {
+    const uint32_t high = static_cast<uint32_t>(blk[2]) | (blk[3] << 8) | (blk[4] << 16) | (static_cast<uint32_t>(blk[5]) << 24);
+    const uint8_t byte = blk[6 + (k & 15)];
+    const int nib = k < 16 ? byte & 15 : byte >> 4;
+    return nib | static_cast<int>(((high >> k) & 1u) << 4);
+  }
+}
+
+// One block's contribution for one row, from the block's integer sum (module note).
+template <Kind K>
+static inline float block_term(const uint8_t* blk, int32_t isum, float s, float sx) {
+  const float d = half_to_float(blk);
+  if constexpr (K == Kind::Q4_1) return d * s * static_cast<float>(isum) + half_to_float(blk + 2) * sx;
+  if constexpr (K == Kind::Q8_0) return d * s * static_cast<float>(isum);
+  return d * (s * static_cast<float>(isum) - 16.f * sx);
+}
+
+// The scalar reference: the same integers as the AVX2 path, summed in input order.
+template <Kind K, typename T>
+static void columns_scalar(const QuantX& qx, const uint8_t* w, T* y, int64_t M, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int64_t BB = block_bytes(K);
+  const int64_t KB = qx.KB, Kx = KB * 32;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < M; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < KB; ++b) {
+        const uint8_t* blk = w + (n * KB + b) * BB;
+        const int8_t* hi = qx.hi.data() + r * Kx + b * 32;
+        const int8_t* lo = qx.lo.data() + r * Kx + b * 32;
+        int32_t isum = 0;
+        for (int k = 0; k < 32; ++k) isum += weight_q<K>(blk, k) * (128 * hi[k] + lo[k]);
+        acc += block_term<K>(blk, isum, qx.s[r * KB + b], qx.sx[r * KB + b]);
+      }
+      st(y, r * N + n, acc);
+    }
+}
+
+#if defined(SERVELAB_BLOCKS_AVX2)
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// A block's 32 weights as bytes in input order: unsigned (Q4_1 0..15, Q5_0 0..31), or for Q8_0 the
+// signed bytes (the caller takes |q| and moves the sign onto x).
+template <Kind K>
+static inline __m256i weight_bytes(const uint8_t* blk) {
+  if constexpr (K == Kind::Q8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (K == Kind::Q4_1 ? 4 : 6)));
+    const __m128i m4 = _mm_set1_epi8(15);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+    if constexpr (K == Kind::Q5_0) {  // bit k of the 32-bit word -> 16 into byte k
+      uint32_t high;
+      std::memcpy(&high, blk + 2, 4);
+      const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+      __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(high)), shuf);
+      const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+      bytes = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);  // 0xFF where the bit is set
+      q = _mm256_or_si256(q, _mm256_and_si256(bytes, _mm256_set1_epi8(16)));
+    }
+    return q;
+  }
+}
+
+// C columns n .. n + C against M rows: C * M float accumulators of 8 lanes, the block's int32 sums
+// (128 A_hi + A_lo) turned to float and scaled by d s; Q4_1's m sx and Q5_0's -16 d sx terms as
+// scalars beside them.
+template <Kind K, int M, int C, typename T>
+static inline void columns_avx2(const QuantX& qx, const uint8_t* w, T* y, int64_t N, int64_t n) {
+  constexpr int64_t BB = block_bytes(K);
+  const int64_t KB = qx.KB, Kx = KB * 32;
+  __m256 acc[C][M];
+  float side[C][M];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < M; ++r) {
+      acc[c][r] = _mm256_setzero_ps();
+      side[c][r] = 0.f;
+    }
+  const __m256i ones = _mm256_set1_epi16(1), c128 = _mm256_set1_epi16(128);
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256i hi[M], lo[M];
+    for (int r = 0; r < M; ++r) {
+      hi[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.hi.data() + r * Kx + b * 32));
+      lo[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.lo.data() + r * Kx + b * 32));
+    }
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* blk = w + ((n + c) * KB + b) * BB;
+      __m256i wq = weight_bytes<K>(blk);
+      const float d = half_to_float(blk);
+      if constexpr (K == Kind::Q8_0) {
+        const __m256i sgn = wq;
+        wq = _mm256_sign_epi8(wq, wq);  // |q| (128 for -128: taken as unsigned below)
+        for (int r = 0; r < M; ++r) {
+          const __m256i ph = _mm256_maddubs_epi16(wq, _mm256_sign_epi8(hi[r], sgn));
+          const __m256i pl = _mm256_maddubs_epi16(wq, _mm256_sign_epi8(lo[r], sgn));
+          const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(ph, c128), _mm256_madd_epi16(pl, ones));
+          acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_set1_ps(d * qx.s[r * KB + b]), acc[c][r]);
+        }
+      } else {
+        const float side_scale = K == Kind::Q4_1 ? half_to_float(blk + 2) : -16.f * d;
+        for (int r = 0; r < M; ++r) {
+          const __m256i ph = _mm256_maddubs_epi16(wq, hi[r]);
+          const __m256i pl = _mm256_maddubs_epi16(wq, lo[r]);
+          const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(ph, c128), _mm256_madd_epi16(pl, ones));
+          acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_set1_ps(d * qx.s[r * KB + b]), acc[c][r]);
+          side[c][r] += side_scale * qx.sx[r * KB + b];
+        }
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < M; ++r) st(y, r * N + n + c, hsum8(acc[c][r]) + side[c][r]);
+}
+
+// Columns [n0, n1) for M rows (M <= 4 at a time; more rows in groups of up to 4): C columns at a
+// time where few rows leave registers free (independent accumulators hide the FMA latency).
+template <Kind K, int M, typename T>
+static void columns_rows(const QuantX& qx, const uint8_t* w, T* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int C = M == 1 ? 4 : M == 2 ? 2 : 1;
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) columns_avx2<K, M, C>(qx, w, y, N, n);
+  for (; n < n1; ++n) columns_avx2<K, M, 1>(qx, w, y, N, n);
+}
+#endif
+
+// A view of rows [r0, r0 + m) of the quantised x (copies the few bytes: x is small).
+static QuantX rows_of(const QuantX& qx, int64_t r0, int64_t m) {
+  QuantX out;
+  const int64_t Kx = qx.KB * 32;
+  out.KB = qx.KB;
+  out.hi.assign(qx.hi.begin() + r0 * Kx, qx.hi.begin() + (r0 + m) * Kx);
+  out.lo.assign(qx.lo.begin() + r0 * Kx, qx.lo.begin() + (r0 + m) * Kx);
+  out.s.assign(qx.s.begin() + r0 * qx.KB, qx.s.begin() + (r0 + m) * qx.KB);
+  out.sx.assign(qx.sx.begin() + r0 * qx.KB, qx.sx.begin() + (r0 + m) * qx.KB);
+  return out;
+}
+
+template <Kind K, typename T>
+static void run_columns(const QuantX& qx, const uint8_t* w, T* y, int64_t M, int64_t N, int64_t n0, int64_t n1, bool scalar) {
+#if defined(SERVELAB_BLOCKS_AVX2)
+  if (!scalar) {
+    switch (M) {
+      case 1: return columns_rows<K, 1>(qx, w, y, N, n0, n1);
+      case 2: return columns_rows<K, 2>(qx, w, y, N, n0, n1);
+      case 3: return columns_rows<K, 3>(qx, w, y, N, n0, n1);
+      case 4: return columns_rows<K, 4>(qx, w, y, N, n0, n1);
+      default: break;
+    }
+  }
+#endif
+  (void)scalar;
+  columns_scalar<K>(qx, w, y, M, N, n0, n1);
+}
+
+}  // namespace blocks
+
+// The instruction set this build multiplies blocks with: "avx2" or "scalar".
+std::string block_linear_isa() {
+#if defined(SERVELAB_BLOCKS_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// x [M, K] (float32 or bfloat16, contiguous) @ the blocks' matrix [N, K].T -> [M, N] in x's dtype.
+// `scalar`: the reference path even where the build has AVX2 (tests compare the two).
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor w, std::string kind, bool scalar) {
+  using namespace blocks;
+  check_cpu(x, "block_linear x");
+  const Kind k = kind_of(kind);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "block_linear: x [M, K] contiguous");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 3 && w.is_contiguous() &&
+                  w.size(2) == block_bytes(k),
+              "block_linear: blocks uint8 [N, K / 32, ", block_bytes(k), "] contiguous for ", kind);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 32 == 0 && w.size(1) * 32 == K, "block_linear: K (", K, ") must be 32 x the blocks per column (",
+              w.size(1), ")");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  SERVELAB_DISPATCH(x, [&] {
+    QuantX qx;
+    quantize_x(x.data_ptr<scalar_t>(), M, K, qx);
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    // Rows in groups of 4 (the AVX2 path's register budget); each group streams the weights once.
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      const int64_t m = std::min<int64_t>(4, M - r0);
+      const QuantX part = M <= 4 ? QuantX() : rows_of(qx, r0, m);
+      const QuantX& q = M <= 4 ? qx : part;
+      scalar_t* yr = yp + r0 * N;
+      // 32 columns a grain: each thread streams a contiguous run of columns
+      at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
+        switch (k) {
+          case Kind::Q4_1: run_columns<Kind::Q4_1>(q, wp, yr, m, N, n0, n1, scalar); break;
+          case Kind::Q8_0: run_columns<Kind::Q8_0>(q, wp, yr, m, N, n0, n1, scalar); break;
+          case Kind::Q5_0: run_columns<Kind::Q5_0>(q, wp, yr, m, N, n0, n1, scalar); break;
+        }
+      });
+    }
+  });
+  return y;
+}
+
+}  // namespace servelab
+
+TORCH_LIBRARY_FRAGMENT(servelab, m) {
+  m.def("block_linear(Tensor x, Tensor blocks, str kind, bool scalar=False) -> Tensor");
+  m.def("block_linear_isa() -> str", &servelab::block_linear_isa);
+}
+
+TORCH_LIBRARY_IMPL(servelab, CPU, m) { m.impl("block_linear", &servelab::block_linear); }

@@ -1,0 +1,187 @@
+// Paged attention's portable path (any CPU without AVX-512: AVX2 machines, and the reference that an
+// ARM build compiles with no x86 flags): work split over query rows, kv heads and context segments.
+//
+// One work unit is (query row, kv head, context segment): the G query heads sharing that kv head read
+// each key / value row of the segment once (converted to float32 once). A call with fewer (row, kv
+// head) items than twice the threads (batch-1 decode: SmolLM2's 3 kv heads on 2 threads) cuts each
+// item's context into segments of whole cache blocks, attended as separate units and merged by their
+// softmax maxima and sums (flash-decoding's split), so every thread has work. Inner loops over the
+// head dimension are `omp simd` (AVX2 or NEON lanes under -march=native); the softmax's exponentials
+// 8 lanes at a time where the build has AVX2. `fixed` (model.batch_invariant) never splits, so a
+// row's sums do not follow how many rows share the call.
+#pragma once
+#include "paged_attention_common.h"
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace servelab {
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_approx eight lanes at a time (kernel_header.h: 2^n 2^f, degree-7 polynomial for 2^f).
+static inline __m256 vexp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5252733804059840e-5f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-4f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+// s[t] = exp(s[t] - m) for t < n; returns their sum.
+static inline float exp_shift_sum(float* s, int64_t n, float m) {
+  int64_t t = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 vm = _mm256_set1_ps(m);
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = vexp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float l : lanes) sum += l;
+#endif
+  for (; t < n; ++t) {
+    const float e = exp_approx(s[t] - m);
+    s[t] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+template <typename T>
+static void paged_attention_split(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp, int64_t bts,
+                                  const int64_t* qslp, const int64_t* slp, int64_t B, float scale, torch::Tensor& out,
+                                  bool fixed) {
+  const PagedView<T> v(q, kv_cache, qslp, B, out);
+  const int64_t Tn = v.Tn, Hq = v.Hq, D = v.D, BS = v.BS, Hkv = v.Hkv, G = v.G, row = v.row;
+  std::vector<int64_t> L(Tn);  // positions row i attends: 0 .. L[i] - 1
+  int64_t maxL = 0;
+  for (int64_t i = 0; i < Tn; ++i) {
+    const int64_t b = v.req_of[i];
+    L[i] = slp[b] - (qslp[b + 1] - qslp[b]) + (i - qslp[b]) + 1;
+    maxL = std::max(maxL, L[i]);
+  }
+  const int64_t items = Tn * Hkv, threads = at::get_num_threads();
+  int64_t seg = std::max<int64_t>(maxL, 1);  // tokens a unit attends (whole blocks when split)
+  if (!fixed && items < 2 * threads && maxL > 2 * BS) {
+    const int64_t want = (2 * threads + items - 1) / items;  // segments per item
+    seg = std::max<int64_t>(2 * BS, ((maxL + want - 1) / want + BS - 1) / BS * BS);
+  }
+  struct Unit {
+    int64_t i, h, t0, t1;
+  };
+  std::vector<Unit> units;
+  std::vector<int64_t> first(items + 1);  // item i * Hkv + h: units first[..] .. first[.. + 1] - 1
+  for (int64_t i = 0; i < Tn; ++i)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      first[i * Hkv + h] = static_cast<int64_t>(units.size());
+      for (int64_t t0 = 0; t0 < L[i]; t0 += seg) units.push_back({i, h, t0, std::min(L[i], t0 + seg)});
+    }
+  first[items] = static_cast<int64_t>(units.size());
+  const int64_t U = first[items];
+  const bool split = U > items;
+  std::vector<float> part_max, part_sum, part_acc;  // per unit and query head of its kv head (split only)
+  if (split) {
+    part_max.resize(U * G);
+    part_sum.resize(U * G);
+    part_acc.resize(U * G * D);
+  }
+  at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> qf(G * D), acc(G * D), kf(D), scores, mx(G), sums(G);
+    for (int64_t u = u0; u < u1; ++u) {
+      const Unit& un = units[u];
+      const int64_t n = un.t1 - un.t0, hq0 = un.h * G;
+      const int64_t* blocks = btp + v.req_of[un.i] * bts;
+      scores.resize(G * n);
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qj = v.qp + un.i * v.qs0 + (hq0 + g) * v.qs1;
+        float* f = qf.data() + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) f[d] = ld(qj, d) * scale;
+      }
+      for (int64_t t = un.t0; t < un.t1; ++t) {
+        const T* kt = v.kp + (blocks[t / BS] * BS + t % BS) * row + un.h * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) kf[d] = ld(kt, d);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* f = qf.data() + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += f[d] * kf[d];
+          scores[g * n + (t - un.t0)] = s;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) m = sg[t] > m ? sg[t] : m;
+        mx[g] = m;
+        sums[g] = exp_shift_sum(sg, n, m);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = un.t0; t < un.t1; ++t) {
+        const T* vt = v.vp + (blocks[t / BS] * BS + t % BS) * row + un.h * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) kf[d] = ld(vt, d);
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * n + (t - un.t0)];
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * kf[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float* a = acc.data() + g * D;
+        if (split) {
+          part_max[u * G + g] = mx[g];
+          part_sum[u * G + g] = sums[g];
+          std::copy(a, a + D, part_acc.begin() + (u * G + g) * D);
+        } else {
+          T* o = v.op + (un.i * Hq + hq0 + g) * D;
+          const float r = 1.f / sums[g];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) st(o, d, a[d] * r);
+        }
+      }
+    }
+  });
+  if (!split) return;
+  // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M the largest segment maximum
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> o(D);
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t i = it / Hkv, h = it % Hkv;
+      for (int64_t g = 0; g < G; ++g) {
+        float M = -std::numeric_limits<float>::infinity();
+        for (int64_t u = first[it]; u < first[it + 1]; ++u) M = std::max(M, part_max[u * G + g]);
+        float total = 0.f;
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t u = first[it]; u < first[it + 1]; ++u) {
+          const float w = exp_approx(part_max[u * G + g] - M);
+          total += w * part_sum[u * G + g];
+          const float* a = part_acc.data() + (u * G + g) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        T* out_row = v.op + (i * Hq + h * G + g) * D;
+        const float r = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) st(out_row, d, o[d] * r);
+      }
+    }
+  });
+}
+
+}  // namespace servelab
