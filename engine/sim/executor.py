@@ -21,6 +21,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from engine.context_length import kv_context_limit
 from engine.dtypes import canonical_dtype
 from engine.executor.base import Executor
 from engine.model.arch import ModelArch
@@ -124,7 +125,24 @@ class SimulatedExecutor(Executor):
 
     # ---- Executor -----------------------------------------------------------------
     def initialize(self) -> int:
-        """KV blocks: config.cache.num_blocks if set, else what fits on the hardware."""
+        """KV blocks: config.cache.num_blocks if set, else what fits on the hardware. Sets
+        `max_model_len` by the real workers' rule (engine/context_length.py): a
+        model.max_model_len the blocks cannot hold is refused naming both numbers; an unset one
+        is lowered to them with a warning."""
+        num_blocks = self._num_blocks()
+        cache, model = self.config.cache, self.config.model
+        if cache.num_blocks is not None:
+            sized_by, raise_what = f"cache.num_blocks={num_blocks}", "cache.num_blocks"
+        else:
+            assert self.hardware is not None
+            sized_by = f"gpu_memory_utilization={self.gpu_memory_utilization:g} of {self.hardware.name} at tp={self.tp}"
+            raise_what = "gpu_memory_utilization (sim.gpu_memory_utilization in a run)"
+        own = self.arch.max_model_len(model.max_model_len, model.allow_long_max_model_len)
+        self.max_model_len = kv_context_limit(own, model.max_model_len, num_blocks, cache.block_size,
+                                              sized_by=sized_by, raise_what=raise_what)  # fmt: skip
+        return num_blocks
+
+    def _num_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
