@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) and installs servelab, its model package, and (with --test) the test tools.
-# Picks the torch build for this machine: a CUDA build where nvidia-smi finds a GPU, the CPU build otherwise.
+# Picks the torch build for this machine: a CUDA build where nvidia-smi finds a GPU; otherwise the CPU build from
+# PyTorch's CPU index where that index is reachable (PyPI's plain `torch` is the multi-GB CUDA wheel on a stock
+# Linux machine), else whatever `torch` the configured indexes give. It then says which build it installed
+# (torch.version.cuda), rather than what it hoped for.
 # Every version set-up installs is pinned in constraints.txt (pip's `-c`), the one place they are written.
 # A failed install stops the script (and `make`) with pip's own message.
 #
-#   VENV    the venv to create or fill (default .venv)
-#   PYTHON  the interpreter that creates it (default python3)
+#   VENV             the venv to create or fill (default .venv)
+#   PYTHON           the interpreter that creates it (default python3)
+#   TORCH_CPU_INDEX  PyTorch's CPU wheel index (default https://download.pytorch.org/whl/cpu; empty: do not try it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}
 CONSTRAINTS=constraints.txt
 WANT_TEST=0
 [ "${1:-}" = "--test" ] && WANT_TEST=1
@@ -26,6 +31,25 @@ pip_install() {
   fi
 }
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+# cpu_index_reachable: PyTorch's CPU index answers for torch within 10 s (offline machines: it does not).
+cpu_index_reachable() {
+  [ -n "$TORCH_CPU_INDEX" ] && [ "$("$VENV/bin/python" -c "
+import sys, urllib.request
+try:
+    urllib.request.urlopen(sys.argv[1].rstrip('/') + '/torch/', timeout=10).close(); print('reachable')
+except Exception:
+    print('unreachable')" "$TORCH_CPU_INDEX" 2>/dev/null)" = reachable ]
+}
+# torch_build: "CPU" or "CUDA <version>" of the torch in the venv (from torch.version.cuda), "unknown" otherwise.
+torch_build() {
+  local cuda
+  cuda=$("$VENV/bin/python" -c "import torch; print('torch.version.cuda=' + str(torch.version.cuda))" 2>/dev/null || true)
+  case "$cuda" in
+    torch.version.cuda=None) echo "CPU" ;;
+    torch.version.cuda=*) echo "CUDA ${cuda#torch.version.cuda=}" ;;
+    *) echo "unknown" ;;
+  esac
+}
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
@@ -46,7 +70,14 @@ if has_gpu; then
     project=".[test,cluster]"
   fi
 else
-  echo "[setup] no GPU: CPU torch build"
+  if cpu_index_reachable; then
+    echo "[setup] no GPU: torch's CPU build from $TORCH_CPU_INDEX"
+    # torch alone from PyTorch's CPU index (its wheels carry +cpu, which the pin's ==version admits); the project's
+    # resolve below then finds torch installed.
+    pip_install --index-url "$TORCH_CPU_INDEX" torch
+  else
+    echo "[setup] no GPU; PyTorch's CPU index is not reachable: torch from the configured indexes (build checked below)"
+  fi
   if [ "$WANT_TEST" = 1 ]; then
     project=".[test,cluster,kv]"
   fi
@@ -73,6 +104,12 @@ if [ "$WANT_TEST" = 1 ] && ! command -v ip >/dev/null 2>&1 && command -v apt-get
     || echo "[setup] iproute2 could not be installed; the multi-node tensor-parallel test will be skipped"
 fi
 "$VENV/bin/python" -c "import torch, engine; print('[setup] ok: torch', torch.__version__)"
+build=$(torch_build)
+echo "[setup] torch build installed: $build"
+if ! has_gpu && [ "${build%% *}" = CUDA ]; then
+  echo "[setup] note: no GPU here, yet the torch installed is the $build build (several GB of CUDA libraries it will not" \
+    "use; it runs on the CPU all the same). Set TORCH_CPU_INDEX to a reachable CPU wheel index for the CPU build." >&2
+fi
 # The CPU kernels (decode attention and the fused layer ops; C++, built once with torch's cpp_extension and cached in
 # ~/.cache/torch_extensions): built here so that no run or test pays the ~1 min build.
 if [ "$("$VENV/bin/python" -c "import torch; print(int(torch.cuda.is_available()))")" != 1 ]; then
