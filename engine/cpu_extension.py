@@ -32,16 +32,26 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# SERVELAB_CPU_MARCH (a build override, not a behaviour switch): the `-march` the kernels are built
+# for instead of this CPU's own (`native`), e.g. `x86-64-v3` to run the AVX2 paths on an AVX-512 or
+# AMX machine (tests/test_csrc_targets.py does), `x86-64` for the scalar references alone. A target
+# this CPU cannot run dies with an illegal instruction: name one it can.
+MARCH_ENV = "SERVELAB_CPU_MARCH"
+
+
+def cflags() -> tuple[str, ...]:
+    """The compiler flags every kernel is built with (-march from MARCH_ENV, else native)."""
+    return ("-O3", f"-march={os.environ.get(MARCH_ENV) or 'native'}", "-fopenmp")
 
 _built: dict[str, bool] = {}
 
 
-def translation_unit(source: str) -> str:
+def translation_unit(source: str, seen: set[str] | None = None) -> str:
     """engine/csrc/`source` with its local `#include "..."` lines replaced by those files' text
     (each file once, as `#pragma once` asks): what is compiled, independent of where this
-    checkout lives, so two checkouts of the same kernels share one cached build."""
-    seen: set[str] = set()
+    checkout lives, so two checkouts of the same kernels share one cached build. `seen`: the
+    files already expanded (shared across calls, every source in one unit: all_sources_unit)."""
+    seen = set() if seen is None else seen
 
     def expand(name: str) -> list[str]:
         if name in seen:
@@ -59,6 +69,13 @@ def translation_unit(source: str) -> str:
     return "\n".join(expand(source)) + "\n"
 
 
+def all_sources_unit() -> str:
+    """Every kernel source of engine/csrc in one translation unit (each header once): what
+    tests/test_csrc_targets.py compiles for each instruction-set target in one compiler run."""
+    seen: set[str] = set()
+    return "".join(translation_unit(p.name, seen) for p in sorted(CSRC.glob("*.cpp")))
+
+
 def extension_name(source: str, extra_cflags: tuple[str, ...] = (), unit: str | None = None) -> str:
     """`servelab_<stem>_<digest>`: the digest covers what the build depends on (module note);
     `unit`: `translation_unit(source)` where the caller has it already."""
@@ -67,7 +84,7 @@ def extension_name(source: str, extra_cflags: tuple[str, ...] = (), unit: str | 
     from engine.platform import cpu_flags
 
     digest = hashlib.sha256()
-    flags = " ".join((*_CFLAGS, *extra_cflags))
+    flags = " ".join((*cflags(), *extra_cflags))
     for part in (unit if unit is not None else translation_unit(source), flags, torch.__version__, " ".join(sorted(cpu_flags()))):
         digest.update(part.encode())
         digest.update(b"\0")
@@ -151,7 +168,7 @@ def load_cpu_ops(
                 load_inline(  # the text, not the path: the build command is the same from any checkout
                     name=name,
                     cpp_sources=[unit],
-                    extra_cflags=[*_CFLAGS, *extra_cflags],
+                    extra_cflags=[*cflags(), *extra_cflags],
                     extra_ldflags=["-fopenmp"],
                     is_python_module=False,
                     verbose=False,

@@ -299,9 +299,10 @@ std::string block_linear_isa() {
 // x [M, K] (float32 or bfloat16, contiguous) @ the blocks' matrix [N, K].T -> [M, N] in x's dtype.
 // `scalar`: the reference path even where the build has AVX2 (tests compare the two).
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor w, std::string kind, bool scalar) {
-  using namespace blocks;
+  using blocks::block_bytes;
+  using blocks::Kind;
   check_cpu(x, "block_linear x");
-  const Kind k = kind_of(kind);
+  const Kind k = blocks::kind_of(kind);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "block_linear: x [M, K] contiguous");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 3 && w.is_contiguous() &&
                   w.size(2) == block_bytes(k),
@@ -313,21 +314,21 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor w, std::string kind, b
   if (M == 0 || N == 0) return y;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   SERVELAB_DISPATCH(x, [&] {
-    QuantX qx;
-    quantize_x(x.data_ptr<scalar_t>(), M, K, qx);
+    blocks::QuantX qx;
+    blocks::quantize_x(x.data_ptr<scalar_t>(), M, K, qx);
     scalar_t* yp = y.data_ptr<scalar_t>();
     // Rows in groups of 4 (the AVX2 path's register budget); each group streams the weights once.
     for (int64_t r0 = 0; r0 < M; r0 += 4) {
       const int64_t m = std::min<int64_t>(4, M - r0);
-      const QuantX part = M <= 4 ? QuantX() : rows_of(qx, r0, m);
-      const QuantX& q = M <= 4 ? qx : part;
+      const blocks::QuantX part = M <= 4 ? blocks::QuantX() : blocks::rows_of(qx, r0, m);
+      const blocks::QuantX& q = M <= 4 ? qx : part;
       scalar_t* yr = yp + r0 * N;
       // 32 columns a grain: each thread streams a contiguous run of columns
       at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
         switch (k) {
-          case Kind::Q4_1: run_columns<Kind::Q4_1>(q, wp, yr, m, N, n0, n1, scalar); break;
-          case Kind::Q8_0: run_columns<Kind::Q8_0>(q, wp, yr, m, N, n0, n1, scalar); break;
-          case Kind::Q5_0: run_columns<Kind::Q5_0>(q, wp, yr, m, N, n0, n1, scalar); break;
+          case Kind::Q4_1: blocks::run_columns<Kind::Q4_1>(q, wp, yr, m, N, n0, n1, scalar); break;
+          case Kind::Q8_0: blocks::run_columns<Kind::Q8_0>(q, wp, yr, m, N, n0, n1, scalar); break;
+          case Kind::Q5_0: blocks::run_columns<Kind::Q5_0>(q, wp, yr, m, N, n0, n1, scalar); break;
         }
       });
     }
