@@ -50,7 +50,7 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
 # What a run ran on, not how fast: kept in baselines and compared, so that a time change that
 # comes from a different kernel or dtype (a start-up probe's choice, `dtype: auto` on another
 # CPU) is reported as such beside the verdict.
-CONTEXT_KEYS = ("target", "dtype", "float32_linear", "bfloat16_linear")
+CONTEXT_KEYS = ("target", "dtype", "float32_linear", "bfloat16_linear", "block_linear")
 
 
 def make_baseline(run_dirs: list[str | Path], out: str | Path, config: dict[str, Any]) -> dict[str, Any]:

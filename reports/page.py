@@ -81,13 +81,15 @@ def guarded(builder: Callable[..., Section], section_id: str, title: str) -> Cal
     return run
 
 
-def render_page(title: str, subtitle: str, sections: list[Section], path: Path) -> Path:
-    """Writes the HTML page with its table of contents and returns the path."""
+def render_page(title: str, subtitle: str, sections: list[Section], path: Path, banners: list[str] | None = None) -> Path:
+    """Writes the HTML page with its table of contents and returns the path. `banners`: alerts shown
+    above every section, on the first screen (a saturated run, no request within its SLOs)."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
     html = env.get_template("page.html.j2").render(
         title=title,
         subtitle=subtitle,
         sections=sections,
+        banners=banners or [],
         generated=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
     )
     path.write_text(html, encoding="utf-8")

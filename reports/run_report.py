@@ -6,6 +6,7 @@ Section ids are stable (tests and links rely on them): see `SECTION_IDS`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from reports import sections_engine as eng
 from reports import sections_kv as kv
@@ -50,5 +51,29 @@ def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     subtitle = f"run folder: {run.path.resolve()}"
     if wl:
         subtitle += " · workload: " + ", ".join(f"{k}={v}" for k, v in list(wl.items())[:6])
+    machine = machine_line(run.summary or {})
+    if machine:
+        subtitle += " · " + machine
     path = Path(out) if out else run.path / "report.html"
-    return render_page(f"servelab run report: {run.name}", subtitle, build_sections(run), path)
+    return render_page(f"servelab run report: {run.name}", subtitle, build_sections(run), path,
+                       first_screen_alerts(run.summary or {}))
+
+
+def machine_line(summary: dict[str, Any]) -> str:
+    """What ran, for the header: dtype, the CPU kernels chosen and the CPU's kernel-relevant flags
+    (summary.json's `dtype`, `float32_linear` / `bfloat16_linear`, `block_linear`, `cpu_flags`)."""
+    keys = ("dtype", "float32_linear", "bfloat16_linear", "block_linear", "cpu_flags")
+    return ", ".join(f"{k}={summary[k]}" for k in keys if summary.get(k))
+
+
+def first_screen_alerts(summary: dict[str, Any]) -> list[str]:
+    """The alerts a reader must see before any figure: a saturated run (its latencies grow with the
+    run's length, not the load), and a run in which no request met its SLOs."""
+    alerts = []
+    if summary.get("saturated"):
+        alerts.append(f"Saturated: the target no longer kept up ({summary.get('saturation', '')}); its latency "
+                      "figures grow with the run's length, not with the load. Lower the rate or the concurrency.")
+    if summary.get("request_goodput") == 0 and summary.get("completed"):
+        alerts.append("No request met its SLOs (goodput 0): this load is past what the target serves within "
+                      "them; see 'SLO misses by cause'.")
+    return alerts

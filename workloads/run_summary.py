@@ -78,9 +78,10 @@ def write_results(
         on_cpu = cfg.target.kind in ENGINE_TARGETS and resolve_device(cfg.device.device, check=False).type == "cpu"
         if on_cpu:  # the linears' kernel, and which weights each step size multiplied
             from engine.model.batch_invariance import planned_step_weights
-            from engine.model.kernel_choices import cpu_linear_choice
+            from engine.model.kernel_choices import cpu_linear_choice, kernel_cpu_flags
 
             summary.update(cpu_linear_choice(summary["dtype"]))
+            summary["cpu_flags"] = kernel_cpu_flags()
 
             summary["linear_weights"] = planned_step_weights(cfg.model, summary["dtype"])
             summary["batch_invariant"] = cfg.model.batch_invariant
