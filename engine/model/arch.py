@@ -1,8 +1,13 @@
-"""The hyper-parameters of a Llama-family model (dense or Mixtral-style MoE).
+"""The hyper-parameters of a model of the Llama layer's families (engine/model/registry.py):
+Llama / Mistral / Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3; dense or a mixture of experts.
 
 `ModelArch` is what the model, the worker (KV cache sizing) and the cost models read.
 It is built from a Hugging Face `config.json` dict (also a model shape file,
-`engine/model/shapes/<name>.yaml`) or from a GGUF file's metadata (llama.cpp key names).
+`engine/model/shapes/<name>.yaml`) or from a GGUF file's metadata (llama.cpp key names); the
+architecture either names picks the family (`family`) and its switches (`qkv_bias`, `qk_norm`,
+`norm_topk_prob`). A config asking for what the shared layer does not compute (a partial rotary,
+biases on every projection, dense layers among the experts) is refused by name: running it
+anyway would give wrong outputs without a word.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import ConfigLimitError
+from engine.model.registry import ModelFamily, family_of_gguf, family_of_hf
 from engine.model.rope_scaling import RopeScaling
 
 # GGUF readers are duck-typed: anything with `.metadata` (key -> Python value) and `.tensors`
@@ -38,14 +44,20 @@ class ModelArch:
     num_experts: int = 0  # 0: dense MLP
     num_experts_per_tok: int = 0
     name: str = "llama"
+    family: str = "llama"  # engine/model/registry.py: which model class runs it
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each query and key head before the rotary (Qwen3)
+    norm_topk_prob: bool = True  # MoE: the top-k routing weights renormalised to sum to one
 
     # ---- construction ------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any], name: str | None = None) -> ModelArch:
-        """From a HF `config.json` dict (Llama / Mistral / Mixtral field names).
+        """From a HF `config.json` dict (its `architectures`, else `model_type`, picks the family).
 
-        Raises ValueError naming the first missing required field.
+        Raises ValueError naming the first missing required field, an unsupported architecture
+        (with the supported list) or a setting the family's layer does not compute.
         """
+        fam = family_of_hf(cfg)
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
             if cfg.get(key) is None:
                 raise ValueError(f"model: config lacks {key!r}")
@@ -53,13 +65,16 @@ class ModelArch:
         rope = cfg.get("rope_parameters") or {}
         rope_theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        _refuse_unsupported(cfg, rope, fam, num_experts)
+        # Qwen3-MoE: `intermediate_size` is the dense MLP's (none here), `moe_intermediate_size` each expert's
+        intermediate = cfg.get("moe_intermediate_size") if num_experts > 1 and fam.name == "qwen3_moe" else None
         return cls(
             hidden_size=hidden,
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(intermediate or cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
             rope_theta=float(rope_theta),
             rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-5),
@@ -71,6 +86,10 @@ class ModelArch:
             num_experts=num_experts if num_experts > 1 else 0,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if num_experts > 1 else 0,
             name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "llama"),
+            family=fam.name,
+            qkv_bias=fam.qkv_bias,
+            qk_norm=fam.qk_norm,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", fam.norm_topk_default)),
         )
 
     @classmethod
@@ -81,6 +100,7 @@ class ModelArch:
         """
         meta = GGUFMetadata(reader)
         arch = meta.get("general.architecture", "llama")
+        fam = family_of_gguf(arch)
         hidden = int(meta.require(f"{arch}.embedding_length"))
         heads = int(meta.require(f"{arch}.attention.head_count"))
         tensors = {t.name: t for t in getattr(reader, "tensors", [])}
@@ -91,13 +111,17 @@ class ModelArch:
             raise ValueError("model: GGUF has neither a vocabulary size nor a token_embd tensor")
         head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
         num_experts = int(meta.get(f"{arch}.expert_count") or 0)
+        ffn_key = f"{arch}.expert_feed_forward_length" if num_experts > 1 and fam.name == "qwen3_moe" else None
+        rotary = meta.get(f"{arch}.rope.dimension_count")
+        if rotary is not None and head_dim is not None and int(rotary) != int(head_dim):
+            raise ValueError(f"model: a partial rotary ({rotary} of {head_dim} dimensions per head) is not supported")
         return cls(
             hidden_size=hidden,
             num_layers=int(meta.require(f"{arch}.block_count")),
             num_heads=heads,
             num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
             head_dim=int(head_dim or hidden // heads),
-            intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
+            intermediate_size=int(meta.require(ffn_key or f"{arch}.feed_forward_length")),
             vocab_size=int(vocab),
             rope_theta=float(meta.get(f"{arch}.rope.freq_base") or 10000.0),
             rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5),
@@ -108,6 +132,11 @@ class ModelArch:
             num_experts=num_experts if num_experts > 1 else 0,
             num_experts_per_tok=int(meta.get(f"{arch}.expert_used_count") or 0) if num_experts > 1 else 0,
             name=str(meta.get("general.name") or arch),
+            family=fam.name,
+            qkv_bias=fam.qkv_bias,
+            qk_norm=fam.qk_norm,
+            # llama.cpp renormalises Qwen3-MoE's top-k weights (every released one asks for it)
+            norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
         )
 
     def with_num_layers(self, num_layers: int | None) -> ModelArch:
@@ -156,6 +185,7 @@ class ModelArch:
         """Stored parameters of `LlamaForCausalLM(self)`: every weight, norms included."""
         h = self.hidden_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        attn += (self.q_size + 2 * self.kv_size) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         mlp = 3 * h * self.intermediate_size
         if self.is_moe:
             mlp = self.num_experts * mlp + h * self.num_experts  # experts + router
@@ -163,6 +193,25 @@ class ModelArch:
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * layer + embed + lm_head + h  # + final norm
+
+
+def _refuse_unsupported(cfg: Mapping[str, Any], rope: Mapping[str, Any], fam: ModelFamily, num_experts: int) -> None:
+    """ValueError naming a config setting the shared decoder layer would not compute."""
+    partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(f"model: partial_rotary_factor={partial} is not supported (the rotary covers whole heads)")
+    if cfg.get("attention_bias") and not fam.qkv_bias:
+        raise ValueError("model: attention_bias=true (biases on every attention projection) is not supported")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("model: use_sliding_window=true is not supported (every layer attends to the whole context)")
+    if cfg.get("mlp_bias"):
+        raise ValueError("model: mlp_bias=true is not supported")
+    if num_experts > 1 and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1):
+        raise ValueError("model: dense layers among the expert layers (mlp_only_layers, decoder_sparse_step) "
+                         "are not supported")
+    hidden_act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    if hidden_act != "silu":
+        raise ValueError(f"model: hidden_act={hidden_act!r} is not supported (the MLP is SwiGLU: silu)")
 
 
 def _first_id(value: Any) -> int | None:

@@ -5,9 +5,15 @@ with `gguf.quants.dequantize`, which already returns arrays in torch's row-major
 [out_features, in_features] order, except the default model's two block types, Q4_1 and
 Q8_0, which torch dequantizes here to the same float32 values (the same products and sums,
 bit for bit) ~3x faster: 0.94 -> 0.35 s of every SmolLM2 load on two cores. llama.cpp's
-converter permutes the rows of the Q and K projections for its interleaved rotary layout;
-we undo that permutation so the rotate-half RoPE of `engine/model/llama.py` applies (the
-same reverse permutation HF transformers performs in its own GGUF loader).
+converter permutes the rows of the Q and K projections of a Llama for its interleaved rotary
+layout; we undo that permutation so the rotate-half RoPE of `engine/model/llama.py` applies (the
+same reverse permutation HF transformers performs in its own GGUF loader). The Qwen and Phi-3
+converters keep HF's order (llama.cpp rotates those with NEOX, rotate-half): the family says
+which (`ModelFamily.gguf_rotary_permuted`, engine/model/registry.py).
+
+Names: a tensor `blk.N.<kind>.weight|bias` becomes `model.layers.N.<HF name>.weight|bias`; the
+kinds are Llama's, plus Qwen3's `attn_q_norm` / `attn_k_norm`, and for Phi-3 the fused
+`attn_qkv` and `ffn_up` (gate and up in one), which fill the fused parameters as they are.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 
 from engine.model.arch import ModelArch
 from engine.model.gguf_file import GGUF_MAGIC, GGUFFile
+from engine.model.registry import family
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +48,16 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "block_sparse_moe.gate",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3: per-head RMSNorm weights [head_dim]
+    "attn_k_norm": "self_attn.k_norm",
+}
+# Families whose GGUF files store fused projections: a kind's name there
+_FAMILY_LAYER_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 # Mixtral experts: llama.cpp stacks them ([E, out, in]) or, in older files, numbers them.
 _EXPERT_NAMES = {"ffn_gate": "w1", "ffn_down": "w2", "ffn_up": "w3"}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+?)(?:_exps|\.(\d+))?\.weight$")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+?)(?:_exps|\.(\d+))?\.(weight|bias)$")
 _IGNORED = {"rope_freqs.weight"}
 
 
@@ -91,8 +104,8 @@ def permute_rotary_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def hf_names(gguf_name: str, num_experts: int) -> list[tuple[str, int | None]]:
-    """HF parameter names for one GGUF tensor, with the expert index each takes.
+def hf_names(gguf_name: str, num_experts: int, family_name: str = "llama") -> list[tuple[str, int | None]]:
+    """HF parameter names for one GGUF tensor of a `family_name` model, with the expert index each takes.
 
     A stacked-expert tensor maps to one name per expert (index = slice of dim 0);
     others map to one name with index None. Unknown names give [].
@@ -102,18 +115,21 @@ def hf_names(gguf_name: str, num_experts: int) -> list[tuple[str, int | None]]:
     m = _LAYER_RE.match(gguf_name)
     if m is None:
         return []
-    layer, kind, expert = m.group(1), m.group(2), m.group(3)
+    layer, kind, expert, suffix = m.group(1), m.group(2), m.group(3), m.group(4)
     prefix = f"model.layers.{layer}."
     stacked = gguf_name.endswith("_exps.weight")
     if stacked or expert is not None:
-        if kind not in _EXPERT_NAMES:
+        if kind not in _EXPERT_NAMES or suffix != "weight":
             return []
         w = _EXPERT_NAMES[kind]
         experts = range(num_experts) if stacked else [int(expert)]
         return [(f"{prefix}block_sparse_moe.experts.{e}.{w}.weight", e if stacked else None) for e in experts]
-    if kind not in _LAYER_NAMES:
+    if suffix == "bias" and kind not in ("attn_q", "attn_k", "attn_v"):  # Qwen2's q/k/v biases only
         return []
-    return [(f"{prefix}{_LAYER_NAMES[kind]}.weight", None)]
+    names = {**_LAYER_NAMES, **_FAMILY_LAYER_NAMES.get(family_name, {})}
+    if kind not in names:
+        return []
+    return [(f"{prefix}{names[kind]}.{suffix}", None)]
 
 
 def _dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:
@@ -163,13 +179,15 @@ def load_gguf_state_dict(
     """All weights of a GGUF file under HF Llama/Mixtral names, dequantized to `dtype`.
 
     Layers at or beyond `arch.num_layers` are skipped (so a truncated arch loads fast).
-    Q/K projections are un-permuted. Tied models simply have no `lm_head.weight`.
+    Q/K projections are un-permuted where the family's converter permuted them (a Llama's).
+    Tied models simply have no `lm_head.weight`.
     """
     reader = open_gguf(path)
     arch = arch or ModelArch.from_gguf_metadata(reader)
+    permuted = family(arch.family).gguf_rotary_permuted
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        targets = hf_names(tensor.name, arch.num_experts)
+        targets = hf_names(tensor.name, arch.num_experts, arch.family)
         if not targets:
             if tensor.name not in _IGNORED:
                 logger.warning("GGUF tensor %s has no HF counterpart; skipped", tensor.name)
@@ -177,9 +195,9 @@ def load_gguf_state_dict(
         if _layer_index(targets[0][0]) >= arch.num_layers:
             continue
         weight = dequantize_tensor(tensor, torch.float32)
-        if ".attn_q." in tensor.name:
+        if permuted and ".attn_q." in tensor.name:
             weight = unpermute_rotary_rows(weight, arch.num_heads)
-        elif ".attn_k." in tensor.name:
+        elif permuted and ".attn_k." in tensor.name:
             weight = unpermute_rotary_rows(weight, arch.num_kv_heads)
         for name, expert in targets:
             state[name] = (weight if expert is None else weight[expert]).to(dtype).contiguous()
@@ -192,10 +210,11 @@ def load_gguf_blocks(path: str | Path, arch: ModelArch) -> dict[str, tuple[str, 
     bytes]), the rows in the order `load_gguf_state_dict` gives the weight (Q/K un-permuted).
     Expert tensors and layers beyond `arch.num_layers` are left out."""
     reader = open_gguf(path)
+    permuted = family(arch.family).gguf_rotary_permuted
     blocks: dict[str, tuple[str, torch.Tensor]] = {}
     for tensor in reader.tensors:
         kind = getattr(tensor.tensor_type, "name", "")
-        targets = hf_names(tensor.name, arch.num_experts)
+        targets = hf_names(tensor.name, arch.num_experts, arch.family)
         if kind not in _TORCH_DEQUANTIZERS or len(targets) != 1 or targets[0][1] is not None:
             continue
         name = targets[0][0]
@@ -204,9 +223,9 @@ def load_gguf_blocks(path: str | Path, arch: ModelArch) -> dict[str, tuple[str, 
             continue
         block_bytes = _TORCH_DEQUANTIZERS[kind][1]
         raw = _as_torch(np.asarray(tensor.data).view(np.uint8)).reshape(shape[0], shape[1] // 32, block_bytes)
-        if ".attn_q." in tensor.name:
+        if permuted and ".attn_q." in tensor.name:
             raw = unpermute_rotary_rows(raw, arch.num_heads).contiguous()
-        elif ".attn_k." in tensor.name:
+        elif permuted and ".attn_k." in tensor.name:
             raw = unpermute_rotary_rows(raw, arch.num_kv_heads).contiguous()
         blocks[name] = (kind, raw)
     return blocks

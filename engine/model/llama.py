@@ -1,4 +1,9 @@
-"""The Llama model (and Mixtral when `arch.num_experts > 0`) over a paged KV cache.
+"""The Llama model (and Mixtral when `arch.num_experts > 0`) over a paged KV cache; its decoder
+layer also runs the other families of engine/model/registry.py through switches on `ModelArch`:
+biases on q/k/v (`qkv_bias`, Qwen2), RMSNorm over each q and k head before the rotary
+(`qk_norm`, Qwen3), top-k renormalisation (`norm_topk_prob`, Qwen3-MoE). The planned CPU forward
+(forward_plan.py) computes the plain Llama layer only: a model with any of these switches runs
+the modules' forward (`LlamaDecoderLayer.plannable`).
 
 Contract with the model runner:
     hidden = model(input_ids [T] int64, positions [T] int64, kv_caches (one per layer),
@@ -57,9 +62,12 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         self.scale = arch.head_dim**-0.5
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
         self.attn_backend = attn_backend
+        # Qwen3: each query and key head RMS-normed (weights [head_dim]) before the rotary
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
     def forward(
         self,
@@ -72,11 +80,22 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            _norm_heads_(qkv, 0, hq, self.q_norm)
+            _norm_heads_(qkv, hq, hkv, self.k_norm)
         # One in-place rotary pass over the query and key heads; q, k and v are strided views of qkv.
         RotaryEmbedding.rotate_heads_(qkv, hq + hkv, cos, sin)
         q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]  # [T, Hq|Hkv|Hkv, D]
         o = self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
+
+
+def _norm_heads_(qkv: torch.Tensor, first: int, count: int, norm: RMSNorm) -> None:
+    """RMS-norm heads first .. first + count - 1 of qkv [T, heads, D] in place, each over its D values."""
+    heads = qkv[:, first : first + count]  # [T, count, D], a strided view
+    normed = norm(heads.reshape(-1, heads.shape[-1]))  # [T * count, D], contiguous (the fused kernel's rows)
+    assert isinstance(normed, torch.Tensor)  # (no residual: one tensor)
+    heads.copy_(normed.view(heads.shape))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -86,9 +105,12 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, attn_backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.is_moe = arch.is_moe
+        # forward_plan.build_plan computes the plain dense layer: none of the other families' switches
+        self.plannable = not (arch.is_moe or arch.qkv_bias or arch.qk_norm)
         if arch.is_moe:
             self.block_sparse_moe = MoEBlock(
-                arch.hidden_size, arch.intermediate_size, arch.num_experts, arch.num_experts_per_tok
+                arch.hidden_size, arch.intermediate_size, arch.num_experts, arch.num_experts_per_tok,
+                arch.norm_topk_prob,
             )
         else:
             self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
@@ -123,8 +145,10 @@ class LlamaModel(nn.Module):
         self.plan: ForwardPlan | None = None  # set by build_plan() once the weights are packed
 
     def build_plan(self, blocks: GgufBlocks | None = None, batch_invariant: bool = False) -> bool:
-        """Plan the eager CPU forward (engine/model/forward_plan.py); returns whether a plan was made."""
-        self.plan = build_plan(self, blocks, batch_invariant)
+        """Plan the eager CPU forward (engine/model/forward_plan.py); returns whether a plan was made
+        (never for a layer that is not `plannable`: the plan would skip its switches)."""
+        plannable = all(getattr(layer, "plannable", False) for layer in self.layers)
+        self.plan = build_plan(self, blocks, batch_invariant) if plannable else None
         return self.plan is not None
 
     def warm_up_linears(self, max_rows: int) -> float:
@@ -424,12 +448,16 @@ class LlamaForCausalLM(nn.Module):
             names.append("lm_head.weight")
         per_layer = ["input_layernorm", "post_attention_layernorm", "self_attn.o_proj"]
         per_layer += [k for k in _FUSED if not (a.is_moe and k.startswith("mlp."))]
+        if a.qk_norm:
+            per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
         if a.is_moe:
             per_layer.append("block_sparse_moe.gate")
             per_layer += [f"block_sparse_moe.experts.{e}.{w}" for e in range(a.num_experts) for w in _EXPERT_SHARD]
         else:
             per_layer.append("mlp.down_proj")
         names += [f"model.layers.{i}.{p}.weight" for i in range(a.num_layers) for p in per_layer]
+        if a.qkv_bias:
+            names += [f"model.layers.{i}.self_attn.{p}.bias" for i in range(a.num_layers) for p in ("q_proj", "k_proj", "v_proj")]
         return names
 
     @torch.no_grad()
@@ -441,7 +469,8 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in state_dict.items():
+        for hf_name, tensor in state_dict.items():
+            name = self.own_name(hf_name)
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             dest = self._destination(name, params)
@@ -453,6 +482,11 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"model: {len(missing)} weights missing, e.g. {missing[:3]}")
         self._column_major_linears()
+
+    def own_name(self, name: str) -> str:
+        """The name a checkpoint's tensor goes by in `hf_weight_names` (a family whose checkpoints
+        name some tensors otherwise maps them here: engine/model/qwen.py)."""
+        return name
 
     def _column_major_linears(self) -> None:
         """On a CPU in float32, store each Linear weight [N, K] as the transpose of a contiguous [K, N] tensor.
@@ -477,7 +511,7 @@ class LlamaForCausalLM(nn.Module):
         prefix, rest = ".".join(parts[:3]), ".".join(parts[3:-1])
         if rest in _FUSED:
             fused, shard = _FUSED[rest]
-            param = params.get(f"{prefix}.{fused}.weight")
+            param = params.get(f"{prefix}.{fused}.{parts[-1]}")  # .weight, or .bias (Qwen2's q/k/v)
             if param is not None:
                 return param.data.narrow(0, *self._shard_range(fused, shard))
         if rest.startswith("block_sparse_moe.experts.") and parts[-2] in _EXPERT_SHARD:

@@ -8,6 +8,7 @@
     with a `<name>.yaml` in the packaged `engine/model/shapes/`, e.g. "llama-3-8b", or in
     the `shape_dirs` given): that architecture with random weights.
 `load_format: dummy` keeps the architecture of any of these but uses random weights.
+The architecture the checkpoint names picks the model class (engine/model/registry.py).
 Every bad input is a ValueError whose message starts with the field ("model: ...",
 "load_format: ...").
 """
@@ -28,7 +29,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
 from engine.dtypes import torch_dtype
-from engine.model import batch_invariance
+from engine.model import batch_invariance, registry
 from engine.model.arch import ModelArch
 from engine.model.dummy import init_dummy_weights
 from engine.model.gguf_loader import load_gguf_state_dict, open_gguf
@@ -159,8 +160,10 @@ def load_model(
     dtype = _dtype(model_config.dtype, source, device)
     if model_config.batch_invariant:  # refused before the weights load, where it cannot hold
         batch_invariance.require(model_config, device, dtype, attn_backend)
+    model_cls = registry.model_class(arch.family)  # LlamaForCausalLM or a family's subclass of it
     with build_on_meta():
-        model = LlamaForCausalLM(arch, attn_backend)
+        model = model_cls(arch, attn_backend)
+    assert isinstance(model, LlamaForCausalLM)
     model.batch_invariant = model_config.batch_invariant
     model = materialize(model, device, dtype)
     model.model.rotary_emb.rebuild(device, dtype)

@@ -1,9 +1,9 @@
 """Mixtral-style top-k routed mixture of SwiGLU experts.
 
 Routing follows HF Mixtral: softmax over all experts in float32, keep the top k,
-renormalise them to sum to one. Dispatch sorts the (token, expert) pairs by expert so
-each expert runs one GEMM over all of its tokens: a Python loop over experts (at most
-`num_experts` iterations per layer), never over tokens.
+renormalise them to sum to one (Qwen3-MoE only where its config's `norm_topk_prob` says so).
+Dispatch sorts the (token, expert) pairs by expert so each expert runs one GEMM over all of its
+tokens: a Python loop over experts (at most `num_experts` iterations per layer), never over tokens.
 
 HF weight names (under `model.layers.N.block_sparse_moe.`): `gate.weight` [E, H] (the
 router) and `experts.E.w1/w3/w2.weight` (gate [I, H], up [I, H], down [H, I]); they are
@@ -17,21 +17,25 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits: [T, E] -> (weights [T, k] float32 summing to 1, expert ids [T, k] int64)."""
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E] -> (weights [T, k] float32, summing to 1 if `renormalize`, else the
+    top k softmax probabilities as they are; expert ids [T, k] int64)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
     weights, experts = probs.topk(top_k, dim=-1)  # [T, k]
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool = True) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok: must be in 1..{num_experts}, got {top_k}")
         self.num_experts = num_experts
         self.top_k = top_k
+        self.renormalize = renormalize
         self.intermediate_size = intermediate_size
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -39,7 +43,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
-        weights, experts = route(self.gate(x), self.top_k)  # [T, k]
+        weights, experts = route(self.gate(x), self.top_k, self.renormalize)  # [T, k]
         flat_experts = experts.flatten()  # [T*k]
         order = torch.argsort(flat_experts, stable=True)  # pairs grouped by expert
         token_of = order // self.top_k  # [T*k] token row of each sorted pair

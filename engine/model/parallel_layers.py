@@ -31,6 +31,7 @@ from engine.config import ModelConfig
 from engine.distributed import parallel_state as ps
 from engine.distributed.moe_dispatch import MoEDispatcher, make_dispatcher
 from engine.distributed.sharding import RankPlan, local_arch, shard_param, split_range
+from engine.model import registry
 from engine.model.arch import ModelArch
 from engine.model.dummy import DUMMY_STD
 from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -172,6 +173,9 @@ def load_parallel_model(
     if model_config.batch_invariant:  # the decode kernels need the whole matrices (prepack: why)
         raise ValueError("model.batch_invariant: one rank only (tensor_parallel_size 1)")
     arch, weights_fn, _ = resolve_model(model_config)
+    if not registry.family(arch.family).tensor_parallel:  # shard_param knows the Llama / Mixtral parameters only
+        raise ValueError(f"parallel.tensor_parallel_size: the {arch.family} family runs on one rank only "
+                         f"(tensor parallel: {', '.join(f.name for f in registry.FAMILIES if f.tensor_parallel)})")
     plan = plan_for(arch)
     dtype = _dtype(model_config.dtype, resolve_source(model_config.model), device)
     with build_on_meta():
