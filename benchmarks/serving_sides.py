@@ -177,8 +177,9 @@ def llama_server_command(bins: LlamaCppBinaries, gguf: Path, port: int, slots: i
 
 
 def llama_server(tmp: Path, slots: int, ctx_per_slot: int | None, batch: int | None, tag: str,
-                 bins: LlamaCppBinaries | None = None) -> Server:  # fmt: skip
-    """llama.cpp's own server on the embedded GGUF (`llama_server_command`; `make peers-llamacpp`)."""
+                 bins: LlamaCppBinaries | None = None, threads: int | None = None) -> Server:  # fmt: skip
+    """llama.cpp's own server on the embedded GGUF (`llama_server_command`; `make peers-llamacpp`),
+    on `threads` threads (default: every core this process may use, as servelab)."""
     from engine.model.source import embedded_gguf_path
 
     bins = bins or llamacpp_binaries()
@@ -187,7 +188,7 @@ def llama_server(tmp: Path, slots: int, ctx_per_slot: int | None, batch: int | N
         raise SystemExit(f"--peer llamacpp: {missing}")
     port = free_port()
     cmd = llama_server_command(bins, embedded_gguf_path(), port, slots, ctx_per_slot, batch,
-                               len(os.sched_getaffinity(0)))
+                               threads or len(os.sched_getaffinity(0)))
     return Server("llamacpp", cmd, bins.env(), tmp / f"llamacpp-{tag}.log", port, ready_path="/health")
 
 

@@ -97,11 +97,14 @@ CPU_FLAGS=""
 for f in avx2 fma f16c avx_vnni avx512f avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16; do
   has "$f" && CPU_FLAGS="$CPU_FLAGS $f"
 done
-"$PYTHON" - "$BIN/BUILD_INFO.json" <<EOF
-import json, sys
-json.dump({"llama_cpp_python": "$VERSION", "llama_cpp_commit": "$COMMIT", "source": "$SRC",
-           "build_dir": "$NATIVE", "cmake_flags": "$ARGS", "cpu_flags": "${CPU_FLAGS# }".split(),
-           "amx": "$AMX", "fallback": """$FALLBACK""", "first_tokens": """$CHECK"""},
+# (the values go through the environment: a failure's text may hold any character)
+V_VERSION=$VERSION V_COMMIT=$COMMIT V_SRC=$SRC V_BUILD=$NATIVE V_ARGS=$ARGS V_FLAGS=${CPU_FLAGS# } V_AMX=$AMX \
+V_FALLBACK=$FALLBACK V_CHECK=$CHECK "$PYTHON" - "$BIN/BUILD_INFO.json" <<'EOF'
+import json, os, sys
+e = os.environ
+json.dump({"llama_cpp_python": e["V_VERSION"], "llama_cpp_commit": e["V_COMMIT"], "source": e["V_SRC"],
+           "build_dir": e["V_BUILD"], "cmake_flags": e["V_ARGS"], "cpu_flags": e["V_FLAGS"].split(),
+           "amx": e["V_AMX"], "fallback": e["V_FALLBACK"], "first_tokens": e["V_CHECK"]},
           open(sys.argv[1], "w"), indent=2)
 EOF
 echo "[peers] ready: $BIN/llama-server, $BIN/llama-bench (run with LD_LIBRARY_PATH=$BIN); llama.cpp $COMMIT, $ARGS; AMX $AMX; fallback: $FALLBACK"

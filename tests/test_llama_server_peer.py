@@ -9,6 +9,11 @@ client's clock) must all overlap: some moment lies inside every one of them. The
 against a one-slot server must find the streams one after another, so the check itself can tell
 a single-slot peer from a batching one. Skips, naming `make peers-llamacpp`, where the binaries
 are not built.
+
+The server runs on one thread here: what is checked is concurrency, not speed, and on a 2-core
+machine that other work keeps busy two spinning ggml threads wait on each other at every op's
+barrier (1.8 s a batch-8 step seen here against 0.25 s on one thread), which would make the test
+slow for no gain in what it shows.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from workloads.record import RequestRecord  # noqa: E402
 
 MISSING = peers.llamacpp_missing()
 STREAMS = 8
-PROMPT_LEN, OUTPUT_LEN = 32, 48
+PROMPT_LEN, OUTPUT_LEN = 16, 24
 
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"needs llama.cpp's llama-server: {MISSING}")
 
@@ -44,7 +49,7 @@ def _serve(tmp_path: Path, slots: int, n: int, output_len: int) -> list[RequestR
     vocab = resolve_model(ModelConfig())[0].vocab_size
     prompts = serving_sides.random_prompts(n, PROMPT_LEN, vocab, seed=55 + slots)
     specs = serving_sides.specs_for(prompts, output_len, f"np{slots}")
-    server = serving_sides.llama_server(tmp_path, slots, 256, 256, f"np{slots}")
+    server = serving_sides.llama_server(tmp_path, slots, 256, 256, f"np{slots}", threads=1)
     server.start()
     try:
         target = serving_sides.client_for(server, "greedy")
@@ -70,5 +75,5 @@ def test_llama_server_decodes_8_streams_at_once(tmp_path: Path) -> None:
         f"{last_start:.3f} s, the first finished at {first_end:.3f} s): llama-server did not serve them at once")
 
     # The control: one slot serves two streams one after the other, and the check says so.
-    one = _intervals(_serve(tmp_path, 1, 2, 8))
+    one = _intervals(_serve(tmp_path, 1, 2, 4))
     assert max(a for a, _ in one) > min(b for _, b in one)
