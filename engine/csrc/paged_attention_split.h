@@ -1,11 +1,12 @@
 // Paged attention's portable path (any CPU without AVX-512: AVX2 machines, and the reference that an
 // ARM build compiles with no x86 flags): work split over query rows, kv heads and context segments.
 //
-// One work unit is (query row, kv head, context segment): the G query heads sharing that kv head read
-// each key / value row of the segment once (converted to float32 once). A call with fewer (row, kv
-// head) items than twice the threads (batch-1 decode: SmolLM2's 3 kv heads on 2 threads) cuts each
-// item's context into segments of whole cache blocks, attended as separate units and merged by their
-// softmax maxima and sums (flash-decoding's split), so every thread has work. Inner loops over the
+// One work unit is (query row, context segment): each key / value row of the segment, every kv head
+// of it, is read once as one contiguous span (converted to float32 once) for all query heads, the
+// unit's rows all prefetched into L2 as it starts (a decode step's weights evict the cache from every level). A
+// call with fewer rows than twice the threads (batch-1 decode on 2 threads) cuts each row's context
+// into segments of whole cache blocks, attended as separate units and merged by their softmax maxima
+// and sums (flash-decoding's split) on the calling thread, so every thread has work. Inner loops over the
 // head dimension are `omp simd` (AVX2 or NEON lanes under -march=native); the softmax's exponentials
 // 8 lanes at a time where the build has AVX2. `fixed` (model.batch_invariant) never splits, so a
 // row's sums do not follow how many rows share the call.
@@ -74,84 +75,93 @@ static void paged_attention_split(const torch::Tensor& q, const torch::Tensor& k
     L[i] = slp[b] - (qslp[b + 1] - qslp[b]) + (i - qslp[b]) + 1;
     maxL = std::max(maxL, L[i]);
   }
-  const int64_t items = Tn * Hkv, threads = at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
   int64_t seg = std::max<int64_t>(maxL, 1);  // tokens a unit attends (whole blocks when split)
-  if (!fixed && items < 2 * threads && maxL > 2 * BS) {
-    const int64_t want = (2 * threads + items - 1) / items;  // segments per item
+  if (!fixed && Tn < 2 * threads && maxL > 2 * BS) {
+    const int64_t want = (2 * threads + Tn - 1) / Tn;  // segments per row
     seg = std::max<int64_t>(2 * BS, ((maxL + want - 1) / want + BS - 1) / BS * BS);
   }
   struct Unit {
-    int64_t i, h, t0, t1;
+    int64_t i, t0, t1;
   };
   std::vector<Unit> units;
-  std::vector<int64_t> first(items + 1);  // item i * Hkv + h: units first[..] .. first[.. + 1] - 1
-  for (int64_t i = 0; i < Tn; ++i)
-    for (int64_t h = 0; h < Hkv; ++h) {
-      first[i * Hkv + h] = static_cast<int64_t>(units.size());
-      for (int64_t t0 = 0; t0 < L[i]; t0 += seg) units.push_back({i, h, t0, std::min(L[i], t0 + seg)});
-    }
-  first[items] = static_cast<int64_t>(units.size());
-  const int64_t U = first[items];
-  const bool split = U > items;
-  std::vector<float> part_max, part_sum, part_acc;  // per unit and query head of its kv head (split only)
+  std::vector<int64_t> first(Tn + 1);  // row i: units first[i] .. first[i + 1] - 1
+  for (int64_t i = 0; i < Tn; ++i) {
+    first[i] = static_cast<int64_t>(units.size());
+    for (int64_t t0 = 0; t0 < L[i]; t0 += seg) units.push_back({i, t0, std::min(L[i], t0 + seg)});
+  }
+  first[Tn] = static_cast<int64_t>(units.size());
+  const int64_t U = first[Tn];
+  const bool split = U > Tn;
+  std::vector<float> part_max, part_sum, part_acc;  // per unit and query head (split only)
   if (split) {
-    part_max.resize(U * G);
-    part_sum.resize(U * G);
-    part_acc.resize(U * G * D);
+    part_max.resize(U * Hq);
+    part_sum.resize(U * Hq);
+    part_acc.resize(U * Hq * D);
   }
   at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> qf(G * D), acc(G * D), kf(D), scores, mx(G), sums(G);
+    std::vector<float> qf(Hq * D), acc(Hq * D), kf(row), scores, mx(Hq), sums(Hq);
     for (int64_t u = u0; u < u1; ++u) {
       const Unit& un = units[u];
-      const int64_t n = un.t1 - un.t0, hq0 = un.h * G;
+      const int64_t n = un.t1 - un.t0;
       const int64_t* blocks = btp + v.req_of[un.i] * bts;
-      scores.resize(G * n);
-      for (int64_t g = 0; g < G; ++g) {
-        const T* qj = v.qp + un.i * v.qs0 + (hq0 + g) * v.qs1;
-        float* f = qf.data() + g * D;
+      const auto slot = [&](int64_t t) { return (blocks[t / BS] * BS + t % BS) * row; };
+      scores.resize(Hq * n);
+      // the unit's keys and values into L2 at once (every line requested before the first is used:
+      // the misses overlap instead of queueing one row at a time)
+      for (int64_t t = un.t0; t < un.t1; ++t)
+        for (int64_t off = 0; off < row * static_cast<int64_t>(sizeof(T)); off += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(v.kp + slot(t)) + off, 0, 2);
+          __builtin_prefetch(reinterpret_cast<const char*>(v.vp + slot(t)) + off, 0, 2);
+        }
+      for (int64_t j = 0; j < Hq; ++j) {
+        const T* qj = v.qp + un.i * v.qs0 + j * v.qs1;
+        float* f = qf.data() + j * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) f[d] = ld(qj, d) * scale;
       }
       for (int64_t t = un.t0; t < un.t1; ++t) {
-        const T* kt = v.kp + (blocks[t / BS] * BS + t % BS) * row + un.h * D;
+        const T* kt = v.kp + slot(t);
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) kf[d] = ld(kt, d);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* f = qf.data() + g * D;
+        for (int64_t d = 0; d < row; ++d) kf[d] = ld(kt, d);  // the whole row: every kv head
+        for (int64_t j = 0; j < Hq; ++j) {
+          const float* f = qf.data() + j * D;
+          const float* k = kf.data() + (j / G) * D;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += f[d] * kf[d];
-          scores[g * n + (t - un.t0)] = s;
+          for (int64_t d = 0; d < D; ++d) s += f[d] * k[d];
+          scores[j * n + (t - un.t0)] = s;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
+      for (int64_t j = 0; j < Hq; ++j) {
+        float* sj = scores.data() + j * n;
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = sg[t] > m ? sg[t] : m;
-        mx[g] = m;
-        sums[g] = exp_shift_sum(sg, n, m);
+        for (int64_t t = 0; t < n; ++t) m = sj[t] > m ? sj[t] : m;
+        mx[j] = m;
+        sums[j] = exp_shift_sum(sj, n, m);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = un.t0; t < un.t1; ++t) {
-        const T* vt = v.vp + (blocks[t / BS] * BS + t % BS) * row + un.h * D;
+        const T* vt = v.vp + slot(t);
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) kf[d] = ld(vt, d);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + (t - un.t0)];
-          float* a = acc.data() + g * D;
+        for (int64_t d = 0; d < row; ++d) kf[d] = ld(vt, d);
+        for (int64_t j = 0; j < Hq; ++j) {
+          const float p = scores[j * n + (t - un.t0)];
+          const float* val = kf.data() + (j / G) * D;
+          float* a = acc.data() + j * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * kf[d];
+          for (int64_t d = 0; d < D; ++d) a[d] += p * val[d];
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float* a = acc.data() + g * D;
+      for (int64_t j = 0; j < Hq; ++j) {
+        const float* a = acc.data() + j * D;
         if (split) {
-          part_max[u * G + g] = mx[g];
-          part_sum[u * G + g] = sums[g];
-          std::copy(a, a + D, part_acc.begin() + (u * G + g) * D);
+          part_max[u * Hq + j] = mx[j];
+          part_sum[u * Hq + j] = sums[j];
+          std::copy(a, a + D, part_acc.begin() + (u * Hq + j) * D);
         } else {
-          T* o = v.op + (un.i * Hq + hq0 + g) * D;
-          const float r = 1.f / sums[g];
+          T* o = v.op + (un.i * Hq + j) * D;
+          const float r = 1.f / sums[j];
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) st(o, d, a[d] * r);
         }
@@ -159,29 +169,26 @@ static void paged_attention_split(const torch::Tensor& q, const torch::Tensor& k
     }
   });
   if (!split) return;
-  // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M the largest segment maximum
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> o(D);
-    for (int64_t it = i0; it < i1; ++it) {
-      const int64_t i = it / Hkv, h = it % Hkv;
-      for (int64_t g = 0; g < G; ++g) {
-        float M = -std::numeric_limits<float>::infinity();
-        for (int64_t u = first[it]; u < first[it + 1]; ++u) M = std::max(M, part_max[u * G + g]);
-        float total = 0.f;
-        std::fill(o.begin(), o.end(), 0.f);
-        for (int64_t u = first[it]; u < first[it + 1]; ++u) {
-          const float w = exp_approx(part_max[u * G + g] - M);
-          total += w * part_sum[u * G + g];
-          const float* a = part_acc.data() + (u * G + g) * D;
+  // Split only where rows are few (under twice the threads): merged here, on the calling thread:
+  // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M the largest segment maximum.
+  std::vector<float> o(D);
+  for (int64_t i = 0; i < Tn; ++i)
+    for (int64_t j = 0; j < Hq; ++j) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t u = first[i]; u < first[i + 1]; ++u) M = std::max(M, part_max[u * Hq + j]);
+      float total = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t u = first[i]; u < first[i + 1]; ++u) {
+        const float w = exp_approx(part_max[u * Hq + j] - M);
+        total += w * part_sum[u * Hq + j];
+        const float* a = part_acc.data() + (u * Hq + j) * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
-        }
-        T* out_row = v.op + (i * Hq + h * G + g) * D;
-        const float r = 1.f / total;
-        for (int64_t d = 0; d < D; ++d) st(out_row, d, o[d] * r);
+        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
       }
+      T* out_row = v.op + (i * Hq + j) * D;
+      const float r = 1.f / total;
+      for (int64_t d = 0; d < D; ++d) st(out_row, d, o[d] * r);
     }
-  });
 }
 
 }  // namespace servelab
