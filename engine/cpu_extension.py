@@ -26,7 +26,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -91,9 +92,6 @@ def extension_name(source: str, extra_cflags: tuple[str, ...] = (), unit: str | 
     return f"servelab_{Path(source).stem}_{digest.hexdigest()[:12]}"
 
 
-STALE_LOCK_S = 600.0  # a build takes about a minute; a lock older than this was left by a killed one
-
-
 def _build_folder(name: str) -> Path:
     """torch's build folder for the extension `name` (made if missing)."""
     from torch.utils.cpp_extension import _get_build_directory
@@ -101,9 +99,82 @@ def _build_folder(name: str) -> Path:
     return Path(_get_build_directory(name, verbose=False))
 
 
+# Two locks guard a build folder. torch's own (`<folder>/lock`, torch.utils.file_baton) is a file
+# made with O_CREAT | O_EXCL and removed when the build ends: it records no owner, and a waiter
+# spins on it forever when a killed build left it. Ours (`<folder>.owner`, beside the folder so it
+# survives a clean-up) is an fcntl lock the building process holds from before torch's is taken
+# until the build is stamped ready; the kernel drops it when that process dies, and the file
+# records the holder's pid. So, holding ours, a torch lock still there was not made by a live
+# servelab build: either a killed build left it, or a build that does not take ours holds it (an
+# older checkout's, or torch's `load` called directly). torch's baton keeps its file open for the
+# whole build, so the second case shows as a process with the file open (`_lock_holders`); only a
+# lock nobody holds is stale, however old or young it is.
+OWNER_SUFFIX = ".owner"
+
+
+@contextmanager
+def _build_owner(name: str, folder: Path) -> Iterator[None]:
+    """Hold the exclusive build lock of `folder` (waiting while a live process holds it) and record
+    this process's pid in it; released on exit, and by the kernel if this process dies."""
+    import fcntl
+
+    path = folder.with_name(folder.name + OWNER_SUFFIX)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("%s: waiting for the build by pid %s (%s)", name, _recorded_pid(fd) or "?", path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _recorded_pid(fd: int) -> int | None:
+    try:
+        return int(os.pread(fd, 32, 0).decode().strip() or "x")
+    except (OSError, ValueError):
+        return None
+
+
+def _lock_holders(lock: Path) -> list[int] | None:
+    """Pids of the processes that have `lock` open (Linux /proc); None when that cannot be told
+    (no /proc, or the file belongs to another user, whose processes this one cannot read)."""
+    try:
+        st = lock.stat()
+    except OSError:
+        return []
+    proc = Path("/proc")
+    if not (proc / "self" / "fd").is_dir() or (st.st_uid != os.geteuid() and os.geteuid() != 0):
+        return None
+    holders = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != st.st_uid:
+                continue
+            for fd in (entry / "fd").iterdir():
+                try:
+                    target = fd.stat()
+                except OSError:
+                    continue
+                if (target.st_dev, target.st_ino) == (st.st_dev, st.st_ino):
+                    holders.append(int(entry.name))
+                    break
+        except OSError:  # the process ended meanwhile
+            continue
+    return holders
+
+
 def _clear_stale_lock(name: str, folder: Path | None = None) -> None:
-    """torch's build lock waits forever for a lock file that a killed build left behind; a lock
-    older than STALE_LOCK_S goes (with the half-built folder), so the next build starts clean."""
+    """Called holding `_build_owner`: a torch build lock that no live process holds was left by a
+    killed build (torch would wait on it forever); it goes with the half-built folder, so the
+    next build starts clean. A lock some process holds open is a live build: left alone, however
+    old (a slow build on a loaded machine takes many minutes)."""
     import shutil
     import time
 
@@ -113,9 +184,18 @@ def _clear_stale_lock(name: str, folder: Path | None = None) -> None:
         age = time.time() - lock.stat().st_mtime
     except OSError:
         return
-    if age > STALE_LOCK_S:
-        logger.warning("%s: removing a build lock left %.0f s ago by an interrupted build", name, age)
-        shutil.rmtree(folder, ignore_errors=True)
+    holders = _lock_holders(lock)
+    if holders is None:
+        logger.warning("%s: the build lock %s (%.0f s old) belongs to another user; waiting for it (remove it "
+                       "if no build is running)", name, lock, age)
+        return
+    if holders:
+        logger.info("%s: a build by pid %s holds %s (%.0f s); waiting for it", name,
+                    ",".join(map(str, holders)), lock, age)
+        return
+    logger.warning("%s: removing a build lock left %.0f s ago by an interrupted build", name, age)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
 
 
 READY_STAMP = "servelab-ready"
@@ -164,16 +244,19 @@ def load_cpu_ops(
             name = extension_name(source, extra_cflags, unit)
             folder = _build_folder(name)
             if not _load_prebuilt(name, folder):
-                _clear_stale_lock(name, folder)
-                load_inline(  # the text, not the path: the build command is the same from any checkout
-                    name=name,
-                    cpp_sources=[unit],
-                    extra_cflags=[*cflags(), *extra_cflags],
-                    extra_ldflags=["-fopenmp"],
-                    is_python_module=False,
-                    verbose=False,
-                )
-                _stamp_ready(name, folder)
+                with _build_owner(name, folder):
+                    # another process may have finished the build while this one waited for it
+                    if not _load_prebuilt(name, folder):
+                        _clear_stale_lock(name, folder)
+                        load_inline(  # the text, not the path: the build command is the same from any checkout
+                            name=name,
+                            cpp_sources=[unit],
+                            extra_cflags=[*cflags(), *extra_cflags],
+                            extra_ldflags=["-fopenmp"],
+                            is_python_module=False,
+                            verbose=False,
+                        )
+                        _stamp_ready(name, folder)
             register_fakes()
             _built[source] = True
         except Exception as exc:  # no compiler, no headers: the torch path is correct, just slower

@@ -238,26 +238,6 @@ def test_layers_trace_without_graph_breaks() -> None:
     torch.testing.assert_close(got, want)
 
 
-def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path, monkeypatch):
-    """torch waits forever on a lock file; one older than STALE_LOCK_S is cleared, a fresh one kept."""
-    import os
-    import time
-
-    from engine import cpu_extension
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    old, fresh = tmp_path / "ext_old", tmp_path / "ext_fresh"
-    for folder in (old, fresh):
-        folder.mkdir()
-        (folder / "lock").touch()
-    stale = time.time() - cpu_extension.STALE_LOCK_S - 60
-    os.utime(old / "lock", (stale, stale))
-    cpu_extension._clear_stale_lock("ext_old")
-    cpu_extension._clear_stale_lock("ext_fresh")
-    assert not (old / "lock").exists() and (fresh / "lock").exists()
-
-
-
 def test_a_build_is_named_after_its_sources_flags_and_cpu(tmp_path, monkeypatch):
     """torch caches builds by name: the name changes with the source, the headers it includes,
     the flags and the CPU (a -march=native build), and only with them, so no stale or foreign
