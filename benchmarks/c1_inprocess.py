@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             with RunnableSampler() as runnable:
                 if side == "llama-bench":
                     fig: dict[str, Any] = run_llama_bench(bins, gguf, args)
-                    versions["llama.cpp"] = bins.describe()
+                    versions["llama-bench:"] = bins.describe()
                 else:
                     res = run_side(side, job, llama_python or Path())
                     fig = round_figures(res)
