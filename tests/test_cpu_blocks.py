@@ -21,13 +21,19 @@ KINDS = ("Q4_1", "Q8_0", "Q5_0")
 AVX2 = {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
-def make_blocks(kind: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def gguf_blocks(kind: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 [n, k / 32, bytes] GGUF blocks of a random matrix, their float64 dequantization [n, k])."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     qtype = getattr(GGMLQuantizationType, kind)
     raw = quants.quantize(w, qtype)
     deq = torch.from_numpy(quants.dequantize(raw, qtype).reshape(n, k).astype(np.float64))
     return torch.from_numpy(raw.view(np.uint8).reshape(n, k // 32, -1).copy()), deq
+
+
+def make_blocks(kind: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the packed columns block_linear reads, the float64 dequantization [n, k])."""
+    raw, deq = gguf_blocks(kind, n, k, seed)
+    return cpu_blocks.pack(raw, kind), deq
 
 
 def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -103,16 +109,29 @@ def test_refuses_what_it_does_not_take() -> None:
     blocks, _ = make_blocks("Q4_1", 8, 64)
     with pytest.raises(RuntimeError, match="Q4_1, Q8_0 or Q5_0"):
         ops.block_linear(torch.randn(1, 64), blocks, "Q4_K")  # type: ignore[union-attr]
-    with pytest.raises(RuntimeError, match="K .96. must be 32 x"):
+    with pytest.raises(RuntimeError, match=r"K \(48\) must be a multiple of 32"):
+        ops.block_linear(torch.randn(1, 48), blocks, "Q4_1")  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"packed columns uint8 \[N, 80\] \(block_pack of Q4_1 blocks of K = 96"):
         ops.block_linear(torch.randn(1, 96), blocks, "Q4_1")  # type: ignore[union-attr]
-    with pytest.raises(RuntimeError, match=r"\[N, K / 32, 34\]"):
-        ops.block_linear(torch.randn(1, 64), blocks, "Q8_0")  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"block_pack: GGUF blocks uint8 \[N, K / 32, 34\]"):
+        ops.block_pack(gguf_blocks("Q4_1", 8, 64)[0], "Q8_0")  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.block_linear(torch.randn(1, 64).double(), blocks, "Q4_1")  # type: ignore[union-attr]
 
 
+def test_pack_lays_out_each_columns_quant_bytes_then_its_scales() -> None:
+    """Q4_1, K = 320 (10 blocks): 10 x 16 quant bytes, then d and m, each padded to 16 fp16 values."""
+    raw, _ = gguf_blocks("Q4_1", 3, 320)
+    packed = cpu_blocks.pack(raw, "Q4_1")
+    assert packed.shape == (3, 10 * 16 + 16 * 2 * 2)
+    assert torch.equal(packed[:, :160].view(3, 10, 16), raw[:, :, 4:])
+    assert torch.equal(packed[:, 160:180].view(3, 10, 2), raw[:, :, 0:2])  # d
+    assert torch.equal(packed[:, 192:212].view(3, 10, 2), raw[:, :, 2:4])  # m
+    assert int(packed[:, 180:192].sum()) == 0 and int(packed[:, 212:].sum()) == 0  # padding
+
+
 def test_attach_reads_blocks_at_few_rows_and_the_dense_weight_above() -> None:
-    blocks, w = make_blocks("Q4_1", 48, 128)
+    blocks, w = gguf_blocks("Q4_1", 48, 128)
     layer = torch.nn.Linear(128, 48, bias=False)
     with torch.no_grad():
         layer.weight.copy_(w.float())
@@ -120,7 +139,7 @@ def test_attach_reads_blocks_at_few_rows_and_the_dense_weight_above() -> None:
     limit = cpu_blocks.max_rows("Q4_1")
     with torch.inference_mode():
         few = torch.randn(limit, 128)
-        assert torch.equal(layer(few), ops.block_linear(few, blocks, "Q4_1"))  # type: ignore[union-attr]
+        assert torch.equal(layer(few), ops.block_linear(few, cpu_blocks.pack(blocks, "Q4_1"), "Q4_1"))  # type: ignore[union-attr]
         many = torch.randn(limit + 1, 128)
         assert torch.equal(layer(many), torch.nn.functional.linear(many, layer.weight))
     cpu_blocks.detach(layer)

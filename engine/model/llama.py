@@ -240,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None  # set by prepack()
         self.amx_lm_head: torch.Tensor | None = None  # the LM head for the AMX kernels, set by prepack()
         self.quant_lm_head: torch.Tensor | None = None  # the same from the checkpoint's blocks (quant_pack)
-        self.block_lm_head: GgufBlock | None = None  # the LM head's GGUF blocks for cpu_blocks (prepack)
+        self.block_lm_head: GgufBlock | None = None  # the LM head's GGUF blocks, packed for cpu_blocks (prepack)
         self.gguf_path: Path | None = None  # the GGUF file the weights came from (loader.load_model)
         self.batch_invariant = False  # model.batch_invariant (loader.load_model; engine/model/batch_invariance.py)
 
@@ -421,8 +421,9 @@ class LlamaForCausalLM(nn.Module):
                     cpu_blocks.detach(m)
         head = blocks.get(self._lm_head_name())
         weight = self._lm_head_weight()
-        if head is not None and tuple(head[1].shape[:2]) == (weight.shape[0], weight.shape[1] // 32):
-            self.block_lm_head = head
+        if (head is not None and head[0] in cpu_blocks.BLOCK_BYTES
+                and tuple(head[1].shape) == (weight.shape[0], weight.shape[1] // 32, cpu_blocks.BLOCK_BYTES[head[0]])):
+            self.block_lm_head = (head[0], cpu_blocks.pack(head[1], head[0]))  # fmt: skip
 
     def step_weights(self) -> dict[str, str]:
         """Which weights the linears multiply, by step size (batch_invariance.step_weights)."""
