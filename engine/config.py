@@ -170,6 +170,8 @@ class DeviceConfig:
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("auto", "uni", "mp")
+# Connectors whose every rank stores and loads its own KV-head slice (engine/kv_transfer/keys.py).
+TP_KV_CONNECTORS = frozenset({"MooncakeStoreConnector", "MooncakeTransferConnector"})
 
 
 @dataclass
@@ -323,10 +325,11 @@ class EngineConfig:
         if self.kv_transfer.kv_connector is not None and s.async_scheduling:
             raise ValueError("kv_transfer with async_scheduling=True is not supported yet; choose one of them")
         tp = self.parallel.tensor_parallel_size
-        if self.kv_transfer.kv_connector is not None and tp > 1:  # a connector moves one rank's KV cache
-            raise ValueError(f"kv_transfer.kv_connector={self.kv_transfer.kv_connector} with "
-                             f"parallel.tensor_parallel_size={tp} is not supported yet; use tensor_parallel_size=1 "
-                             f"or no connector")
+        connector = self.kv_transfer.kv_connector
+        if connector is not None and tp > 1 and connector not in TP_KV_CONNECTORS:  # each rank moves its own slice
+            raise ValueError(f"kv_transfer.kv_connector={connector} with parallel.tensor_parallel_size={tp} is not "
+                             f"supported yet; use tensor_parallel_size=1, no connector, or one of "
+                             f"{', '.join(sorted(TP_KV_CONNECTORS))}")
         if s.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if s.max_num_seqs < 1:

@@ -130,6 +130,26 @@ def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
     return torch.cat([b[..., :n] for b, n in zip(bufs, sizes, strict=True)], dim=-1)
 
 
+def gather_bytes(payload: bytes) -> list[bytes] | None:
+    """Every rank's `payload` on rank 0, rank 0's first (None on the other ranks): small host-side
+    reports (a connector's per-step report), padded to the longest for the collective."""
+    if _info.world_size == 1:
+        return [payload]
+    with timed("gather"):
+        group = _cpu_group()
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(_info.world_size)]
+        dist.all_gather(sizes, size, group=group)
+        lengths = [int(n.item()) for n in sizes]
+        buf = torch.zeros(max(lengths), dtype=torch.uint8)
+        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else buf[:0]
+        bufs = [torch.empty_like(buf) for _ in lengths] if _info.rank == 0 else None
+        dist.gather(buf, bufs, dst=0, group=group)
+    if bufs is None:
+        return None
+    return [b[:n].numpy().tobytes() for b, n in zip(bufs, lengths, strict=True)]
+
+
 def broadcast_from_driver(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's x on every rank (same shape and dtype everywhere), in place."""
     if _info.world_size > 1:

@@ -35,6 +35,7 @@ class WorkerReady(msgspec.Struct):
     max_model_len: int
     eos_token_id: int | None
     vocab_size: int
+    kv_bytes_per_block: int = 0  # one KV block of the whole model (a connector's scheduler half sizes with it)
 
 
 def identity(rank: int) -> bytes:

@@ -6,13 +6,17 @@ Differences from the one-rank `Worker`:
 - the KV cache holds this rank's KV heads; every rank sizes it from its own bytes per block,
   then all ranks agree on the smallest block count (the scheduler sees one pool);
 - rank 0 samples from the gathered logits and broadcasts the ids; the other ranks receive
-  them, so every rank's persistent batch holds the same tokens for the next step.
+  them, so every rank's persistent batch holds the same tokens for the next step;
+- a KV connector's worker half moves this rank's KV-head slice; after each step rank 0 gathers
+  every rank's connector report and merges them (engine/kv_transfer/tp_output.py), since only
+  rank 0 answers the executor.
 """
 
 from __future__ import annotations
 
 import logging
 
+import msgspec
 import torch
 
 from engine.attention.registry import get_attention_backend
@@ -20,6 +24,10 @@ from engine.config import EngineConfig
 from engine.distributed import parallel_state as ps
 from engine.distributed.sharding import rank_plan
 from engine.hugepages import zeros_huge
+from engine.kv_transfer.base import KVConnectorRole
+from engine.kv_transfer.factory import create_kv_connector
+from engine.kv_transfer.metadata import KVConnectorOutput
+from engine.kv_transfer.tp_output import TPOutputMerger
 from engine.outputs import TokenLogprobs
 from engine.sample.sampler import Sampler, SamplingBatch
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
@@ -63,6 +71,7 @@ class ParallelWorker(Worker):
         super().__init__(config)
         self.rank = rank
         self.world_size = config.parallel.tensor_parallel_size
+        self._kv_merger: TPOutputMerger | None = None  # rank 0 with a connector and more than one rank
 
     def load_and_allocate(self) -> int:
         from engine.model.parallel_layers import load_parallel_model
@@ -95,13 +104,32 @@ class ParallelWorker(Worker):
         )
         if info.world_size > 1:
             self.model_runner.sampler = BroadcastingSampler() if info.is_driver else ReceivingSampler()
+        full = self.arch  # the whole model's block: the connector's slot count agrees on every rank and the scheduler
+        self.kv_bytes_per_block = kv_bytes_per_block(full.num_layers, cache.block_size, full.num_kv_heads,
+                                                     full.head_dim, self.kv_dtype)
+        self.kv_connector = create_kv_connector(self.config, KVConnectorRole.WORKER, self.kv_bytes_per_block, info.rank)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(kv_caches)
+            if info.world_size > 1 and info.is_driver:
+                self._kv_merger = TPOutputMerger(info.world_size)
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         ps.take_comm_times()  # a step's counters start at zero
         out = super().execute_model(scheduler_output)
+        if self.kv_connector is not None and self.world_size > 1:
+            out.kv_connector_output = self._merge_kv_reports(out.kv_connector_output)
         out.comm_times = ps.take_comm_times()
         return out
 
+    def _merge_kv_reports(self, mine: KVConnectorOutput | None) -> KVConnectorOutput | None:
+        """Every rank's connector report of this step, merged on rank 0 (a collective: every rank
+        calls it every step); the other ranks' own reports are not sent anywhere."""
+        reports = ps.gather_bytes(msgspec.msgpack.encode(mine or KVConnectorOutput()))
+        if reports is None or self._kv_merger is None:
+            return mine
+        return self._kv_merger.merge([msgspec.msgpack.decode(r, type=KVConnectorOutput) for r in reports])
+
     def shutdown(self) -> None:
+        super().shutdown()
         ps.destroy_distributed()

@@ -67,7 +67,7 @@ def serve(rank: int, local_rank: int, executor_addr: str, watch_parent: bool) ->
                 worker = ParallelWorker(config, rank, local_rank)
                 num_blocks = worker.load_and_allocate()
                 ready = wire.WorkerReady(rank, os.getpid(), num_blocks, worker.max_model_len,
-                                         worker.arch.eos_token_id, worker.arch.vocab_size)
+                                         worker.arch.eos_token_id, worker.arch.vocab_size, worker.kv_bytes_per_block)
                 sock.send_multipart((wire.READY, encoder.encode(ready)))
             elif kind == wire.STEP:
                 assert worker is not None, "STEP before CONFIG"

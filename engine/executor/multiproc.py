@@ -96,6 +96,7 @@ class MultiprocExecutor(Executor):
         first = readies[0]
         self.max_model_len, self.eos_token_id, self.vocab_size = first.max_model_len, first.eos_token_id, \
             first.vocab_size
+        self.kv_bytes_per_block = first.kv_bytes_per_block  # the scheduler half of a KV connector sizes with it
         logger.info("multi-process executor: %d ranks (pids %s), %d KV blocks each", self.world_size,
                     [r.pid for r in readies], first.num_blocks)
         return first.num_blocks

@@ -10,11 +10,14 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 
-def create_kv_connector(config: EngineConfig, role: KVConnectorRole, bytes_per_block: int) -> KVConnectorBase | None:
+def create_kv_connector(
+    config: EngineConfig, role: KVConnectorRole, bytes_per_block: int, rank: int = 0
+) -> KVConnectorBase | None:
     """The configured connector (None when `kv_transfer.kv_connector` is null).
 
-    `bytes_per_block`: one KV block over every layer, as the worker allocated it (the CPU
-    tier sizes its pool with it on both sides).
+    `bytes_per_block`: one KV block over every layer and every KV head of the model (the CPU
+    tier sizes its pool with it on both sides). `rank`: the tensor-parallel rank of a worker
+    half (the Mooncake connectors move that rank's KV-head slice; the scheduler half is rank 0).
     """
     name = config.kv_transfer.kv_connector
     if name is None:
@@ -26,9 +29,9 @@ def create_kv_connector(config: EngineConfig, role: KVConnectorRole, bytes_per_b
     if name == "MooncakeStoreConnector":
         from engine.kv_transfer.mooncake_store import MooncakeStoreConnector
 
-        return MooncakeStoreConnector(config, role)
+        return MooncakeStoreConnector(config, role, rank)
     if name == "MooncakeTransferConnector":
         from engine.kv_transfer.mooncake_transfer import MooncakeTransferConnector
 
-        return MooncakeTransferConnector(config, role, bytes_per_block)
+        return MooncakeTransferConnector(config, role, bytes_per_block, rank)
     raise ValueError(f"unknown kv_connector {name!r}")

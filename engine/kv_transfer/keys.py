@@ -88,3 +88,23 @@ def default_key_prefix(config: EngineConfig, rank: int = 0) -> str:
     cache_dtype = m.dtype if c.cache_dtype == "auto" else c.cache_dtype
     return (f"servelab/{name}@{weights_digest(config)[:DIGEST_CHARS]}/L{arch.num_layers}-tp{tp}r{rank}-"
             f"kvh{kv_first}+{kv_count}-d{arch.head_dim}/{m.dtype}-{cache_dtype}/bs{c.block_size}/")  # fmt: skip
+
+
+def rank_key_prefixes(config: EngineConfig, key_prefix: str | None = None) -> list[str]:
+    """Every tensor-parallel rank's key prefix, rank 0 first: each rank stores and loads only its
+    own KV-head slice, under its own keys. A `key_prefix` given in the extra config is kept as it
+    is with one rank, and gets `tp<size>r<rank>/` appended with more (two ranks never share a key)."""
+    tp = config.parallel.tensor_parallel_size
+    if not key_prefix:
+        return [default_key_prefix(config, rank) for rank in range(tp)]
+    return [key_prefix] if tp == 1 else [f"{key_prefix}tp{tp}r{rank}/" for rank in range(tp)]
+
+
+def rank_address(address: str, rank: int) -> str:
+    """`tcp://host:PORT` for rank 0 is `tcp://host:PORT+rank` for rank `rank` (one socket per rank)."""
+    if rank == 0:
+        return address
+    head, _, port = address.rpartition(":")
+    if not head or not port.isdigit():
+        raise ValueError(f"{address!r}: a tensor-parallel rank's address needs a port number at its end")
+    return f"{head}:{int(port) + rank}"

@@ -6,6 +6,11 @@ share blocks only when their KV is interchangeable. The producer side puts every
 consumer side asks `batch_is_exist` for the blocks past its local hit and gets them into its
 device blocks before admitting the request. Engines in one process share one store client.
 
+Tensor parallelism: each rank's worker half stores and loads its own KV-head slice under its own
+keys (the prefix names the rank and its heads, keys.rank_key_prefixes); the scheduler half counts
+a block as held only when every rank's object is there, and the ranks' reports are merged before
+the scheduler sees them (engine/kv_transfer/tp_output.py).
+
 The store is a cache, never a source of truth: any error (master unreachable, object gone, size
 mismatch) makes that lookup a miss, that load a failed load (recomputed) and that save a no-op,
 and the connector leaves the store alone for `retry_after_s` seconds, so a dead master costs one
@@ -30,7 +35,7 @@ import numpy as np
 import torch
 
 from engine.kv_transfer.base import BlockStoreConnector, KVConnectorRole, checked_extra_config
-from engine.kv_transfer.keys import default_key_prefix
+from engine.kv_transfer.keys import default_key_prefix, rank_key_prefixes  # noqa: F401 (default_key_prefix: re-exported)
 from engine.kv_transfer.metadata import BlockTransfer
 
 if TYPE_CHECKING:
@@ -107,11 +112,14 @@ _ORPHANS: list[Any] = []
 
 
 class MooncakeStoreConnector(BlockStoreConnector):
-    def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
+    def __init__(self, config: EngineConfig, role: KVConnectorRole, rank: int = 0) -> None:
+        """`rank`: the tensor-parallel rank whose KV slice this worker half moves (scheduler: 0)."""
         super().__init__(config, role)
         extra = checked_extra_config("MooncakeStoreConnector", self.transfer_config.kv_connector_extra_config,
                                      _KNOWN_KEYS)
-        self.key_prefix = str(extra.get("key_prefix") or default_key_prefix(config))
+        # Scheduler half: every rank's prefix (a block is held when all ranks' objects are); worker: its own.
+        self.rank_prefixes = rank_key_prefixes(config, str(extra.get("key_prefix") or "") or None)
+        self.key_prefix = self.rank_prefixes[rank]
         self.retry_after_s = float(extra.get("retry_after_s", 10.0))
         self._client_key, self.store = _open_client(extra)
         self._down_until = 0.0
@@ -132,18 +140,17 @@ class MooncakeStoreConnector(BlockStoreConnector):
     def lookup(self, block_hashes: list[bytes]) -> int | None:
         if not self._available():
             return 0
-        try:
-            found = self.store.batch_is_exist([self._key(h) for h in block_hashes])
+        try:  # rank 0's keys, then rank 1's, ...
+            found = self.store.batch_is_exist([p + h.hex() for p in self.rank_prefixes for h in block_hashes])
         except Exception as exc:
             self._trip(f"lookup failed ({type(exc).__name__}: {exc})")
             return 0
+        if any(f < 0 for f in found):
+            self._trip(f"lookup failed (error {min(found)})")
+            return 0
+        m = len(block_hashes)
         n = 0
-        for f in found:
-            if f < 0:
-                self._trip(f"lookup failed (error {f})")
-                return 0
-            if f != 1:
-                break
+        while n < m and all(found[r * m + n] == 1 for r in range(len(self.rank_prefixes))):
             n += 1
         return n
 

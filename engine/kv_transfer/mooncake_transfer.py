@@ -21,6 +21,12 @@ The data path is the TransferEngine's (TCP here, RDMA where the NICs have it); t
 only carries the addresses (as vLLM's connectors pass `kv_transfer_params`), so the router and
 the scheduler need nothing new: the decode instance finds the prefill instance's blocks by hash.
 
+Tensor parallelism: every rank has its own outbox (its KV-head slice of each block, in the same
+slots: the scheduler half assigns them once for all ranks) and its own directory, at
+`directory_address`'s port + rank; consumer rank r reads producer rank r (both sides run the same
+tensor-parallel size: the layout check refuses another). The consumer's scheduler half counts a
+block as found when every rank's directory lists it in the same slot.
+
 kv_connector_extra_config (docs/kv_transfer.md): metadata_server (mooncake_master's HTTP
 metadata, "http://127.0.0.1:8080/metadata"), protocol ("tcp"), local_hostname ("127.0.0.1"),
 directory_address (producer: "tcp://127.0.0.1:PORT" to bind), producer_directories (consumer:
@@ -49,7 +55,7 @@ from engine.kv_transfer.base import (
     assign_save_slots,
     checked_extra_config,
 )
-from engine.kv_transfer.keys import default_key_prefix
+from engine.kv_transfer.keys import default_key_prefix, rank_address
 from engine.kv_transfer.metadata import BlockTransfer
 
 if TYPE_CHECKING:
@@ -150,7 +156,10 @@ class _Producer:
 
 
 class MooncakeTransferConnector(BlockStoreConnector):
-    def __init__(self, config: EngineConfig, role: KVConnectorRole, bytes_per_block: int) -> None:
+    def __init__(self, config: EngineConfig, role: KVConnectorRole, bytes_per_block: int, rank: int = 0) -> None:
+        """`bytes_per_block`: one block of the whole model (every KV head), which sizes the outbox's
+        slot count alike on the scheduler and on every rank; `rank`: the tensor-parallel rank whose
+        slice this worker half moves (its stride is its own slice's, set by register_kv_caches)."""
         super().__init__(config, role)
         extra = checked_extra_config("MooncakeTransferConnector", self.transfer_config.kv_connector_extra_config,
                                      _KNOWN_KEYS)
@@ -159,9 +168,10 @@ class MooncakeTransferConnector(BlockStoreConnector):
             raise ValueError("MooncakeTransferConnector: kv_role must be kv_producer or kv_consumer "
                              "(kv_both: use MooncakeStoreConnector)")
         self.extra = extra
+        self.rank, self.tp = rank, config.parallel.tensor_parallel_size
         self.stride = HEADER + bytes_per_block
         # Weights and KV layout (keys.py): a producer of another model is refused even when its slots fit.
-        self.layout = default_key_prefix(config)
+        self.layout = default_key_prefix(config, rank)
         self.retry_after_s = float(extra.get("retry_after_s", 10.0))
         self._timeout_s = float(extra.get("lookup_timeout_s", 1.0))
         addresses = extra.get("producer_directories") or []
@@ -182,8 +192,8 @@ class MooncakeTransferConnector(BlockStoreConnector):
         # a consumer reading a reused slot sees another hash in its header and recomputes).
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
-        # Consumer scheduler half: the producers, and the slots the last lookup found.
-        self._producers: list[_Producer] = []
+        # Consumer scheduler half: each producer's directories (one per rank), and the slots the last lookup found.
+        self._producers: list[list[_Producer]] = []
         self._found: dict[bytes, int] = {}
         # Worker halves.
         self._engine: Any = None
@@ -205,23 +215,33 @@ class MooncakeTransferConnector(BlockStoreConnector):
         if not self.transfer_config.is_consumer:
             return 0
         if not self._producers:
-            self._producers = [_Producer(a, self._timeout_s) for a in self._addresses]
+            self._producers = [[_Producer(rank_address(a, r), self._timeout_s) for r in range(self.tp)]
+                               for a in self._addresses]
         best, best_slots = 0, []
-        for index, producer in enumerate(self._producers):
-            if time.monotonic() < producer.down_until:
-                continue
-            try:
-                slots = producer.ask({"op": "lookup", "hashes": block_hashes})["slots"]
-            except Exception as exc:
-                logger.warning("kv directory %s: %s; not asking it for %.0f s (requests recompute)", producer.address,
-                               exc, self.retry_after_s)
-                producer.down_until = time.monotonic() + self.retry_after_s
-                continue
+        for index, ranks in enumerate(self._producers):
+            slots = self._ask_ranks(ranks, block_hashes)
             n = next((i for i, s in enumerate(slots) if s < 0), len(slots))
             if n > best:
                 best, best_slots = n, [(index << _SLOT_BITS) | int(s) for s in slots[:n]]
         self._found = dict(zip(block_hashes[:best], best_slots, strict=True))
         return best
+
+    def _ask_ranks(self, ranks: list[_Producer], block_hashes: list[bytes]) -> list[int]:
+        """One producer's slot per hash as every rank's directory lists it (-1 where a rank lacks
+        the block or the ranks disagree: a slot being rewritten on one of them)."""
+        found: list[int] | None = None
+        for producer in ranks:
+            if time.monotonic() < producer.down_until:
+                return []
+            try:
+                slots = [int(s) for s in producer.ask({"op": "lookup", "hashes": block_hashes})["slots"]]
+            except Exception as exc:
+                logger.warning("kv directory %s: %s; not asking it for %.0f s (requests recompute)", producer.address,
+                               exc, self.retry_after_s)
+                producer.down_until = time.monotonic() + self.retry_after_s
+                return []
+            found = slots if found is None else [a if a == b else -1 for a, b in zip(found, slots, strict=True)]
+        return found or []
 
     def assign_load_slots(self, block_hashes: list[bytes]) -> list[int]:
         return [self._found[h] for h in block_hashes]
@@ -229,6 +249,7 @@ class MooncakeTransferConnector(BlockStoreConnector):
     # ---- worker halves ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
+        self.stride = HEADER + int(np.prod(self.block_shape())) * kv_caches[0].element_size()  # this rank's slice
         self._engine, self._session = _transfer_engine(self.extra)
         if self.transfer_config.is_producer:
             self._buffer = np.zeros(self.num_slots * self.stride, dtype=np.uint8)
@@ -241,7 +262,8 @@ class MooncakeTransferConnector(BlockStoreConnector):
         if self.transfer_config.is_producer:
             hello = {"session": self._session, "base": int(self._buffer.ctypes.data), "stride": self.stride,
                      "layout": self.layout}
-            self._directory = _Directory(str(self.extra["directory_address"]), hello, self._lookup_slots)
+            address = rank_address(str(self.extra["directory_address"]), self.rank)
+            self._directory = _Directory(address, hello, self._lookup_slots)
 
     def _lookup_slots(self, hashes: list[bytes]) -> list[int]:
         """Directory thread: the slot holding each hash, -1 from the first one not held."""
@@ -272,7 +294,7 @@ class MooncakeTransferConnector(BlockStoreConnector):
 
     def _remote_of(self, index: int) -> tuple[str, int, int]:
         if index not in self._remote:
-            producer = _Producer(self._addresses[index], max(self._timeout_s, 1.0))
+            producer = _Producer(rank_address(self._addresses[index], self.rank), max(self._timeout_s, 1.0))
             try:
                 hello = producer.ask({"op": "hello"})
             finally:
@@ -315,8 +337,9 @@ class MooncakeTransferConnector(BlockStoreConnector):
         if self._directory is not None:
             self._directory.close()
             self._directory = None
-        for producer in self._producers:
-            producer.close()
+        for ranks in self._producers:
+            for producer in ranks:
+                producer.close()
         if self._engine is not None and self._buffer is not None:
             self._engine.unregister_memory(self._buffer.ctypes.data)
         self._engine = None
