@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
+from engine.model import registry
 from engine.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers", reason="HF transformers writes and runs the reference models")
@@ -82,11 +83,14 @@ def test_greedy_tokens_equal_hf(family: str, tmp_path: Path) -> None:
     hf = _write_checkpoint(family, tmp_path)
     expected = _hf_greedy(hf)
     llm = LLM(model=str(tmp_path), dtype="float32", max_num_seqs=4, num_blocks=64, block_size=16)
-    arch = llm.engine_core.config.model  # the engine's view of the checkpoint, from its own loader
-    from engine.model.loader import resolve_model
-
-    resolved = resolve_model(arch)[0]
-    assert resolved.family == EXPECTED_FAMILY.get(family, family) and resolved.num_layers == 2
+    model = llm.engine_core.executor.worker.model  # type: ignore[attr-defined]  # (the in-process executor's)
+    assert model.arch.family == EXPECTED_FAMILY.get(family, family) and model.arch.num_layers == 2
+    assert type(model).__name__ == registry.family(model.arch.family).class_name
+    # no GGUF file: nothing reaches the block kernels; a layer with a family switch has no plan
+    assert model.gguf_path is None and model.block_lm_head is None
+    assert not any("gguf_blocks" in m.__dict__ for m in model.modules())
+    if family != "phi3":
+        assert model.model.plan is None
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     one_by_one = [llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids for ids in PROMPTS]
