@@ -332,7 +332,7 @@ class TorchAttentionBackend(AttentionBackend):
         op = _cpu_op(q, kv_cache)
         if op is not None:
             return op(q, kv_cache, dec.table, dec.query_start_loc, dec.lens, scale)
-        kv = gather_context(kv_cache, dec.table.view(-1), dec.num_reqs, dec.max_len)
+        kv = gather_context(kv_cache, dec.table.reshape(-1), dec.num_reqs, dec.max_len)
         return _sdpa(q.unsqueeze(1), kv[0], kv[1], scale, attn_mask=dec.mask).squeeze(1)
 
     @staticmethod
