@@ -91,12 +91,15 @@ class ModelConfig:
     for `servelab-serve` (and the server target), off for the offline `LLM`. No effect in float32 or on a
     GPU."""
     quantized_decode: bool = True
-    """bfloat16 on a CPU with AVX512-BF16 (or AMX), a GGUF checkpoint whose matrices are Q4_1 / Q8_0 blocks:
-    steps of at most 6 rows for Q4_1 matrices and 2 for Q8_0 ones (`amx_linear.QUANT_MAX_ROWS`, by block kind)
-    run their linears on the checkpoint's own blocks, the sums in float32 (engine/csrc/gguf_blocks.h); larger
-    steps multiply the loader's bfloat16 rounding of the weights. `false` (or `SERVELAB_CPU_QUANT=0`) keeps
-    the bfloat16 kernels at every step size. No effect in float32, on a GPU, or for other block types; details
-    below the table."""
+    """A GGUF checkpoint whose matrices are Q4_1 / Q8_0 (or Q5_0) blocks, on a CPU: decode-sized steps run their
+    linears and LM head on the checkpoint's own blocks, the sums in integers and float32, where larger steps
+    multiply the loader's dense weights. With bfloat16 on AVX512-BF16 + VNNI (or AMX): steps of up to 10 rows for
+    Q4_1 matrices and 6 for Q8_0 ones (`amx_linear.QUANT_MAX_ROWS`, engine/csrc/gguf_blocks.h). Elsewhere (an
+    AVX2 CPU, float32 or bfloat16): steps of up to 8 rows (`cpu_blocks.MAX_ROWS`, engine/csrc/block_linear.cpp,
+    x86-64-v3's AVX2 + FMA + F16C; a CPU without them reads the blocks by the scalar reference at one-row steps
+    only, and start-up warns). `false` (or `SERVELAB_CPU_QUANT=0`, for the AVX-512 kernels) keeps the dense
+    kernels at every step size. No effect on a GPU or for other block types (start-up says so in a warning
+    naming the option); details below the table."""
     batch_invariant: bool = False
     """vLLM's `VLLM_BATCH_INVARIANT` as a setting: a row's logits, and a greedy request's tokens, do not
     depend on which other rows share its step. Every step size runs the decode kernels' bfloat16 packs, the LM
