@@ -20,13 +20,16 @@ def _pin_xdist_worker() -> None:
     and so does every process it starts (affinity is inherited): torch's default thread count
     follows the affinity, so two workers do not each spread a thread pool over both cores of a
     2-core machine (each pool's barriers then wait on threads the other worker has descheduled).
-    Nothing is pinned with more workers than CPUs, outside xdist, or with SERVELAB_TEST_PIN=0."""
+    Nothing is pinned with more workers than CPUs, outside xdist, or with SERVELAB_TEST_PIN=0. A
+    replacement worker (after a crash) takes the share of its number modulo n; its start never fails."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if not (worker.startswith("gw") and count.isdigit() and hasattr(os, "sched_setaffinity")):
         return
     if os.environ.get("SERVELAB_TEST_PIN") == "0":
         return
-    cpus, n, i = sorted(os.sched_getaffinity(0)), int(count), int(worker[2:])
+    # a worker xdist starts in place of a crashed one is numbered past n (gw2 of 2): it takes a share too
+    cpus, n = sorted(os.sched_getaffinity(0)), int(count)
+    i = int(worker[2:]) % max(n, 1)
     if n > len(cpus):
         return
     share = len(cpus) // n
