@@ -16,16 +16,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.async_llm import AsyncLLM
     from engine.config import EngineConfig
+    from engine.frontend.async_llm import AsyncLLM
+    from engine.frontend.llm import LLM
     from engine.inputs import PromptType, TextPrompt, TokensPrompt
-    from engine.llm import LLM
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams
 
 _EXPORTS = {
-    "LLM": "engine.llm",
-    "AsyncLLM": "engine.async_llm",
+    "LLM": "engine.frontend.llm",
+    "AsyncLLM": "engine.frontend.async_llm",
     "SamplingParams": "engine.sampling_params",
     "EngineConfig": "engine.config",
     "RequestOutput": "engine.outputs",

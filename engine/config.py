@@ -81,7 +81,7 @@ class ModelConfig:
     prepack_weights: bool = True
     """bfloat16 on a CPU: every linear weight (and the LM head) is reordered once at load time into oneDNN's
     blocked layout and multiplied with `mkldnn._linear_pointwise`, instead of oneDNN reordering the plain
-    weight on every call (engine/model/cpu_linear.py). Same tokens; the linear weights take twice their
+    weight on every call (engine/kernels/cpu_linear.py). Same tokens; the linear weights take twice their
     memory. No effect on a GPU; `false` is for A/B comparisons (`benchmarks/cpu_decode_step.py --no-prepack`).
     Which kernels each step size runs: below the table."""
     warm_up_linears: bool | None = None
@@ -94,8 +94,8 @@ class ModelConfig:
     """A GGUF checkpoint whose matrices are Q4_1 / Q8_0 (or Q5_0) blocks, on a CPU: decode-sized steps run their
     linears and LM head on the checkpoint's own blocks, the sums in integers and float32, where larger steps
     multiply the loader's dense weights. With bfloat16 on AVX512-BF16 + VNNI (or AMX): steps of up to 10 rows for
-    Q4_1 matrices and 6 for Q8_0 ones (`amx_linear.QUANT_MAX_ROWS`, engine/csrc/gguf_blocks.h). Elsewhere (an
-    AVX2 CPU, float32 or bfloat16): steps of up to 8 rows (`cpu_blocks.MAX_ROWS`, engine/csrc/block_linear.cpp,
+    Q4_1 matrices and 6 for Q8_0 ones (`amx_linear.QUANT_MAX_ROWS`, engine/kernels/csrc/gguf_blocks.h). Elsewhere (an
+    AVX2 CPU, float32 or bfloat16): steps of up to 8 rows (`cpu_blocks.MAX_ROWS`, engine/kernels/csrc/block_linear.cpp,
     x86-64-v3's AVX2 + FMA + F16C; a CPU without them reads the blocks by the scalar reference at one-row steps
     only, and start-up warns). `false` (or `SERVELAB_CPU_QUANT=0`, for the AVX-512 kernels) keeps the dense
     kernels at every step size. No effect on a GPU or for other block types (start-up says so in a warning
@@ -105,7 +105,7 @@ class ModelConfig:
     depend on which other rows share its step. Every step size runs the decode kernels' bfloat16 packs, the LM
     head's argmax at any row count, and attention sends every row, prefill or decode, through one paged-op
     call with its split fixed (tests/test_batch_invariant.py); the quant blocks are not read
-    (engine/model/forward_plan.py). Needs bfloat16, `enforce_eager`, `prepack_weights`, one rank, the torch
+    (engine/kernels/forward_plan.py). Needs bfloat16, `enforce_eager`, `prepack_weights`, one rank, the torch
     attention backend on a CPU with AMX or AVX512-BF16; anything else is a start-up error naming what is
     missing. What it changes and costs: below the table."""
 

@@ -75,7 +75,7 @@ class AttentionBackend(ABC):
         `servelab::write_kv_` at the slot mapping and attend with ONE `servelab::paged_attention`
         call over all its rows (each row one decoding request, in row order): that call's
         block table, query_start_loc and seq_lens, so the caller may make those calls itself
-        (engine/model/planned_layers.py). None (the default): call `forward`."""
+        (engine/kernels/planned_layers.py). None (the default): call `forward`."""
         return None
 
     @abstractmethod

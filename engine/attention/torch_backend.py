@@ -50,8 +50,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.attention.cpu_paged_attention import paged_attention_op, paged_prefill_attention_op, write_kv_op
-from engine.platform import cpu_flags
+from engine.kernels.paged_attention import (
+    paged_attention_op,
+    paged_prefill_attention_op,
+    prefill_on_paged_op,
+    write_kv_op,
+)
 
 _OP_DTYPES = (torch.float32, torch.bfloat16)  # the C++ ops' dtypes
 
@@ -110,14 +114,6 @@ class _StepRows:
     seq_lens: torch.Tensor  # [B] int64
 
 
-@functools.cache
-def prefill_on_paged_op(dtype: torch.dtype) -> bool:
-    """Whether a step's prefill rows go through the C++ paged-attention op (module note):
-    bfloat16 on a CPU with AVX512-BF16 and without AMX (which has its own prefill op)."""
-    flags = cpu_flags()
-    return dtype == torch.bfloat16 and "avx512_bf16" in flags and "amx_bf16" not in flags
-
-
 # head dims of the paged op's vector paths (others run its scalar loop: SDPA is faster there)
 _OP_VECTOR_HEAD_DIMS = (64, 128)
 
@@ -173,7 +169,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._prefills: list[_PrefillGroup] = []
         self._prefill_rows: _PrefillRows | None = None
         self._step_rows: _StepRows | None = None
-        self.batch_invariant = False  # module note; engine/model/batch_invariance.py sets it
+        self.batch_invariant = False  # module note; engine/kernels/batch_invariance.py sets it
 
     # ---- per-step plan -----------------------------------------------------------------
     def begin_step(self, metadata: AttentionMetadata) -> None:

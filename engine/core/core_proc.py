@@ -34,7 +34,7 @@ import zmq
 from engine.config import ConfigLimitError, EngineConfig
 from engine.core import messages as msg
 from engine.hooks import StepHooks
-from engine.model.kernel_choices import startup_choices
+from engine.kernels.kernel_choices import startup_choices
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from engine.request import RequestStatus
 

@@ -60,7 +60,7 @@ class ReadyInfo(msgspec.Struct):
     num_blocks: int
     pid: int
     compile_time_s: float = 0.0  # start-up compile + warm-up of the forward (enforce_eager=False)
-    # the kernels the core chose at start-up (engine/model/kernel_choices.py), logged by the front end
+    # the kernels the core chose at start-up (engine/kernels/kernel_choices.py), logged by the front end
     choices: dict[str, str] = msgspec.field(default_factory=dict)
 
 

@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from engine.async_llm import AsyncLLM
 from engine.entrypoints.errors import ApiError, from_validation_error, from_value_error, status_error
 from engine.entrypoints.formatting import now_s
 from engine.entrypoints.openai_serving import OpenAIServing
@@ -30,6 +29,7 @@ from engine.entrypoints.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from engine.frontend.async_llm import AsyncLLM
 from engine.metrics.prometheus import CONTENT_TYPE, PrometheusMetrics
 
 logger = logging.getLogger(__name__)

@@ -17,14 +17,14 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from engine.async_llm import AsyncLLM, RequestFailedError, merge_async_iterators
 from engine.core.core_client import EngineDeadError
 from engine.entrypoints import formatting as fmt
 from engine.entrypoints import timing
 from engine.entrypoints.errors import ApiError, from_value_error
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from engine.frontend.async_llm import AsyncLLM, RequestFailedError, merge_async_iterators
+from engine.frontend.processor import ProcessedRequest
 from engine.outputs import CompletionOutput
-from engine.processor import ProcessedRequest
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import is_compile_busy, is_grammar_failure
 

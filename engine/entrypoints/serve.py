@@ -163,7 +163,7 @@ def serving_defaults(engine: EngineConfig, explicit: Collection[str] = (), reque
       ~80 ms. Measured with benchmarks/serving_throughput.py (16 concurrent streams of 128 + 128
       tokens, 2-core AMX CPU): TTFT p50 367 -> 232 ms, TPOT p50 24.5 -> 26.1 ms, output 584 ->
       559 tok/s. The offline `LLM` keeps 2,048 (throughput first).
-    - On a CPU, `model.dtype` auto resolves for serving (`platform.serving_cpu_dtype`):
+    - On a CPU, `model.dtype` auto resolves for serving (`engine/kernels/isa.py`, `serving_cpu_dtype`):
       bfloat16 wherever the CPU has avx512_bf16 or AMX, where offline use may pick float32 for
       its compute-bound batches (an Intel Xeon whose AMX a KVM guest hides: 16 streams 251.5
       against 168-184 output tok/s in float32). A dtype the user gives, or that a config file
@@ -182,7 +182,7 @@ def serving_defaults(engine: EngineConfig, explicit: Collection[str] = (), reque
     if resolve_device(engine.device.device, check=False).type == "cuda":
         return
     if requested_dtype == "auto" and "model.dtype" not in explicit:  # auto, resolved for serving
-        from engine.platform import serving_cpu_dtype
+        from engine.kernels.isa import serving_cpu_dtype
 
         name, why = serving_cpu_dtype()
         if name != engine.model.dtype:
@@ -200,7 +200,7 @@ def serving_defaults(engine: EngineConfig, explicit: Collection[str] = (), reque
 
 async def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     """Run until SIGTERM/SIGINT, or until the engine dies and the server is told to stop."""
-    from engine.async_llm import AsyncLLM
+    from engine.frontend.async_llm import AsyncLLM
 
     llm = AsyncLLM.from_config(engine_config, multiprocess=settings.multiprocess,
                                ready_timeout_s=settings.ready_timeout_s)

@@ -206,7 +206,7 @@ def load_gguf_state_dict(
 
 def load_gguf_blocks(path: str | Path, arch: ModelArch) -> dict[str, tuple[str, torch.Tensor]]:
     """The file's Q4_1 and Q8_0 matrices as stored, for kernels that read them so
-    (engine/csrc/gguf_blocks.h): HF name -> (block type, uint8 [rows, in_features / 32, block
+    (engine/kernels/csrc/gguf_blocks.h): HF name -> (block type, uint8 [rows, in_features / 32, block
     bytes]), the rows in the order `load_gguf_state_dict` gives the weight (Q/K un-permuted).
     Expert tensors and layers beyond `arch.num_layers` are left out."""
     reader = open_gguf(path)

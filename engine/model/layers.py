@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.cpu_kernels import kernels
+from engine.kernels.cpu_kernels import kernels
 from engine.model.rope_scaling import RopeScaling
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)

@@ -28,11 +28,10 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.model import amx_linear, batch_invariance, cpu_blocks
-from engine.model.arch import ModelArch
-from engine.model.cpu_kernels import kernels
-from engine.model.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
-from engine.model.forward_plan import (
+from engine.kernels import amx_linear, batch_invariance, cpu_blocks
+from engine.kernels.cpu_kernels import kernels
+from engine.kernels.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
+from engine.kernels.forward_plan import (
     ForwardPlan,
     GgufBlock,
     GgufBlocks,
@@ -43,6 +42,7 @@ from engine.model.forward_plan import (
     planned_forward,
     warm_up_linears,
 )
+from engine.model.arch import ModelArch
 from engine.model.gguf_loader import load_gguf_blocks
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from engine.model.moe import MoEBlock
@@ -145,7 +145,7 @@ class LlamaModel(nn.Module):
         self.plan: ForwardPlan | None = None  # set by build_plan() once the weights are packed
 
     def build_plan(self, blocks: GgufBlocks | None = None, batch_invariant: bool = False) -> bool:
-        """Plan the eager CPU forward (engine/model/forward_plan.py); returns whether a plan was made
+        """Plan the eager CPU forward (engine/kernels/forward_plan.py); returns whether a plan was made
         (never for a layer that is not `plannable`: the plan would skip its switches)."""
         plannable = all(getattr(layer, "plannable", False) for layer in self.layers)
         self.plan = build_plan(self, blocks, batch_invariant) if plannable else None
@@ -242,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         self.quant_lm_head: torch.Tensor | None = None  # the same from the checkpoint's blocks (quant_pack)
         self.block_lm_head: GgufBlock | None = None  # the LM head's GGUF blocks, packed for cpu_blocks (prepack)
         self.gguf_path: Path | None = None  # the GGUF file the weights came from (loader.load_model)
-        self.batch_invariant = False  # model.batch_invariant (loader.load_model; engine/model/batch_invariance.py)
+        self.batch_invariant = False  # model.batch_invariant (loader.load_model; engine/kernels/batch_invariance.py)
 
     def forward(
         self,
@@ -371,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack(self, quantized_decode: bool = True) -> int:
         """Prepack the linear weights and the LM head for oneDNN where that applies
-        (engine/model/cpu_linear.py), and for the decode kernels (amx_linear; with
+        (engine/kernels/cpu_linear.py), and for the decode kernels (amx_linear; with
         `quantized_decode`, also from the GGUF checkpoint's own blocks, unless `batch_invariant`:
         the AVX-512 quant packs where they run, else cpu_blocks on AVX2 or its scalar reference);
         returns how many matrices were packed for oneDNN."""

@@ -29,7 +29,8 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
 from engine.dtypes import torch_dtype
-from engine.model import batch_invariance, registry
+from engine.kernels import batch_invariance
+from engine.model import registry
 from engine.model.arch import ModelArch
 from engine.model.dummy import init_dummy_weights
 from engine.model.gguf_loader import load_gguf_state_dict, open_gguf

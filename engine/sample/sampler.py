@@ -28,7 +28,7 @@ from functools import cached_property
 
 import torch
 
-from engine.model.cpu_kernels import kernels
+from engine.kernels.cpu_kernels import kernels
 from engine.outputs import TokenLogprobs
 from engine.sample.inverse_cdf import Workspace
 from engine.sample.row_weights import RowWeights
@@ -183,7 +183,7 @@ def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] int64: the first index of each row's maximum, as `argmax`.
 
-    On a CPU the C++ `argmax_rows` (engine/model/cpu_kernels.py; the same index, NaN included)
+    On a CPU the C++ `argmax_rows` (engine/kernels/cpu_kernels.py; the same index, NaN included)
     reads float32 or bfloat16 logits in place: 64 x 49,152 bfloat16 in 0.23 ms on 2 threads,
     where converting them to float32 and `max(dim).indices` took 2.1 ms. Elsewhere
     `max(dim).indices` (the first maximum, documented; 2.5x `argmax` on a CPU).

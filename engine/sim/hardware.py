@@ -72,7 +72,7 @@ class HardwareProfile:
         if not self.cpu_isa:
             return None
         if host_flags is None:
-            from engine.platform import cpu_flags
+            from engine.kernels.isa import cpu_flags
 
             host_flags = cpu_flags()
         if not host_flags:
@@ -183,7 +183,7 @@ def measure_cpu_profile(
     import psutil
     import torch
 
-    from engine.platform import cpu_flags
+    from engine.kernels.isa import cpu_flags
 
     sizes = {"fp32": 1024, "bf16": 512, "fp16": 512}
     tflops = {d: round(max(measure_gemm_tflops(d, n) for _ in range(rounds)), 4) for d, n in sizes.items()}

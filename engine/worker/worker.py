@@ -10,10 +10,10 @@ from engine.attention.registry import get_attention_backend
 from engine.config import CacheConfig, ConfigLimitError, EngineConfig
 from engine.dtypes import torch_dtype
 from engine.hugepages import zeros_huge_in_background
+from engine.kernels.kernel_choices import quantized_decode_fallback
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
 from engine.kv_transfer.worker_step import execute_with_connector
-from engine.model.kernel_choices import quantized_decode_fallback
 from engine.platform import resolve_device, resolve_dtype
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner

@@ -20,7 +20,7 @@ What the switch fixes (vLLM's VLLM_BATCH_INVARIANT does the same on a GPU):
 - attention: every row, prefill or decode, through one call of the paged op per layer with its
   work split fixed (torch_backend.TorchAttentionBackend.batch_invariant), so how a prompt is
   chunked under a shared token budget does not change its rows either;
-- norms, rotary, SiLU: per-row kernels already (engine/csrc/layer_ops.cpp).
+- norms, rotary, SiLU: per-row kernels already (engine/kernels/csrc/layer_ops.cpp).
 The cost: no quant blocks at small batches, per-row attention for prompts, and the decode
 kernels for prefill-sized steps (docs/configuration.md gives the measured figures).
 """
@@ -34,7 +34,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
-from engine.model import amx_linear, cpu_blocks
+from engine.kernels import amx_linear, cpu_blocks
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 def machine_lacks() -> str | None:
     """What this machine lacks for `model.batch_invariant`'s CPU kernels (None: nothing): the C++
     paged-attention op, and AMX or AVX512-BF16 for the decode kernels."""
-    from engine.attention.cpu_paged_attention import paged_attention_op
+    from engine.kernels.paged_attention import paged_attention_op
 
     if paged_attention_op() is None:
         return "the torch attention backend with its C++ paged-attention op"

@@ -1,6 +1,6 @@
 """Decode linears on a GGUF checkpoint's own blocks on any CPU: AVX2 (x86-64-v3) or the scalar reference.
 
-The AVX-512 kernels (amx_linear.quant_pack, engine/csrc/gguf_blocks.h) read Q4_1 / Q8_0 blocks on
+The AVX-512 kernels (amx_linear.quant_pack, engine/kernels/csrc/gguf_blocks.h) read Q4_1 / Q8_0 blocks on
 CPUs with AVX512-BF16 and VNNI, in a bfloat16 engine. Everywhere else (an AVX2-only CPU: the
 hosted CI runners, most AMD cloud machines, most laptops; a float32 engine) this op reads them:
 
@@ -12,7 +12,7 @@ hosted CI runners, most AMD cloud machines, most laptops; a float32 engine) this
         x [M, K] float32 | bfloat16 contiguous, packed from block_pack -> [M, N], x's dtype
     torch.ops.servelab.block_linear_isa() -> str      "avx2" | "scalar": what this build multiplies with
 
-x is written per 32-input block in about 14 bits (engine/csrc/block_linear.cpp), and each block's
+x is written per 32-input block in about 14 bits (engine/kernels/csrc/block_linear.cpp), and each block's
 32 products summed in integers: a step reads 5 (Q4_1), 5.5 (Q5_0) or 8.5 (Q8_0) bits a weight where
 the float32 engine read 32. Past a few rows the products' cost, not the read, sets the pace and the
 dense kernels (oneDNN, the BLAS) win: `MAX_ROWS` by block kind, measured with
@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.cpu_extension import load_cpu_ops
+from engine.kernels.cpu_extension import load_cpu_ops
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = "block_linear.cpp"  # engine/csrc
+_SOURCE = "block_linear.cpp"  # engine/kernels/csrc
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q5_0": 22}  # a GGUF block's bytes (32 weights)
 QUANT_BYTES = {"Q4_1": 16, "Q8_0": 32, "Q5_0": 20}  # its bytes other than the fp16 scales
 # Up to how many rows a step reads a linear's blocks rather than its dense weight, by block kind

@@ -1,4 +1,4 @@
-"""The planned forward's decoder layers in one C++ call (engine/csrc/planned_layers.cpp).
+"""The planned forward's decoder layers in one C++ call (engine/kernels/csrc/planned_layers.cpp).
 
 `forward_plan.planned_forward` runs ~10 op calls per layer from Python: at a batch-1 decode step
 of SmolLM2 (30 layers, ~6 ms) those calls and the attention backend's per-layer Python cost
@@ -31,7 +31,7 @@ CPU with AVX512-VNNI) and the step has fewer rows than the attention op's AMX th
 op runs the same kernels' loops itself, in one OpenMP parallel region for all the layers: every
 linear's column blocks and the attention's units split over the threads as at::parallel_for
 splits them, the threads meeting at a barrier after each, a norm, the rotary embedding and the
-cache write on one thread between two barriers (engine/csrc/team.h). The same numbers bit for bit
+cache write on one thread between two barriers (engine/kernels/csrc/team.h). The same numbers bit for bit
 (tests/test_planned_layers.py); no call through the dispatcher, no allocation and no fork and join
 per op (a batch-1 step of SmolLM2 makes ~270 of them, each a few microseconds, more right after
 the weights have streamed through the caches: benchmarks/cold_after_stream.py). Under
@@ -51,12 +51,12 @@ from typing import Any
 
 import torch
 
-from engine.attention.cpu_paged_attention import paged_attention_op
-from engine.cpu_extension import load_cpu_ops
-from engine.model import amx_linear
-from engine.model.cpu_kernels import kernels
+from engine.kernels import amx_linear
+from engine.kernels.cpu_extension import load_cpu_ops
+from engine.kernels.cpu_kernels import kernels
+from engine.kernels.paged_attention import paged_attention_op
 
-_SOURCE = "planned_layers.cpp"  # engine/csrc
+_SOURCE = "planned_layers.cpp"  # engine/kernels/csrc
 
 
 def _register_fakes() -> None:

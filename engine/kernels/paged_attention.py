@@ -42,13 +42,15 @@ at batch 1, SmolLM2's 3 kv heads make 6 items on 2 threads instead of 3 (1 threa
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-from engine.cpu_extension import load_cpu_ops
+from engine.kernels.cpu_extension import load_cpu_ops
+from engine.kernels.isa import cpu_flags
 
-_SOURCE = "paged_attention.cpp"  # engine/csrc
+_SOURCE = "paged_attention.cpp"  # engine/kernels/csrc
 
 
 def _register_fakes() -> None:
@@ -97,3 +99,11 @@ def set_amx_attention(enabled: bool) -> bool:
     if not load_cpu_ops(_SOURCE, "torch attention backend", _register_fakes):
         return False
     return bool(torch.ops.servelab.set_amx_attention(enabled))
+
+
+@functools.cache
+def prefill_on_paged_op(dtype: torch.dtype) -> bool:
+    """Whether a step's prefill rows go through the C++ paged-attention op (engine/attention/torch_backend.py's note):
+    bfloat16 on a CPU with AVX512-BF16 and without AMX (which has its own prefill op)."""
+    flags = cpu_flags()
+    return dtype == torch.bfloat16 and "avx512_bf16" in flags and "amx_bf16" not in flags

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from engine.cpu_extension import load_cpu_ops
+from engine.kernels.cpu_extension import load_cpu_ops
 
-_SOURCE = "layer_ops.cpp"  # engine/csrc
+_SOURCE = "layer_ops.cpp"  # engine/kernels/csrc
 
 
 def _register_fakes() -> None:

@@ -27,11 +27,11 @@ from typing import Any, TypeVar
 from engine.config import EngineConfig
 from engine.core.core_client import EngineCoreClient, EngineDeadError
 from engine.core.engine_core import EngineCoreRequest
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.processor import InputProcessor, ProcessedRequest, child_request_ids, fan_out
 from engine.hooks import StepHooks
-from engine.model.kernel_choices import format_choices
-from engine.output_processor import OutputProcessor
+from engine.kernels.kernel_choices import format_choices
 from engine.outputs import EngineCoreOutputs, RequestOutput, StepStats
-from engine.processor import InputProcessor, ProcessedRequest, child_request_ids, fan_out
 from engine.sampling_params import SamplingParams
 from engine.tokenizer.tokenizer import Tokenizer
 

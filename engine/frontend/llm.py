@@ -26,10 +26,10 @@ from tqdm import tqdm
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.core.engine_core import EngineCore, EngineCoreRequest
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.processor import InputProcessor, ProcessedRequest, fan_out
 from engine.inputs import PromptType, parse_prompts
-from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, EngineCoreOutputs, RequestOutput, StepStats
-from engine.processor import InputProcessor, ProcessedRequest, fan_out
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import get_tokenizer

@@ -12,22 +12,12 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
-from engine.model import amx_linear, cpu_blocks
-from engine.model.cpu_linear import float32_linear_kernel
-from engine.platform import cpu_flags, resolve_device, resolve_engine_dtype
+from engine.kernels import amx_linear, cpu_blocks
+from engine.kernels.cpu_linear import float32_linear_kernel
+from engine.kernels.isa import AVX2_BLOCK_FLAGS, cpu_flags, kernel_cpu_flags
+from engine.platform import resolve_device, resolve_engine_dtype
 
 LOG_PREFIX = "engine start-up choices: "
-# The instruction sets the CPU kernels choose by (engine/csrc): what a run records of its CPU.
-KERNEL_CPU_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
-                    "amx_int8", "amx_tile", "neon", "asimd")  # fmt: skip
-# cpu_blocks' AVX2 path needs all three (x86-64-v3)
-AVX2_BLOCK_FLAGS = ("avx2", "fma", "f16c")
-
-
-def kernel_cpu_flags() -> str:
-    """The kernel-relevant flags of this CPU, space-separated ("" where /proc/cpuinfo has none)."""
-    flags = cpu_flags()
-    return " ".join(f for f in KERNEL_CPU_FLAGS if f in flags)
 
 
 def block_linear_choice(dtype: str) -> str:

@@ -8,7 +8,7 @@ row count: the AMX / AVX512-BF16 kernels up to `amx_linear.max_rows()` rows (`am
 call naming the next one's weight, so its threads prefetch it), the GEMV for a few float32 rows,
 else oneDNN's prepacked kernels at padded row counts (`cpu_linear.padded_rows`). A
 batch-invariant plan (`model.batch_invariant`) runs the decode kernels' bfloat16 packs at every
-row count instead (engine/model/batch_invariance.py).
+row count instead (engine/kernels/batch_invariance.py).
 
 `LlamaModel.build_plan` makes one after the weights are packed; `LlamaModel.forward` runs it
 for CPU inference in the plan's dtype; `on_huge_pages` moves the decode kernels' matrices into
@@ -28,10 +28,10 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata
 from engine.hugepages import copies_on_huge_pages
-from engine.model import amx_linear, cpu_blocks, cpu_gemv
-from engine.model.cpu_kernels import kernels
-from engine.model.cpu_linear import packed_linear, padded_rows
-from engine.model.planned_layers import layers_op
+from engine.kernels import amx_linear, cpu_blocks, cpu_gemv
+from engine.kernels.cpu_kernels import kernels
+from engine.kernels.cpu_linear import packed_linear, padded_rows
+from engine.kernels.planned_layers import layers_op
 
 if TYPE_CHECKING:
     from engine.model.layers import GatedMLP, RotaryEmbedding
@@ -43,7 +43,7 @@ QuantPacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class AmxPacks:
-    """A dense layer's matrices in the AMX kernels' layout (engine/model/amx_linear.py), for
+    """A dense layer's matrices in the AMX kernels' layout (engine/kernels/amx_linear.py), for
     steps of at most `amx_linear.max_rows()` rows; gate_up packed for the fused silu * up.
     `quant`: the same four from the checkpoint's own blocks (amx_linear.quant_pack), for steps
     of at most `amx_linear.quant_max_rows` of each rows, where every one of them reproduces its weight."""
@@ -73,7 +73,7 @@ class LayerPlan:
     amx: AmxPacks | None = None
     plain: tuple[torch.Tensor, ...] | None = None  # float32: row-major qkv, o, gate_up, down for the GEMV
     # the checkpoint's GGUF blocks of qkv, o, gate_up, down for cpu_blocks (AVX2 / scalar), where the
-    # AVX-512 quant packs do not apply (engine/model/cpu_blocks.py)
+    # AVX-512 quant packs do not apply (engine/kernels/cpu_blocks.py)
     blocks: tuple[GgufBlock, ...] | None = None
 
 
@@ -94,11 +94,11 @@ class ForwardPlan:
     gemv_ops: Any = None  # torch.ops.servelab with the GEMV (cpu_gemv), for steps of a few rows
     quant_max_rows: int = 0  # every layer's AmxPacks has its quant packs: steps up to this many rows read them
     # model.batch_invariant: the decode kernels' bfloat16 packs at every step size, never the quant
-    # packs, the GEMV or oneDNN (engine/model/batch_invariance.py)
+    # packs, the GEMV or oneDNN (engine/kernels/batch_invariance.py)
     batch_invariant: bool = False
     amx_max_rows: int = 0  # steps up to this many rows run amx_ops (amx_linear.max_rows(), fixed at build)
     # planned_layers: the same layers in one C++ call for a step of decode rows only
-    # (engine/model/planned_layers.py; build_plan sets it where `_layers_op` allows)
+    # (engine/kernels/planned_layers.py; build_plan sets it where `_layers_op` allows)
     layers_op: Any = None
     block_max_rows: int = 0  # every layer has `blocks`: steps up to this many rows read them (cpu_blocks)
     # What layers_op reads, flattened from `layers` at construction (so a plan made with other
@@ -304,7 +304,7 @@ def planned_decode(
     head: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor | None:  # fmt: skip
     """The embedding, the layers and the final norm of a step's tokens in one `layers_op` call
-    (engine/model/planned_layers.py), where every row of the step is one decoding request that the
+    (engine/kernels/planned_layers.py), where every row of the step is one decoding request that the
     decode kernels take (up to `amx_max_rows`) and the attention backend would make the op's
     attention calls (`AttentionBackend.decode_rows`); None otherwise (the caller embeds and runs
     `planned_forward`). Asked before the embedding: the op gathers the step's rows of it. With

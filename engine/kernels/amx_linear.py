@@ -1,7 +1,7 @@
 """Decode-sized bfloat16 linear layers on AMX or AVX512-BF16 (C++, compiled on first use), with fused epilogues.
 
 At a decode step (a few dozen rows) a linear layer is a stream of its weights from memory past
-a small activation block. oneDNN's prepacked kernel (engine/model/cpu_linear.py) runs these
+a small activation block. oneDNN's prepacked kernel (engine/kernels/cpu_linear.py) runs these
 shapes at about half the machine's read bandwidth; this kernel lays each weight out as the
 tile unit reads it (32 output columns x 32 inputs per 2 KiB, in the order it is read) and
 runs 2 x 2 tiles of 16 x 16 results per step over the reduction, 12-30% faster per step at
@@ -34,7 +34,7 @@ Fused epilogues save a pass over memory each:
     torch.ops.servelab.quant_pack(Tensor blocks, str kind, Tensor w, int interleave) -> Tensor
 
 `packed` is an `amx_pack` result or a `quant_pack` one: a GGUF checkpoint's Q4_1 / Q8_0 blocks
-as stored, multiplied as the checkpoint defines them (engine/csrc/gguf_blocks.h: a third of the
+as stored, multiplied as the checkpoint defines them (engine/kernels/csrc/gguf_blocks.h: a third of the
 bytes; AVX512-VNNI's byte products of the unrounded weights and x written in 16-bit integers per
 32-input block, so not the bfloat16 kernel's bits), which the model uses for steps of at most
 `quant_max_rows(packed)` rows (by block kind: `QUANT_MAX_ROWS`).
@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu_extension import load_cpu_ops
+from engine.kernels.cpu_extension import load_cpu_ops
 
 # Up to this many rows a step's linears run here on AVX512-BF16; above, oneDNN's prepacked kernels
 # are faster.
@@ -81,7 +81,7 @@ AMX_MAX_ROWS = 1024
 # a 2-core Zen 4: 6 and 2.)
 QUANT_MAX_ROWS = {"Q4_1": 10, "Q8_0": 6}
 
-_SOURCE = "amx_linear.cpp"  # engine/csrc
+_SOURCE = "amx_linear.cpp"  # engine/kernels/csrc
 logger = logging.getLogger(__name__)
 
 
@@ -120,7 +120,7 @@ def amx_ops() -> Any | None:
 
 
 def _loaded() -> bool:
-    from engine.platform import cpu_flags
+    from engine.kernels.isa import cpu_flags
 
     flags = cpu_flags()
     if "amx_bf16" in flags:
@@ -138,7 +138,7 @@ def available() -> bool:
 
 def kind() -> str:
     """What runs the decode-sized bfloat16 linears here: "amx", "avx512_bf16" or "onednn"."""
-    from engine.platform import cpu_flags
+    from engine.kernels.isa import cpu_flags
 
     if not available():
         return "onednn"
@@ -166,11 +166,11 @@ def supports(weight: torch.Tensor, interleave: int = 0) -> bool:
     return interleave == 0 or (weight.shape[0] == 2 * interleave and interleave % 16 == 0)
 
 
-# GGUF block types the quant ops read as stored (engine/csrc/gguf_blocks.h).
+# GGUF block types the quant ops read as stored (engine/kernels/csrc/gguf_blocks.h).
 GGUF_BLOCK_KINDS = ("Q4_1", "Q8_0")
 
 
-# quant_pack's tile bytes (its last dimension) -> block kind (engine/csrc/gguf_blocks.h)
+# quant_pack's tile bytes (its last dimension) -> block kind (engine/kernels/csrc/gguf_blocks.h)
 _TILE_KINDS = {640: "Q4_1", 1088: "Q8_0"}
 
 

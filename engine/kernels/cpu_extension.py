@@ -1,6 +1,6 @@
 """Small C++ CPU kernels, compiled on first use with torch's `cpp_extension`, registered as torch ops.
 
-The sources live in engine/csrc/ (one file per kernel family, all including `kernel_header.h`,
+The sources live in engine/kernels/csrc/ (one file per kernel family, all including `kernel_header.h`,
 the float / bfloat16 load-store helpers: kernels are templates over the storage type and
 compute in float32). Each registers its kernels with `TORCH_LIBRARY_FRAGMENT(servelab, m)`, so
 they are `torch.ops.servelab.<name>`: torch.profiler shows them by name and torch.compile traces
@@ -48,7 +48,7 @@ _built: dict[str, bool] = {}
 
 
 def translation_unit(source: str, seen: set[str] | None = None) -> str:
-    """engine/csrc/`source` with its local `#include "..."` lines replaced by those files' text
+    """engine/kernels/csrc/`source` with its local `#include "..."` lines replaced by those files' text
     (each file once, as `#pragma once` asks): what is compiled, independent of where this
     checkout lives, so two checkouts of the same kernels share one cached build. `seen`: the
     files already expanded (shared across calls, every source in one unit: all_sources_unit)."""
@@ -71,7 +71,7 @@ def translation_unit(source: str, seen: set[str] | None = None) -> str:
 
 
 def all_sources_unit() -> str:
-    """Every kernel source of engine/csrc in one translation unit (each header once): what
+    """Every kernel source of engine/kernels/csrc in one translation unit (each header once): what
     tests/test_csrc_targets.py compiles for each instruction-set target in one compiler run."""
     seen: set[str] = set()
     return "".join(translation_unit(p.name, seen) for p in sorted(CSRC.glob("*.cpp")))
@@ -82,7 +82,7 @@ def extension_name(source: str, extra_cflags: tuple[str, ...] = (), unit: str | 
     `unit`: `translation_unit(source)` where the caller has it already."""
     import torch
 
-    from engine.platform import cpu_flags
+    from engine.kernels.isa import cpu_flags
 
     digest = hashlib.sha256()
     flags = " ".join((*cflags(), *extra_cflags))
@@ -231,7 +231,7 @@ def _stamp_ready(name: str, folder: Path) -> None:
 def load_cpu_ops(
     source: str, what: str, register_fakes: Callable[[], None], extra_cflags: tuple[str, ...] = ()
 ) -> bool:
-    """Build and load engine/csrc/`source` (OpenMP, -O3, native), which registers `torch.ops.servelab.*`.
+    """Build and load engine/kernels/csrc/`source` (OpenMP, -O3, native), which registers `torch.ops.servelab.*`.
 
     `register_fakes` then registers the ops' fake (meta) implementations. True when loaded;
     False (once logged) where it cannot be built.

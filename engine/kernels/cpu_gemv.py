@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from engine.cpu_extension import load_cpu_ops
-from engine.platform import cpu_flags
+from engine.kernels.cpu_extension import load_cpu_ops
+from engine.kernels.isa import cpu_flags
 
 MAX_ROWS = 4
 # bfloat16 rows where the op beats oneDNN's packed linear: SmolLM2's projections and LM head, 2-core
@@ -35,7 +35,7 @@ MAX_ROWS = 4
 # bound it).
 MAX_ROWS_BF16 = 2
 
-_SOURCE = "gemv.cpp"  # engine/csrc
+_SOURCE = "gemv.cpp"  # engine/kernels/csrc
 
 
 def _register_fakes() -> None:

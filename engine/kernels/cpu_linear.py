@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import cpu_gemv
-from engine.platform import best_seconds_interleaved
+from engine.kernels import cpu_gemv
+from engine.kernels.isa import best_seconds_interleaved
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def packed_linear(
 ) -> torch.Tensor:
     """x [..., K] @ packed.T (+ bias) -> [..., N], in x's dtype (rows padded to `padded_rows`
     for oneDNN, the padding cut off again). Given the plain weight (row-major), a few rows
-    without bias run the GEMV instead (engine/model/cpu_gemv.py: float32, or bfloat16 at 1-2 rows)."""
+    without bias run the GEMV instead (engine/kernels/cpu_gemv.py: float32, or bfloat16 at 1-2 rows)."""
     flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     if plain is not None and bias is None and cpu_gemv.applies(flat, plain) and (ops := cpu_gemv.gemv_ops()):
         out = cpu_gemv.gemv(ops, flat, plain)
