@@ -51,7 +51,7 @@ from typing import Any
 
 import psutil
 
-from engine.model.kernel_choices import parse_choices
+from engine.kernels.kernel_choices import parse_choices
 
 SLOW_FRACTION = 0.05  # a figure this much worse than the median of the rounds makes a round slow
 BUSY_SHARE = 0.2  # of one core, averaged over the sample
@@ -67,15 +67,15 @@ SERVER_MARKERS = ("servelab-serve", "engine.entrypoints.serve", "vllm.entrypoint
 # How to make each choice the same in every round.
 PINS = {
     "dtype": "pin it with model.dtype=bfloat16|float32",
-    "float32_linear": "pin it with SERVELAB_ONEDNN_FP32=1 (prepacked) or 0 (plain)",
-    "bfloat16_linear": "pin it with SERVELAB_CPU_AMX=0 / SERVELAB_CPU_DPBF16=0 (oneDNN)",
+    "float32_linear": "pin it with kernels.float32_linear=prepacked|plain (or SERVELAB_ONEDNN_FP32=1|0)",
+    "bfloat16_linear": "pin it with kernels.amx=false / kernels.avx512_bf16=false (oneDNN)",
     "threads": "pin it with device.num_threads=N",
 }
 
 
 def startup_choices(log_text: str) -> dict[str, str]:
     """The start-up kernel choices a servelab server's log names (the front end's `engine start-up
-    choices:` line, engine/model/kernel_choices.py): {"dtype": "bfloat16", "threads": "2", ...}.
+    choices:` line, engine/kernels/kernel_choices.py): {"dtype": "bfloat16", "threads": "2", ...}.
     The last such line wins; a peer's log names none ({})."""
     found: dict[str, str] = {}
     for line in log_text.splitlines():

@@ -60,7 +60,7 @@ class EngineSections(EngineConfig):
             path.write_text(yaml.safe_dump(dict(self.model.arch), sort_keys=False))
             model.model = str(path)
         cfg = EngineConfig(model=model, cache=self.cache, scheduler=self.scheduler, attention=self.attention,
-                           device=self.device, parallel=self.parallel,
+                           device=self.device, kernels=self.kernels, parallel=self.parallel,
                            speculative_config=self.speculative_config, kv_transfer=self.kv_transfer,
                            structured_outputs_config=self.structured_outputs_config)  # fmt: skip
         cfg.validate()

@@ -5,11 +5,13 @@ These dataclasses are the single source of truth for every engine knob. The offl
 `servelab-serve`'s config file fills them section by section (`from_sections`); the
 workbench's Hydra tree (`conf/`) types its engine part with these same classes. Unknown
 names fail loudly everywhere. Nothing in the engine reads environment variables for
-behaviour.
+behaviour, except the overrides `KernelsConfig` names (each read into its field, so a run's
+config records what ran).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -97,7 +99,7 @@ class ModelConfig:
     Q4_1 matrices and 6 for Q8_0 ones (`amx_linear.QUANT_MAX_ROWS`, engine/kernels/csrc/gguf_blocks.h). Elsewhere (an
     AVX2 CPU, float32 or bfloat16): steps of up to 8 rows (`cpu_blocks.MAX_ROWS`, engine/kernels/csrc/block_linear.cpp,
     x86-64-v3's AVX2 + FMA + F16C; a CPU without them reads the blocks by the scalar reference at one-row steps
-    only, and start-up warns). `false` (or `SERVELAB_CPU_QUANT=0`, for the AVX-512 kernels) keeps the dense
+    only, and start-up warns). `false` keeps the dense
     kernels at every step size. No effect on a GPU or for other block types (start-up says so in a warning
     naming the option); details below the table."""
     batch_invariant: bool = False
@@ -170,6 +172,62 @@ class DeviceConfig:
     Asking for cuda without a GPU is an error."""
     num_threads: int = 0
     """torch intra-op threads on CPU (0: torch's default). Has no effect on a GPU."""
+
+
+# KernelsConfig field -> the environment variable that overrides it (A/B runs and tests switch a
+# kernel off without a config file): "0" / "1" for a bool field, the value itself otherwise.
+KERNEL_ENV_OVERRIDES = {
+    "amx": "SERVELAB_CPU_AMX",
+    "avx512_bf16": "SERVELAB_CPU_DPBF16",
+    "float32_linear": "SERVELAB_ONEDNN_FP32",
+    "decode_team": "SERVELAB_DECODE_TEAM",
+}
+FLOAT32_LINEARS = ("auto", "prepacked", "plain")
+
+
+@dataclass
+class KernelsConfig:
+    """Which CPU kernels may run where the CPU has them (engine/kernels/). The defaults take the
+    fastest this CPU offers; each field is overridden by the environment variable named beside it
+    where that is set (`KERNEL_ENV_OVERRIDES`), so a run's config records the kernels that ran."""
+
+    amx: bool = True
+    """AMX tiles for the bfloat16 linears and attention on a CPU with `amx_bf16`. `false` runs the
+    AVX512-BF16 kernels there instead (the attention op's AVX-512 path). Override: `SERVELAB_CPU_AMX=0|1`."""
+    avx512_bf16: bool = True
+    """The AVX512-BF16 (`vdpbf16ps`) decode linears on a CPU with `avx512_bf16` and no AMX. `false` leaves
+    those steps to oneDNN. Override: `SERVELAB_CPU_DPBF16=0|1`."""
+    float32_linear: str = "auto"
+    """What multiplies float32 linears: `auto` (a start-up probe of ~70 ms picks oneDNN's prepacked kernel
+    where it beats the plain BLAS by 1.15x), `prepacked` (oneDNN), `plain` (`F.linear`, the CPU BLAS). The
+    paired gate pins the probe's answer for both sides. Override: `SERVELAB_ONEDNN_FP32=1` (prepacked) or
+    `0` (plain)."""
+    decode_team: bool = True
+    """The planned decode step of fewer than 8 rows on the checkpoint's blocks as one OpenMP region for all
+    layers (AVX512-VNNI builds; engine/kernels/planned_layers.py). `false` calls the kernels one by one.
+    Override: `SERVELAB_DECODE_TEAM=0|1`."""
+
+    def __post_init__(self) -> None:
+        self.apply_environment()
+
+    def apply_environment(self) -> None:
+        """Each field whose override variable is set takes its value (ValueError for a bad one)."""
+        for name, var in KERNEL_ENV_OVERRIDES.items():
+            raw = os.environ.get(var)
+            if raw is None or raw == "":
+                continue
+            if name == "float32_linear":
+                value: object = {"1": "prepacked", "0": "plain"}.get(raw, raw)
+            elif raw in ("0", "1"):
+                value = raw == "1"
+            else:
+                raise ValueError(f"{var}={raw!r}: expected 0 or 1 (it overrides kernels.{name})")
+            setattr(self, name, value)
+
+    def validate(self) -> None:
+        if self.float32_linear not in FLOAT32_LINEARS:
+            raise ValueError(f"kernels.float32_linear must be one of {', '.join(FLOAT32_LINEARS)}, "
+                             f"got {self.float32_linear!r}")
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("auto", "uni", "mp")
@@ -257,6 +315,8 @@ class EngineConfig:
     """The attention backend (`AttentionConfig`)."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
     """Where the model runs (`DeviceConfig`)."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """Which CPU kernels may run (`KernelsConfig`); the defaults take the fastest the CPU offers."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Tensor / expert parallelism (`ParallelConfig`, docs/distributed.md)."""
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -319,6 +379,8 @@ class EngineConfig:
         return cfg
 
     def validate(self) -> None:
+        self.kernels.apply_environment()
+        self.kernels.validate()
         self.speculative_config.validate()
         self.structured_outputs_config.validate()
         if self.speculative_config.enabled and self.scheduler.async_scheduling:

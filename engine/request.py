@@ -28,8 +28,8 @@ import enum
 import time
 from collections.abc import Callable, Iterable
 
-from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.seam import FinishReason
 
 # A block hash as produced by engine.core.kv_cache.hashing (a sha256 digest).
 BlockHash = bytes

@@ -41,8 +41,8 @@ import msgspec
 import numpy as np
 
 from engine.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
-from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.seam import TokenLogprobs
 
 
 @dataclass

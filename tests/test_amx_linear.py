@@ -1,4 +1,4 @@
-"""The decode-sized linear kernels (engine/model/amx_linear.py) against references, on CPUs with AMX
+"""The decode-sized linear kernels (engine/kernels/amx_linear.py) against references, on CPUs with AMX
 or AVX512-BF16 (whichever this CPU has: the same tests cover both paths)."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model import amx_linear
-from engine.model.cpu_kernels import kernels
-from engine.model.cpu_linear import pack_weight, packed_linear, prepack_supported
+from engine.kernels import amx_linear
+from engine.kernels.cpu_kernels import kernels
+from engine.kernels.cpu_linear import pack_weight, packed_linear, prepack_supported
 
 pytestmark = pytest.mark.skipif(
-    not amx_linear.available(), reason="neither AMX (amx_bf16) nor AVX512-BF16 on this CPU, or SERVELAB_CPU_AMX=0 / SERVELAB_CPU_DPBF16=0"
+    not amx_linear.available(), reason="neither AMX (amx_bf16) nor AVX512-BF16 on this CPU, or kernels.amx / kernels.avx512_bf16 off (SERVELAB_CPU_AMX=0 / SERVELAB_CPU_DPBF16=0)"
 )
 
 ROWS = [1, 5, 12, 13, 16, 17, 31, 64, 100, 128]  # the AVX512-BF16 path: groups of 12 rows
@@ -92,7 +92,7 @@ def test_next_weight_prefetch_changes_no_result(m) -> None:  # type: ignore[no-u
 
 
 def test_each_row_is_the_one_row_calls_bits() -> None:
-    """model.batch_invariant's premise (engine/model/batch_invariance.py): row i of an M-row call
+    """model.batch_invariant's premise (engine/kernels/batch_invariance.py): row i of an M-row call
     is bit for bit the 1-row call on that row, for M 1..64 and past DECODE_MAX_ROWS (the
     batch-invariant plan runs every step size here): linear, fused silu * up, fused argmax."""
     torch.manual_seed(7)

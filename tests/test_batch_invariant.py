@@ -1,4 +1,4 @@
-"""`model.batch_invariant` (engine/model/batch_invariance.py): a row's results do not depend on
+"""`model.batch_invariant` (engine/kernels/batch_invariance.py): a row's results do not depend on
 which other rows share its step: the paged-attention op's rows alone against the same rows in one
 call, and greedy requests alone against the same requests in a batch of 16 under a token budget
 that chunks their prompts differently (the default model, bfloat16, AMX or AVX512-BF16).
@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.cpu_paged_attention import paged_attention_op
-from engine.model.batch_invariance import machine_lacks, planned_step_weights
+from engine.kernels.batch_invariance import machine_lacks
+from engine.kernels.paged_attention import paged_attention_op
+from engine.model.loader import planned_step_weights
 
 
 def _needs_decode_kernels() -> None:
@@ -37,7 +38,7 @@ def test_paged_attention_rows_alone_equal_rows_in_one_call(hq, hkv, d) -> None: 
     one-row query over its own context."""
     op = paged_attention_op()
     if op is None:
-        pytest.skip("needs the C++ paged-attention op (engine/csrc), which did not build on this machine")
+        pytest.skip("needs the C++ paged-attention op (engine/kernels/csrc), which did not build on this machine")
     torch.manual_seed(hq)
     bs, nblk = 16, 6
     q_lens, seq_lens = [1, 37, 1, 12, 20], [50, 37, 81, 44, 90]

@@ -1,4 +1,4 @@
-"""The GEMV for a few rows (engine/model/cpu_gemv.py), float32 and bfloat16, against a float64
+"""The GEMV for a few rows (engine/kernels/cpu_gemv.py), float32 and bfloat16, against a float64
 reference, and its use by the planned forward (a model whose linears are prepacked)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import cpu_gemv
-from engine.platform import cpu_flags
+from engine.kernels import cpu_gemv
+from engine.kernels.isa import cpu_flags
 
 ops = cpu_gemv.gemv_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ toolchain to build the GEMV op")
@@ -69,8 +69,8 @@ def test_gemv_refuses_what_it_does_not_take() -> None:
 def test_float32_engine_with_prepacked_linears_gives_the_plain_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32 with oneDNN prepacking forced on (the AVX2-only CPU's choice) and the GEMV on
     decode steps of <= 4 rows: the greedy tokens of the plain float32 engine."""
-    from engine.llm import LLM
-    from engine.model import cpu_linear
+    from engine.frontend.llm import LLM
+    from engine.kernels import cpu_linear
     from engine.sampling_params import SamplingParams
 
     if not cpu_linear.prepack_supported(torch.empty(1, 1, dtype=torch.bfloat16)) and not (
@@ -80,13 +80,20 @@ def test_float32_engine_with_prepacked_linears_gives_the_plain_tokens(monkeypatc
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9] * 10, list(range(100, 140))]
     outs = []
-    for forced in ("1", "0"):
-        monkeypatch.setenv("SERVELAB_ONEDNN_FP32", forced)
-        cpu_linear.onednn_float32_faster.cache_clear()
+    monkeypatch.delenv("SERVELAB_ONEDNN_FP32", raising=False)
+    for forced in ("prepacked", "plain"):
         llm = LLM(model="smollm2", load_format="dummy", num_layers_override=2, dtype="float32",
-                  num_blocks=64, max_num_seqs=4)
+                  num_blocks=64, max_num_seqs=4, float32_linear=forced)  # fmt: skip
         plan = llm.engine_core.executor.worker.model.model.plan  # type: ignore[attr-defined]
-        assert (plan is not None and plan.gemv_ops is not None) == (forced == "1")
+        assert (plan is not None and plan.gemv_ops is not None) == (forced == "prepacked")
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-    cpu_linear.onednn_float32_faster.cache_clear()
     assert outs[0] == outs[1]
+    # the environment overrides the field (KERNEL_ENV_OVERRIDES), and the config then says so
+    monkeypatch.setenv("SERVELAB_ONEDNN_FP32", "0")
+    assert LLM.__name__ and _kernels(float32_linear="prepacked").float32_linear == "plain"
+
+
+def _kernels(**fields: object) -> object:
+    from engine.config import EngineConfig
+
+    return EngineConfig.from_sections({"kernels": fields}).kernels

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention.cpu_paged_attention import paged_attention_op, set_amx_attention
+from engine.kernels.cpu_kernels import kernels
+from engine.kernels.paged_attention import paged_attention_op, set_amx_attention
 from engine.model import layers
-from engine.model.cpu_kernels import kernels
 
 pytestmark = pytest.mark.skipif(
     kernels() is None or paged_attention_op() is None, reason="no C++ toolchain: the CPU ops are not built"
@@ -185,7 +185,7 @@ def _check_paged_attention(dtype, seq_lens, q_lens, d, hq, hkv, poison=False) ->
 @pytest.mark.parametrize("dtype", DTYPES)
 @torch.inference_mode()
 def test_write_kv_matches_index_copy_and_rejects_bad_slots(dtype) -> None:  # type: ignore[no-untyped-def]
-    from engine.attention.cpu_paged_attention import write_kv_op
+    from engine.kernels.paged_attention import write_kv_op
 
     torch.manual_seed(0)
     hq, hkv, d, nb, bs = 6, 2, 64, 5, 16
@@ -244,7 +244,7 @@ def test_a_build_is_named_after_its_sources_flags_and_cpu(tmp_path, monkeypatch)
     build loads; and the text compiled names no path, so two checkouts share a build."""
     import shutil
 
-    from engine import cpu_extension, platform
+    from engine.kernels import cpu_extension, isa
 
     csrc = tmp_path / "csrc"
     shutil.copytree(cpu_extension.CSRC, csrc)
@@ -263,7 +263,7 @@ def test_a_build_is_named_after_its_sources_flags_and_cpu(tmp_path, monkeypatch)
     (csrc / "kernel_header.h").write_text((csrc / "kernel_header.h").read_text() + "// edited\n")
     edited = cpu_extension.extension_name("gemv.cpp")
     assert edited != names["gemv.cpp"]
-    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     other_cpu = cpu_extension.extension_name("gemv.cpp")
     assert other_cpu != edited
     monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
@@ -278,8 +278,7 @@ def test_a_finished_build_loads_in_another_venv_without_building(tmp_path):
     import subprocess
     import sys
 
-    from engine import cpu_extension
-    from engine.model import cpu_kernels
+    from engine.kernels import cpu_extension, cpu_kernels
 
     if not cpu_kernels.kernels():
         pytest.skip("the C++ layer kernels do not build on this machine (no compiler?)")
@@ -294,7 +293,7 @@ def test_a_finished_build_loads_in_another_venv_without_building(tmp_path):
         "import torch.utils.cpp_extension as ce\n"
         "def no_build(*a, **k): raise RuntimeError('a build was started')\n"
         "ce.load_inline = no_build\n"
-        "from engine.model import cpu_kernels\n"
+        "from engine.kernels import cpu_kernels\n"
         "print('loaded' if cpu_kernels.kernels() else 'fallback')\n"
     )
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(copy)}
@@ -378,7 +377,7 @@ def test_near_max_rows_matches_torch_compare_and_nonzero(dtype, vocab) -> None: 
 def test_amx_prefill_attention_matches_dense_reference(hq, hkv, d, seq_lens, q_lens) -> None:  # type: ignore[no-untyped-def]
     """The AMX prefill op (bfloat16) against a float32 dense reference, requests given in any
     order; the rows of a request it is not given (here request 0) are left untouched."""
-    from engine.attention.cpu_paged_attention import paged_prefill_attention_op
+    from engine.kernels.paged_attention import paged_prefill_attention_op
 
     torch.manual_seed(0)
     bs, scale = 16, d**-0.5

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reports.cli import gate_main
 from workloads import gate_cli
+from workloads.gate_cli import gate_main
 from workloads.gate_stats import MetricRule, format_table, judge, judge_all, paired_change
 from workloads.gate_trees import (
     NoHistory,
@@ -99,7 +99,7 @@ def test_perf_output_parsing():
 def _tiny_llm(tmp_path: Path):
     import yaml
 
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     shape = tmp_path / "tiny.yaml"
     shape.write_text(yaml.safe_dump({"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -236,6 +236,13 @@ def test_baseline_tree_is_checked_out_once_per_commit(tmp_path):
     assert extension_dir_for(csrc_tree, repo, cache) is None
     # a baseline from before engine/csrc/ against a checkout with it: a folder of its own
     assert extension_dir_for(tree, repo, cache) == ext == cache / f"torch_extensions-{kernel_digest(tree)}"
+    # the kernels' room (engine/kernels/csrc/, issue 56) against a baseline with engine/csrc/: both by digest
+    (repo / "engine/kernels").mkdir()
+    _git(repo, "mv", "engine/csrc", "engine/kernels/csrc")
+    _git(repo, "commit", "-q", "-m", "the kernels' room")
+    assert extension_dir_for(csrc_tree, repo, cache) is None
+    assert kernel_digest(repo) != kernel_digest(csrc_tree)  # the paths are part of the digest
+    assert extension_dir_for(tree, repo, cache) == ext
 
 
 @needs_git
@@ -350,6 +357,7 @@ class _FakeWorker:
     """A worker that answers at once; reps carry its generation's placement luck."""
 
     started: list[tuple[str, int, list[str] | None]] = []
+    jobs: list[dict[str, str] | None] = []  # the kernel pins each build_job call got
 
     def __init__(self, name, python, tree, env, cpus, log_dir, generation=0, args=None) -> None:
         self.name, self.generation = name, generation
@@ -376,7 +384,8 @@ def _fake_gate(monkeypatch, tmp_path: Path, worker: type | None = None, **change
     monkeypatch.setattr(paired_gate, "extension_dir_for", lambda tree, repo, cache: None)
     monkeypatch.setattr(paired_gate, "kernel_digest", lambda tree: "k")
     monkeypatch.setattr(paired_gate, "perf_available", lambda: False)
-    monkeypatch.setattr(paired_gate, "build_job", lambda settings: {})
+    _FakeWorker.jobs = []
+    monkeypatch.setattr(paired_gate, "build_job", lambda settings, pins=None: _FakeWorker.jobs.append(pins) or {})
     luck = [1.10, 0.95, 1.05, 0.98, 1.02, 1.0, 0.97, 1.03]
     monkeypatch.setattr(paired_gate, "timed_rep", lambda w, timeout, perf, scratch: {
         "cpu_ms_per_token": 5.0 * (luck[w.generation % 8] if w.name == "candidate" else 1.0)})
@@ -440,30 +449,34 @@ class _EnvWorker(_FakeWorker):
 @pytest.mark.parametrize("probe_says", [True, False])
 def test_the_float32_kernel_probe_runs_once_and_both_sides_get_its_outcome(monkeypatch, tmp_path, probe_says):
     """oneDNN-vs-BLAS is decided by a timing probe at each process's start: two workers could run
-    different float32 kernels on identical code. The gate probes once and pins it for both."""
-    from engine.model import cpu_linear
+    different float32 kernels on identical code. The gate probes once and pins it in the job both
+    sides run (`kernels.float32_linear`), copying no environment variable."""
+    from engine.kernels import cpu_linear
 
     monkeypatch.delenv("SERVELAB_ONEDNN_FP32", raising=False)
     calls = []
-    monkeypatch.setattr(cpu_linear, "onednn_float32_faster", lambda: calls.append(1) or probe_says)
+    monkeypatch.setattr(cpu_linear, "probe_onednn_float32_faster", lambda: calls.append(1) or probe_says)
     _EnvWorker.envs = {}
     _, started = _fake_gate(monkeypatch, tmp_path, worker=_EnvWorker, min_pairs=4, max_pairs=4, generations=2,
                             discard_pairs=0)  # fmt: skip
-    want = "1" if probe_says else "0"
-    assert {n: e.get("SERVELAB_ONEDNN_FP32") for n, e in _EnvWorker.envs.items()} == {
-        "baseline": want, "candidate": want}
+    want = "prepacked" if probe_says else "plain"
+    assert _FakeWorker.jobs == [{"float32_linear": want}]  # the job both sides get
+    assert all("SERVELAB_ONEDNN_FP32" not in e for e in _EnvWorker.envs.values())
     saved = json.loads((tmp_path / "out" / "gate.json").read_text())
-    assert any(f"pinned with SERVELAB_ONEDNN_FP32={want}" in n for n in saved["notes"]), saved["notes"]
+    assert any(f"pinned with kernels.float32_linear={want}" in n for n in saved["notes"]), saved["notes"]
     assert len(started) == 4 and len(calls) == 1  # once per gate run, never per worker (4 started here)
 
 
 def test_a_pin_set_by_the_user_is_kept_and_dtype_auto_is_resolved_once(monkeypatch):
     from engine import platform
+    from engine.config import KernelsConfig
     from workloads import paired_gate
 
     monkeypatch.setenv("SERVELAB_ONEDNN_FP32", "0")
-    env, note = paired_gate.pinned_probes()
-    assert env == {} and "SERVELAB_ONEDNN_FP32=0 from the environment" in note
+    pins, note = paired_gate.pinned_probes(KernelsConfig())
+    assert pins == {} and "kernels.float32_linear=plain from the configuration" in note
+    job = paired_gate.build_job(GateSettings.load(None, overrides=["workload.num_requests=2"]), {"float32_linear": "plain"})
+    assert job["engine"]["kernels"]["float32_linear"] == "plain"
     monkeypatch.setattr(platform, "fastest_cpu_dtype", lambda: ("bfloat16", "GEMM probe: bfloat16 1.20x float32"))
     auto = paired_gate.build_job(GateSettings.load(None, overrides=["model.dtype=auto", "workload.num_requests=2"]))
     assert auto["engine"]["model"]["dtype"] == "bfloat16"  # resolved once, in the job both sides get

@@ -1,4 +1,4 @@
-"""The decode linears on a GGUF checkpoint's own Q4_1 / Q8_0 blocks (engine/csrc/gguf_blocks.h): the
+"""The decode linears on a GGUF checkpoint's own Q4_1 / Q8_0 blocks (engine/kernels/csrc/gguf_blocks.h): the
 checkpoint's own products, held against float64 sums of the unrounded weights (their one rounding
 to bfloat16 and a float32 accumulation apart), and the engine's greedy tokens on them the float32
 model's choices (CPUs with AVX512-BF16)."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model import amx_linear
+from engine.kernels import amx_linear
 from engine.model.gguf_loader import (
     _dequantize_q4_1,
     _dequantize_q8_0,
@@ -19,7 +19,7 @@ from engine.model.gguf_loader import (
 )
 
 pytestmark = pytest.mark.skipif(
-    not amx_linear.quant_available(), reason="no AVX512-BF16 and AVX512-VNNI on this CPU (or SERVELAB_CPU_QUANT=0 / SERVELAB_CPU_DPBF16=0)"
+    not amx_linear.quant_available(), reason="no AVX512-BF16 and AVX512-VNNI on this CPU (or kernels.avx512_bf16=false)"
 )
 
 ROWS = [1, 2, 3, 4, 7, 8, 9, 17, 33, 64]  # groups of 8 rows, row tiles of 16, pairs of tiles (32)
@@ -181,7 +181,7 @@ def test_engine_tokens_on_the_blocks_are_float32s_choices() -> None:
     assert model.step_weights() == {"rows<=6": "layers: gguf Q4_1 blocks; LM head: gguf Q8_0 blocks",
                                     "rows 7-10": "layers: gguf Q4_1 blocks; LM head: bfloat16 (loader-rounded)",
                                     "rows>10": "bfloat16 (loader-rounded)"}  # fmt: skip
-    from engine.model.batch_invariance import planned_step_weights  # what a run's summary.json records
+    from engine.model.loader import planned_step_weights  # what a run's summary.json records
 
     assert planned_step_weights(llm.engine_core.config.model, "bfloat16") == model.step_weights()
     assert planned_step_weights(ModelConfig(quantized_decode=False), "bfloat16") == off.step_weights()

@@ -296,9 +296,9 @@ def test_bf16_steps_with_prefills_in_one_paged_op_call_match_dense_reference(seq
 
 def test_prefill_on_paged_op_follows_the_cpu_flags(monkeypatch):
     """The rule, by CPU flags only (never a timing probe): bfloat16 with AVX512-BF16 and no AMX."""
-    from engine.attention import torch_backend
+    from engine.kernels import paged_attention
 
-    rule = torch_backend.prefill_on_paged_op.__wrapped__
+    rule = paged_attention.prefill_on_paged_op.__wrapped__
     for flags, bf16 in [({"avx512f", "avx512_bf16"}, True), ({"avx512_bf16", "amx_bf16"}, False), ({"avx2"}, False)]:
-        monkeypatch.setattr(torch_backend, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(paged_attention, "cpu_flags", lambda flags=flags: flags)
         assert rule(torch.bfloat16) is bf16 and rule(torch.float32) is False

@@ -31,16 +31,16 @@ def test_the_front_end_logs_the_cores_kernel_choices_and_the_benchmark_reads_the
 ) -> None:
     """The core reports its start-up choices with READY; the front end logs them as one line (what
     a server's log holds); round_conditions reads that line back."""
-    from engine.async_llm import AsyncLLM
     from engine.config import EngineConfig
-    from engine.model.kernel_choices import format_choices, parse_choices
+    from engine.frontend.async_llm import AsyncLLM
+    from engine.kernels.kernel_choices import format_choices, parse_choices
 
     shape = tmp_path / "tiny.yaml"  # a tiny random-weight model (tests/test_limits.py's shape)
     shape.write_text(yaml.safe_dump({"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
                                      "num_key_value_heads": 2, "intermediate_size": 48, "vocab_size": 64,
                                      "max_position_embeddings": 256}))  # fmt: skip
     cfg = EngineConfig.from_kwargs(str(shape), dtype="float32", num_blocks=16)
-    caplog.set_level(logging.INFO, logger="engine.async_llm")
+    caplog.set_level(logging.INFO, logger="engine.frontend.async_llm")
     llm = AsyncLLM.from_config(cfg, multiprocess=False, ready_timeout_s=120)
     try:
         assert llm.client.ready is not None
@@ -51,7 +51,7 @@ def test_the_front_end_logs_the_cores_kernel_choices_and_the_benchmark_reads_the
     assert reported["float32_linear"] in ("blas", "onednn-prepacked", "onednn-prepacked+gemv")
     line = next(r.getMessage() for r in caplog.records if "start-up choices" in r.getMessage())
     assert line == format_choices(reported) and parse_choices(line) == reported
-    log = f"2026-12-05 20:32:38,294 INFO engine.async_llm: {line}\n2026-12-05 INFO servelab.serve: serving\n"
+    log = f"2026-12-05 20:32:38,294 INFO engine.frontend.async_llm: {line}\n2026-12-05 INFO servelab.serve: serving\n"
     assert rc.startup_choices(log) == reported
     assert rc.startup_choices("vLLM API server version 0.32.0\nINFO: Uvicorn running") == {}
 
@@ -82,7 +82,7 @@ def test_slow_rounds_are_named_with_what_differed() -> None:
     assert slow[7]["reasons"] == ["CPU steal: the hypervisor gave 12.0% of the CPU time to other guests"]
     assert slow[1]["off"] == {"output_throughput": pytest.approx(440 / 500 - 1)}
     assert slow[1]["reasons"] == ["start-up choice float32_linear: plain (probe: oneDNN 1.30x the BLAS), the other "
-                                  "rounds prepacked (pin it with SERVELAB_ONEDNN_FP32=1 (prepacked) or 0 (plain))"]
+                                  "rounds prepacked (pin it with kernels.float32_linear=prepacked|plain (or SERVELAB_ONEDNN_FP32=1|0))"]
     assert slow[2]["reasons"] == ["busy outside the benchmark: pid 4242 python (85% of a core) python spin.py"]
     assert slow[4]["reasons"] == ["oversubscribed: 3.6 runnable threads on average on 2 cores (the other rounds 2.0)"]
     assert slow[5]["reasons"][0].startswith("no recorded cause")

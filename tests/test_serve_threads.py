@@ -67,11 +67,11 @@ def test_dtype_auto_resolves_for_serving_unless_given(monkeypatch: pytest.Monkey
     """A server's dtype auto: bfloat16 wherever the CPU multiplies it natively (its decode steps
     of a few rows read the weights, which bfloat16 halves), else the offline choice; a dtype the
     user asked for, or that a config file names, is kept."""
-    from engine import platform
+    from engine.kernels import isa
 
-    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(platform.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(platform, "fastest_cpu_dtype", lambda: ("float32", "offline"))
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(isa, "fastest_cpu_dtype", lambda: ("float32", "offline"))
     cfg = _cpu_config(num_threads=1)
     cfg.model.dtype = "float32"  # what auto resolved to for offline use
     serving_defaults(cfg)
@@ -84,10 +84,10 @@ def test_dtype_auto_resolves_for_serving_unless_given(monkeypatch: pytest.Monkey
 
 
 def test_entry_points_pass_the_requested_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import platform
     from engine.entrypoints.serve import load_config
+    from engine.kernels import isa
 
-    monkeypatch.setattr(platform, "serving_cpu_dtype", lambda: ("bfloat16", "test"))
+    monkeypatch.setattr(isa, "serving_cpu_dtype", lambda: ("bfloat16", "test"))
     engine, _ = load_config(["device.device=cpu", "device.num_threads=1"])
     assert engine.model.dtype == "bfloat16"
     engine, _ = load_config(["device.device=cpu", "device.num_threads=1", "model.dtype=float32"])

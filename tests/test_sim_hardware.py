@@ -123,12 +123,12 @@ def test_a_measured_cpu_profile_names_the_cpu_it_describes(tmp_path) -> None:
 
 
 def test_measure_cpu_profile_records_the_flags(monkeypatch) -> None:
-    import engine.platform
+    import engine.kernels.isa
     import engine.sim.hardware as hardware
 
     monkeypatch.setattr(hardware, "measure_gemm_tflops", lambda dtype, n: {"fp32": 0.1}.get(dtype, 1.0))
     monkeypatch.setattr(hardware, "measure_copy_gbs", lambda: 10.0)
-    monkeypatch.setattr(engine.platform, "cpu_flags", lambda: frozenset({"fpu", "avx2", "amx_bf16"}))
+    monkeypatch.setattr(engine.kernels.isa, "cpu_flags", lambda: frozenset({"fpu", "avx2", "amx_bf16"}))
     hw = hardware.measure_cpu_profile(rounds=1, memory_gb=8)
     assert hw.cpu_isa == ["avx2", "amx_bf16"] and hw.peak_tflops == {"fp32": 0.1, "bf16": 1.0, "fp16": 1.0}
 

@@ -4,7 +4,7 @@ Two commits (CAND defaults to the checkout itself) are checked out and run as th
 runs them (workloads/paired_gate.py `gate_sides`: one worker process per tree, same threads,
 affinity and environment, the gate's job from conf/gate/paired.yaml); each worker answers
 `explain` with one profiled rep (workloads/explain_probe.py) and the pairs alternate which side
-goes first. The decomposition is `workloads.explain.explain`; explain.json and explain.html
+goes first. The decomposition is `analysis.explain.explain`; explain.json and explain.html
 (reports/explain.py) go to the output folder and the top contributors to the console.
 """
 
@@ -18,9 +18,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from reports.explain import explain_page
-from workloads.explain import explain, format_explain
-from workloads.paired_gate import GateSettings, Side, Worker, build_job, gate_sides
+from analysis.explain import explain, format_explain
+from reports.explain import write_outputs
+from workloads.paired_gate import (
+    GateSettings,
+    Side,
+    Worker,
+    build_job,
+    gate_kernels,
+    gate_sides,
+    pinned_probes,
+)
 
 
 def explain_workers(sides: dict[str, Side], job: dict[str, Any], settings: GateSettings, out_dir: Path,
@@ -51,15 +59,6 @@ def explain_workers(sides: dict[str, Side], job: dict[str, Any], settings: GateS
     return explain(reps["baseline"], reps["candidate"])
 
 
-def write_outputs(report: dict[str, Any], out_dir: Path, title: str) -> tuple[Path, Path]:
-    """explain.json and explain.html in `out_dir`; their paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    js, page = out_dir / "explain.json", out_dir / "explain.html"
-    js.write_text(json.dumps(report, indent=2, default=float))
-    page.write_text(explain_page(report, title))
-    return js, page
-
-
 def explain_refs(repo: Path, base: str, cand: str | None, settings: GateSettings, out_dir: Path, repeats: int,
                  candidate_slowdown: float = 0.0, log: Callable[[str], None] = print,
                  candidate_env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
@@ -71,12 +70,14 @@ def explain_refs(repo: Path, base: str, cand: str | None, settings: GateSettings
         cand_commit, _, cand_sides, cand_notes = gate_sides(repo, cand, settings)
         sides["candidate"] = cand_sides["baseline"]
         notes += [n.replace("baseline", "candidate") for n in cand_notes]
+    pins, pin_note = pinned_probes(gate_kernels(settings))
+    notes.append(pin_note)
     for n in notes:
         log(f"explain: {n}")
     args = None
     if candidate_slowdown:  # TEST ONLY, as the gate's --candidate-slowdown
         args = {"baseline": ["--test-slowdown", "0"], "candidate": ["--test-slowdown", f"{candidate_slowdown}"]}
-    report = explain_workers(sides, build_job(settings), settings, out_dir, repeats, args, log)
+    report = explain_workers(sides, build_job(settings, pins), settings, out_dir, repeats, args, log)
     report["baseline_commit"] = commit
     report["candidate"] = cand or "the checkout"
     write_outputs(report, out_dir, f"servelab-explain {commit[:12]} → {cand or 'checkout'}")

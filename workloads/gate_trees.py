@@ -12,7 +12,7 @@
   environment built once per dependency set by the baseline's own scripts/setup.sh (its pins,
   its torch build, the default model's package).
 - `extension_dir_for(tree, repo)`: None (the torch extension cache is shared) when both trees
-  name their builds by a digest of what they compile (every tree with engine/csrc/: a changed
+  name their builds by a digest of what they compile (every tree with a KERNEL_DIRS folder: a changed
   kernel gets a build of its own name, the unchanged ones are reused) or build the same sources;
   otherwise a separate TORCH_EXTENSIONS_DIR keyed by the baseline's sources: before engine/csrc/,
   a build was named after its extension, not its source, and the two trees would overwrite each
@@ -30,14 +30,15 @@ import sys
 from pathlib import Path
 
 # Files whose text makes up the C++ kernels (engine/cpu_extension.py builds them with load_inline):
-# in trees before engine/csrc/, Python files holding the sources; since, every file of KERNEL_DIR.
+# in trees before engine/csrc/, Python files holding the sources; since, every file of the tree's kernel
+# folder: engine/csrc/ until the kernels got their room (issue 56), engine/kernels/csrc/ since.
 KERNEL_SOURCES = (
     "engine/cpu_extension.py",
     "engine/model/cpu_kernels.py",
     "engine/model/amx_linear.py",
     "engine/attention/cpu_paged_attention.py",
 )
-KERNEL_DIR = "engine/csrc"
+KERNEL_DIRS = ("engine/kernels/csrc", "engine/csrc")
 MAIN_BRANCHES = ("main", "origin/main", "master", "origin/master")
 
 
@@ -152,10 +153,15 @@ def python_for(tree: Path, repo: Path, cache: Path) -> tuple[str, str]:
     return str(python), f"dependencies differ: environment {venv}"
 
 
+def kernel_dir(tree: Path) -> Path | None:
+    """The tree's folder of C++ kernel sources (KERNEL_DIRS), or None for a tree from before it."""
+    return next((tree / d for d in KERNEL_DIRS if (tree / d).is_dir()), None)
+
+
 def kernel_digest(tree: Path) -> str:
     h = hashlib.sha256()
-    kernel_dir = tree / KERNEL_DIR
-    in_dir = sorted(p.relative_to(tree).as_posix() for p in kernel_dir.iterdir()) if kernel_dir.is_dir() else []
+    found = kernel_dir(tree)
+    in_dir = sorted(p.relative_to(tree).as_posix() for p in found.iterdir()) if found is not None else []
     for rel in (*KERNEL_SOURCES, *in_dir):
         path = tree / rel
         h.update(rel.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"") + b"\0")
@@ -165,6 +171,6 @@ def kernel_digest(tree: Path) -> str:
 def extension_dir_for(tree: Path, repo: Path, cache: Path) -> Path | None:
     """None when both trees name their builds by digest or build the same C++ kernels; else the
     baseline's own build folder (module note)."""
-    if ((tree / KERNEL_DIR).is_dir() and (repo / KERNEL_DIR).is_dir()) or kernel_digest(tree) == kernel_digest(repo):
+    if (kernel_dir(tree) is not None and kernel_dir(repo) is not None) or kernel_digest(tree) == kernel_digest(repo):
         return None
     return cache / f"torch_extensions-{kernel_digest(tree)}"

@@ -115,10 +115,14 @@ def known_sections(config_cls: Any, sections: dict[str, dict[str, Any]]) -> dict
 
 
 def build_llm(job: dict[str, Any]) -> Any:
+    from engine import LLM  # the public name (the front end's module moved in issue 56)
     from engine.config import EngineConfig
-    from engine.llm import LLM
 
     sections = job["engine"]
+    pinned = sections.get("kernels", {}).get("float32_linear")
+    if pinned in ("prepacked", "plain") and not hasattr(EngineConfig(), "kernels"):
+        # a tree from before KernelsConfig reads the pin from its old variable (paired_gate.pinned_probes)
+        os.environ["SERVELAB_ONEDNN_FP32"] = "1" if pinned == "prepacked" else "0"
     if hasattr(EngineConfig, "from_sections"):
         sections = known_sections(EngineConfig, sections)
         return LLM(config=EngineConfig.from_sections(sections))
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     import torch  # while the gate composes the job
 
-    import engine.llm  # noqa: F401
+    from engine import LLM  # noqa: F401  (the import's time, while the gate composes the job)
 
     job = json.loads(sys.stdin.readline())
     torch.set_num_threads(int(job.get("threads", 1)))

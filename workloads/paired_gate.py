@@ -43,6 +43,7 @@ from typing import IO, Any
 import yaml
 
 import conf
+from engine.config import KernelsConfig
 from workloads.gate_stats import MetricRule, PairedCheck, judge_all
 from workloads.gate_trees import extension_dir_for, kernel_digest, materialise, python_for, resolve_baseline
 
@@ -134,23 +135,26 @@ class GateResult:
         }
 
 
-def build_job(settings: GateSettings) -> dict[str, Any]:
-    """The requests (token ids) and engine sections both workers run, composed as servelab-run does."""
+def build_job(settings: GateSettings, kernel_pins: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The requests (token ids) and engine sections both workers run, composed as servelab-run does;
+    `kernel_pins`: `kernels` fields set over the composed ones (`pinned_probes`)."""
     from conf.schema import RunConfig, compose_typed
     from engine.platform import resolve_engine_dtype
     from engine.tokenizer import get_tokenizer
-    from workloads.experiment import _max_model_len
     from workloads.factory import build_workload
+    from workloads.targets.build import max_model_len
 
     cfg = compose_typed(RunConfig, "run", [f"experiment={settings.experiment}", *settings.overrides])
     engine_config = cfg.engine_config()
     engine_config.device.num_threads = settings.threads
+    for key, value in (kernel_pins or {}).items():
+        setattr(engine_config.kernels, key, value)
     # "auto" resolved once, here: on a CPU with avx512_bf16 and no AMX a GEMM probe decides it at each
     # process's start (engine/platform.py), and noise could tip it one way in one worker, the other way
     # in the next. Both sides run the dtype the job names.
     engine_config.model.dtype = resolve_engine_dtype(engine_config.model.dtype, engine_config.device.device,
                                                      engine_config.model.model)  # fmt: skip
-    specs, _ = build_workload(cfg.workload, get_tokenizer(engine_config.model), _max_model_len(engine_config))
+    specs, _ = build_workload(cfg.workload, get_tokenizer(engine_config.model), max_model_len(engine_config))
     specs = [s for s in specs if not s.is_warmup]
     if any(s.prompt_token_ids is None for s in specs):
         raise ValueError(f"paired gate: experiment {settings.experiment} must set workload.prompt_as_token_ids")
@@ -163,20 +167,31 @@ def build_job(settings: GateSettings) -> dict[str, Any]:
     }
 
 
-def pinned_probes() -> tuple[dict[str, str], str]:
-    """(environment, note): the start-up probes whose outcome depends on machine noise, decided
-    once in the gate's process and pinned for every worker of both sides, so that both run the
-    same kernels: the float32 linears' oneDNN-vs-BLAS probe (engine/model/cpu_linear.py), through
-    SERVELAB_ONEDNN_FP32 (kept as it is where the environment sets it already)."""
-    preset = os.environ.get("SERVELAB_ONEDNN_FP32")
-    if preset in ("0", "1"):
-        return {}, f"float32 linears: SERVELAB_ONEDNN_FP32={preset} from the environment, both sides"
-    from engine.model.cpu_linear import onednn_float32_faster
+def gate_kernels(settings: GateSettings) -> KernelsConfig:
+    """The `kernels` section the gate's experiment composes to (its environment overrides applied)."""
+    from conf.schema import RunConfig, compose_typed
 
-    value = "1" if onednn_float32_faster() else "0"
-    kernel = "oneDNN prepacked" if value == "1" else "the plain BLAS"
-    return {"SERVELAB_ONEDNN_FP32": value}, (f"float32 linears: {kernel} on both sides (probed once here, "
-                                             f"pinned with SERVELAB_ONEDNN_FP32={value})")
+    cfg = compose_typed(RunConfig, "run", [f"experiment={settings.experiment}", *settings.overrides])
+    kernels = cfg.kernels
+    kernels.apply_environment()
+    return kernels
+
+
+def pinned_probes(kernels: KernelsConfig) -> tuple[dict[str, str], str]:
+    """({kernels field: value}, note): the start-up probes whose outcome depends on machine noise,
+    decided once in the gate's process and pinned in the job both sides run, so that both run the
+    same kernels: the float32 linears' oneDNN-vs-BLAS probe (engine/kernels/cpu_linear.py), pinned
+    as `kernels.float32_linear` (kept where the configuration, or its environment override
+    SERVELAB_ONEDNN_FP32, names one already). A baseline tree from before `KernelsConfig` reads the
+    variable instead: its worker sets it from the job (workloads/gate_worker.py)."""
+    if kernels.float32_linear != "auto":
+        return {}, f"float32 linears: kernels.float32_linear={kernels.float32_linear} from the configuration, both sides"
+    from engine.kernels.cpu_linear import probe_onednn_float32_faster
+
+    value = "prepacked" if probe_onednn_float32_faster() else "plain"
+    kernel = "oneDNN prepacked" if value == "prepacked" else "the plain BLAS"
+    return {"float32_linear": value}, (f"float32 linears: {kernel} on both sides (probed once here, "
+                                       f"pinned with kernels.float32_linear={value})")
 
 
 def worker_env(tree: Path, threads: int, extension_dir: Path | None, extra: Mapping[str, str]) -> dict[str, str]:
@@ -294,10 +309,8 @@ def gate_sides(repo: Path, against: str, settings: GateSettings, candidate_env: 
              "C++ kernels: " + (f"baseline built separately in {ext_dir}" if ext_dir else
                                 "same sources, shared build" if kernel_digest(tree) == kernel_digest(repo) else
                                 "changed; builds named by their sources, in the shared cache")]  # fmt: skip
-    pins, pin_note = pinned_probes()
-    notes.append(pin_note)
-    sides = {"baseline": (python, tree, worker_env(tree, settings.threads, ext_dir, pins)),
-             "candidate": (sys.executable, repo, worker_env(repo, settings.threads, None, {**pins, **(candidate_env or {})}))}
+    sides = {"baseline": (python, tree, worker_env(tree, settings.threads, ext_dir, {})),
+             "candidate": (sys.executable, repo, worker_env(repo, settings.threads, None, dict(candidate_env or {})))}
     return commit, tree, sides, notes
 
 
@@ -313,6 +326,8 @@ def run_paired_gate(
     t0 = time.perf_counter()
     repo = repo.resolve()
     commit, tree, sides, notes = gate_sides(repo, against, settings, candidate_env)
+    pins, pin_note = pinned_probes(gate_kernels(settings))
+    notes.append(pin_note)
     perf = perf_available()
     notes.append("perf stat: counting instructions" if perf else "perf stat: no instruction counter here (not reported)")
     if candidate_slowdown:
@@ -340,7 +355,7 @@ def run_paired_gate(
     per_generation = settings.pairs_per_generation
     generation, pair, workers = 0, 0, start(0)
     try:
-        job = json.dumps(build_job(settings))  # while the workers import torch
+        job = json.dumps(build_job(settings, pins))  # while the workers import torch
         ready(workers, job)
         log(f"workers ready after {time.perf_counter() - t0:.0f} s; {per_generation} pair(s) per generation of "
             f"workers, {-(-settings.min_pairs // per_generation)} or more generations")  # fmt: skip

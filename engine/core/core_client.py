@@ -31,8 +31,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from engine import seam as msg
 from engine.config import ConfigLimitError, EngineConfig
-from engine.core import messages as msg
 from engine.core.core_proc import (
     EngineCoreProc,
     announce_ready,
@@ -41,7 +41,7 @@ from engine.core.core_proc import (
     run_engine_core,
 )
 from engine.hooks import StepHooks
-from engine.outputs import EngineCoreOutputs
+from engine.seam import EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class EngineCoreClient:
                 self._send(msg.FINISH, self._encoder.encode(request_ids))
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 5.0) -> Any:
-        """Run a utility method (see messages.UTILITY_METHODS) in the core between steps."""
+        """Run a utility method (see seam.UTILITY_METHODS) in the core between steps."""
         self.ensure_running()
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

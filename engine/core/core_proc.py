@@ -31,12 +31,12 @@ from typing import Any
 import msgspec
 import zmq
 
+from engine import seam as msg
 from engine.config import ConfigLimitError, EngineConfig
-from engine.core import messages as msg
 from engine.hooks import StepHooks
 from engine.kernels.kernel_choices import startup_choices
-from engine.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from engine.request import RequestStatus
+from engine.seam import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def build_engine_core(config: EngineConfig) -> Any:
 
 
 def default_request_type() -> type:
-    from engine.core.engine_core import EngineCoreRequest
+    from engine.seam import EngineCoreRequest
 
     return EngineCoreRequest
 

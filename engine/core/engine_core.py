@@ -25,8 +25,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sched.scheduler import Scheduler
 from engine.core.sched.stats import SchedulerStats
@@ -36,9 +34,8 @@ from engine.executor.base import Executor
 from engine.hooks import NULL_HOOKS, StepHooks, observe_attention
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
-from engine.outputs import EngineCoreOutput, EngineCoreOutputs, StepMember
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, StepMember
 from engine.spec_decode.proposer import NgramProposer
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.structured_output.manager import StructuredOutputManager
@@ -47,19 +44,6 @@ logger = logging.getLogger(__name__)
 
 # Steps in flight with async scheduling: the one computing and the one being prepared.
 BATCH_QUEUE_DEPTH = 2
-
-
-class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
-    """A tokenized, validated request as it crosses into the core (front end -> core)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_id: int | None
-    arrival_time: float
-    max_tokens: int
-    priority: int = 0
-    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

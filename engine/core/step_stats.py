@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.core.sched.stats import SchedulerStats
-from engine.outputs import FinishReason, StepMember, StepStats
 from engine.request import Request
+from engine.seam import FinishReason, StepMember, StepStats
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 # The scheduler's state columns: after the update that a row reports.

@@ -28,8 +28,8 @@ from engine.kv_transfer.base import KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
 from engine.kv_transfer.metadata import KVConnectorOutput
 from engine.kv_transfer.tp_output import TPOutputMerger
-from engine.outputs import TokenLogprobs
 from engine.sample.sampler import Sampler, SamplingBatch
+from engine.seam import TokenLogprobs
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 from engine.worker.worker import Worker, check_kv_capacity, cover_positions, kv_bytes_per_block

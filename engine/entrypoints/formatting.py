@@ -7,7 +7,7 @@ import uuid
 from functools import lru_cache
 from typing import Any
 
-from engine.outputs import TokenLogprobs
+from engine.seam import TokenLogprobs
 
 
 def new_id(prefix: str) -> str:

@@ -26,13 +26,13 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.core.core_client import EngineCoreClient, EngineDeadError
-from engine.core.engine_core import EngineCoreRequest
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import InputProcessor, ProcessedRequest, child_request_ids, fan_out
 from engine.hooks import StepHooks
 from engine.kernels.kernel_choices import format_choices
-from engine.outputs import EngineCoreOutputs, RequestOutput, StepStats
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreOutputs, EngineCoreRequest, StepStats
 from engine.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

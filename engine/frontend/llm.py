@@ -25,13 +25,14 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.core.engine_core import EngineCore, EngineCoreRequest
+from engine.core.engine_core import EngineCore
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import InputProcessor, ProcessedRequest, fan_out
 from engine.inputs import PromptType, parse_prompts
-from engine.outputs import CompletionOutput, EngineCoreOutputs, RequestOutput, StepStats
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreOutputs, EngineCoreRequest, StepStats
 from engine.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)

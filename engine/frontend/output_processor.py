@@ -11,16 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.outputs import (
-    CompletionOutput,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    FinishReason,
-    RequestMetrics,
-    RequestOutput,
-    TokenLogprobs,
-)
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreOutput, EngineCoreOutputs, FinishReason, TokenLogprobs
 from engine.tokenizer.detokenizer import DecodingTokenizer, IncrementalDetokenizer
 
 

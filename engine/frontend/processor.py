@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.core.engine_core import EngineCoreRequest
 from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,19 +46,19 @@ benchmarks/decode_weight_pages.py --handoff). Results never depend on it.
 
 K must be a multiple of 32 (and I of 16); x is contiguous [M, K] bfloat16. `available()` says
 whether the CPU and the build run them (amx_bf16 and the kernel grants the tile state, or
-avx512_bf16); `kind()` says which. `SERVELAB_CPU_AMX=0` in the environment turns the AMX kernels
+avx512_bf16); `kind()` says which. `kernels.amx=false` (engine/config.py) turns the AMX kernels
 off, as it does the attention op's AMX path (the engine then runs oneDNN's kernels, as on a CPU
-without AMX); `SERVELAB_CPU_DPBF16=0` turns the AVX512-BF16 ones off likewise.
+without AMX); `kernels.avx512_bf16=false` turns the AVX512-BF16 ones off likewise.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 
+from engine.kernels import options
 from engine.kernels.cpu_extension import load_cpu_ops
 
 # Up to this many rows a step's linears run here on AVX512-BF16; above, oneDNN's prepacked kernels
@@ -122,11 +122,11 @@ def amx_ops() -> Any | None:
 def _loaded() -> bool:
     from engine.kernels.isa import cpu_flags
 
-    flags = cpu_flags()
+    flags, allowed = cpu_flags(), options.current()
     if "amx_bf16" in flags:
-        if os.environ.get("SERVELAB_CPU_AMX") == "0":  # as the attention op: every AMX path off (A/B, tests)
+        if not allowed.amx:  # kernels.amx=false: as the attention op, every AMX path off (A/B, tests)
             return False
-    elif "avx512_bf16" not in flags or os.environ.get("SERVELAB_CPU_DPBF16") == "0":
+    elif "avx512_bf16" not in flags or not allowed.avx512_bf16:
         return False  # no build attempt on CPUs that multiply bfloat16 natively neither way
     return load_cpu_ops(_SOURCE, "AMX linear layers", _register_fakes)
 
@@ -186,9 +186,7 @@ def quant_max_rows(packed: torch.Tensor) -> int:
 
 def quant_available() -> bool:
     """Whether the decode linears can read a GGUF checkpoint's Q4_1 / Q8_0 blocks as stored (the
-    AVX512-BF16 and AVX512-VNNI build; `SERVELAB_CPU_QUANT=0` turns them off)."""
-    if os.environ.get("SERVELAB_CPU_QUANT") == "0":
-        return False
+    AVX512-BF16 and AVX512-VNNI build; `model.quantized_decode=false` keeps a model off them)."""
     ops = amx_ops()
     return ops is not None and bool(ops.quant_linear_available())
 

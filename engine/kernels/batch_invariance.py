@@ -28,16 +28,18 @@ kernels for prefill-sized steps (docs/configuration.md gives the measured figure
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
 from engine.kernels import amx_linear, cpu_blocks
+from engine.kernels.kernel_choices import block_linear_choice
 
-if TYPE_CHECKING:
-    from engine.model.llama import LlamaForCausalLM
+# The model these functions read (LlamaForCausalLM, engine/model/llama.py, or a family built on
+# it): its `model.plan` (forward_plan.ForwardPlan), `amx_lm_head`, `quant_lm_head`,
+# `block_lm_head`, `lm_head`, `gguf_path` and `_lm_head_weight()`. The kernels import no model.
+CausalLM = Any
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +56,10 @@ def machine_lacks() -> str | None:
     return None
 
 
-def require(config: ModelConfig, device: torch.device, dtype: torch.dtype, backend: AttentionBackend) -> None:
+def require(config: ModelConfig, device: torch.device, dtype: torch.dtype, backend: Any) -> None:
     """Before loading: ValueError naming the first thing `model.batch_invariant` needs that this
-    configuration lacks; marks the attention backend batch-invariant otherwise."""
-    from engine.attention.torch_backend import TorchAttentionBackend
-
+    configuration lacks; marks the attention backend batch-invariant otherwise (a backend that
+    can be has a `batch_invariant` attribute: the torch backend, with the C++ paged op)."""
     why = None
     if device.type != "cpu" or dtype != torch.bfloat16:
         why = f"bfloat16 on a CPU, not {str(dtype).removeprefix('torch.')} on {device.type}"
@@ -66,17 +67,16 @@ def require(config: ModelConfig, device: torch.device, dtype: torch.dtype, backe
         why = "enforce_eager (the compiled forward runs inductor's kernels)"
     elif not config.prepack_weights:
         why = "prepack_weights (the decode kernels' packs)"
-    elif not isinstance(backend, TorchAttentionBackend):
+    elif not hasattr(backend, "batch_invariant"):
         why = "the torch attention backend with its C++ paged-attention op"
     else:
         why = machine_lacks()
     if why is not None:
         raise ValueError(f"model.batch_invariant: needs {why}")
-    assert isinstance(backend, TorchAttentionBackend)
     backend.batch_invariant = True
 
 
-def check_plan(model: LlamaForCausalLM) -> None:
+def check_plan(model: CausalLM) -> None:
     """After packing: ValueError unless every linear and the LM head run the decode kernels."""
     plan = model.model.plan
     if plan is None or not plan.batch_invariant or plan.amx_ops is None or model.amx_lm_head is None:
@@ -84,7 +84,7 @@ def check_plan(model: LlamaForCausalLM) -> None:
                          "kernels take (amx_linear.supports: K a multiple of 32)")
 
 
-def step_weights(model: LlamaForCausalLM) -> dict[str, str]:
+def step_weights(model: CausalLM) -> dict[str, str]:
     """Which weights the linears multiply, by step size (rows): e.g. {"rows<=6": ..., "rows 7-10":
     ..., "rows>10": "bfloat16 (loader-rounded)"}, or {"all": ...} (batch-invariant, no quant packs)."""
     weight = model._lm_head_weight()
@@ -103,33 +103,28 @@ def step_weights(model: LlamaForCausalLM) -> dict[str, str]:
     return _describe(base, kinds, head_kind, _block_rows())
 
 
-def planned_step_weights(config: ModelConfig, dtype: str) -> dict[str, str]:
-    """What `step_weights` will say of the model `config` names in `dtype` on this CPU, from the
-    GGUF's tensor types (its metadata, no weights read): for a run's summary.json, where the
-    engine may run in another process. tests/test_batch_invariant.py holds the two equal."""
-    from engine.model.gguf_loader import open_gguf
-    from engine.model.source import resolve_source
-
-    try:
-        source = resolve_source(config.model)
-    except ValueError:  # a shape only the workbench's run folder holds: dummy weights, no blocks
-        return {"all": dtype}
-    gguf = source.kind == "gguf" and config.load_format in ("auto", "gguf")
+def planned_step_weights(config: ModelConfig, dtype: str, tensor_types: dict[str, str] | None) -> dict[str, str]:
+    """What `step_weights` will say of the model `config` names in `dtype` on this CPU, from its
+    GGUF's tensor types (`tensor_types`: GGUF tensor name -> block kind, from the file's metadata,
+    no weights read; None where the model is no GGUF file the loader reads as one): for a run's
+    summary.json, where the engine may run in another process (engine/model/loader.py's
+    `planned_step_weights` reads the types). tests/test_batch_invariant.py holds the two equal."""
+    gguf = tensor_types is not None
     base = _base(dtype, gguf)
-    if (config.batch_invariant or not config.quantized_decode or not config.prepack_weights or not gguf
+    if (config.batch_invariant or not config.quantized_decode or not config.prepack_weights or tensor_types is None
             or dtype not in ("bfloat16", "float32")):  # fmt: skip
         return {"all": base}
-    if dtype == "bfloat16" and amx_linear.quant_available():
+    choice = block_linear_choice(dtype)
+    if choice == "avx512-vnni":
         rows = amx_linear.QUANT_MAX_ROWS
-    elif cpu_blocks.block_ops() is not None:
+    elif choice in ("avx2", "scalar"):
         rows = _block_rows()
     else:
         return {"all": base}
-    types = {t.name: getattr(t.tensor_type, "name", "") for t in open_gguf(source.path).tensors}
-    kinds = {kind for name, kind in types.items() if name.startswith("blk.") and name.endswith(_LAYER_MATRICES)}
+    kinds = {kind for name, kind in tensor_types.items() if name.startswith("blk.") and name.endswith(_LAYER_MATRICES)}
     if not kinds or not kinds <= set(rows):
         return {"all": base}
-    head = types.get("output.weight", types.get("token_embd.weight"))
+    head = tensor_types.get("output.weight", tensor_types.get("token_embd.weight"))
     return _describe(base, kinds, head if head in rows else None, rows)
 
 
@@ -164,7 +159,7 @@ def _describe(base: str, layer_kinds: set[str], head_kind: str | None, rows: dic
     return out
 
 
-def block_step_bytes(model: LlamaForCausalLM) -> tuple[float, float] | None:
+def block_step_bytes(model: CausalLM) -> tuple[float, float] | None:
     """(bytes of the checkpoint's own blocks a step of up to `quant_max_rows` rows reads, bytes of
     the bfloat16 packs it would read instead), or None where the model reads no blocks."""
     plan = model.model.plan
@@ -178,7 +173,7 @@ def block_step_bytes(model: LlamaForCausalLM) -> tuple[float, float] | None:
     return float(read), float(full)
 
 
-def log_step_weights(model: LlamaForCausalLM) -> None:
+def log_step_weights(model: CausalLM) -> None:
     """The start-up log line of `step_weights`, with a step's weight bytes where quant packs exist."""
     plan = model.model.plan
     line = f"linear weights by step size: {step_weights(model)}"

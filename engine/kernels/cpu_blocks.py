@@ -64,8 +64,10 @@ def block_ops() -> Any | None:
     return None
 
 
+@functools.cache
 def isa() -> str | None:
-    """What multiplies the blocks here: "avx2", "scalar" (a build without AVX2 / FMA / F16C), None (no build)."""
+    """What multiplies the blocks here: "avx2", "scalar" (a build without AVX2 / FMA / F16C), None
+    (no build). Asked once per process: every eager linear and LM-head call asks it."""
     ops = block_ops()
     return None if ops is None else str(ops.block_linear_isa())
 

@@ -228,6 +228,11 @@ def _stamp_ready(name: str, folder: Path) -> None:
         tmp.replace(folder / READY_STAMP)  # atomic: a reader sees no stamp or a whole one
 
 
+def is_loaded(source: str) -> bool:
+    """Whether `source`'s ops are loaded in this process (a build that failed, or none yet: False)."""
+    return _built.get(source, False)
+
+
 def load_cpu_ops(
     source: str, what: str, register_fakes: Callable[[], None], extra_cflags: tuple[str, ...] = ()
 ) -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import types
 from collections.abc import Callable
 
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu_gemv
+from engine.kernels import cpu_gemv, options
 from engine.kernels.isa import best_seconds_interleaved
 
 logger = logging.getLogger(__name__)
@@ -66,21 +65,27 @@ PROBE_SHAPES = ((3072, 576), (576, 1536), (960, 576))
 ONEDNN_FP32_MIN_SPEEDUP = 1.15
 
 
-@functools.cache
 def onednn_float32_faster() -> bool:
+    """Whether float32 linears run oneDNN's prepacked kernel here: `kernels.float32_linear` where it
+    names one, else the probe's answer (`probe_onednn_float32_faster`)."""
+    pinned = options.current().float32_linear
+    if pinned != "auto":
+        return pinned == "prepacked"
+    return probe_onednn_float32_faster()
+
+
+@functools.cache
+def probe_onednn_float32_faster() -> bool:
     """Whether oneDNN's prepacked float32 linear beats `F.linear` (the CPU BLAS, on the engine's
     column-major weights) at SmolLM2's projection shapes, 64 rows, by at least
     `ONEDNN_FP32_MIN_SPEEDUP`: a probe of ~70 ms, once per process, the two kernels timed in
-    turn (`platform.best_seconds_interleaved`) so that every process on one machine decides
+    turn (`isa.best_seconds_interleaved`) so that every process on one machine decides
     alike (timed one after the other, 1 process in 5 here decided differently).
 
     Measured 2026-12-02 (benchmarks/cpu_decode_step.py shapes, 2 threads): on a 2-core AMD EPYC
     with AVX2 only, oneDNN ran 1.1-2.5x faster than MKL at 8-256 rows (the LM head 2.3-2.6x,
     gate_up 1.9x); on the Intel Xeons with AVX-512 the engine was tuned on, MKL's float32 path
-    was the one measured fast. `SERVELAB_ONEDNN_FP32=1|0` skips the probe."""
-    forced = os.environ.get("SERVELAB_ONEDNN_FP32")
-    if forced in ("0", "1"):
-        return forced == "1"
+    was the one measured fast. `kernels.float32_linear` (prepacked | plain) skips the probe."""
     if not _onednn_linear_available():
         return False
     gen = torch.Generator().manual_seed(0)

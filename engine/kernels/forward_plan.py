@@ -21,12 +21,12 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from engine.attention.backend import AttentionMetadata
 from engine.hugepages import copies_on_huge_pages
 from engine.kernels import amx_linear, cpu_blocks, cpu_gemv
 from engine.kernels.cpu_kernels import kernels
@@ -34,11 +34,82 @@ from engine.kernels.cpu_linear import packed_linear, padded_rows
 from engine.kernels.planned_layers import layers_op
 
 if TYPE_CHECKING:
-    from engine.model.layers import GatedMLP, RotaryEmbedding
-    from engine.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
+    from engine.attention.backend import AttentionBackend, AttentionMetadata
+
+
+# What the plan reads of a model: a dense decoder's modules by these names and attributes (the
+# Llama family's, engine/model/llama.py; another family plans the same way by offering them).
+# The kernels never import a model: these protocols are the whole of what they know of one.
+class PlanAttention(Protocol):
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def q_size(self) -> int: ...
+    @property
+    def kv_size(self) -> int: ...
+    @property
+    def scale(self) -> float: ...
+    @property
+    def qkv_proj(self) -> nn.Linear: ...
+    @property
+    def o_proj(self) -> nn.Linear: ...
+    @property
+    def attn_backend(self) -> AttentionBackend: ...
+
+
+class PlanMLP(Protocol):
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def gate_up_proj(self) -> nn.Linear: ...
+    @property
+    def down_proj(self) -> nn.Linear: ...
+
+
+class PlanNorm(Protocol):
+    @property
+    def weight(self) -> torch.Tensor: ...
+    @property
+    def eps(self) -> float: ...
+
+
+class PlanLayer(Protocol):
+    @property
+    def is_moe(self) -> bool: ...
+    @property
+    def self_attn(self) -> PlanAttention: ...
+    @property
+    def mlp(self) -> PlanMLP: ...
+    @property
+    def input_layernorm(self) -> PlanNorm: ...
+    @property
+    def post_attention_layernorm(self) -> PlanNorm: ...
+
+
+class PlanModel(Protocol):
+    @property
+    def layers(self) -> nn.ModuleList: ...  # PlanLayer each
+    @property
+    def embed_tokens(self) -> nn.Embedding: ...
+    @property
+    def norm(self) -> PlanNorm: ...
+
+
+class PlanRotary(Protocol):
+    @property
+    def cos_table(self) -> torch.Tensor: ...
+    @property
+    def sin_table(self) -> torch.Tensor: ...
 
 
 QuantPacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+GgufBlock = tuple[str, torch.Tensor]  # (block type, uint8 [rows, in / 32, bytes]): gguf_loader.load_gguf_blocks
+GgufBlocks = dict[str, GgufBlock]
+LayerBlocks = tuple[GgufBlock | None, ...]  # a layer's qkv, o, gate_up, down (None: a matrix without blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +134,7 @@ class AmxPacks:
 class LayerPlan:
     """One dense layer's tensors for the planned forward: norm weights and packed matrices."""
 
-    attn: LlamaAttention
+    attn: PlanAttention
     in_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: torch.Tensor
@@ -127,16 +198,18 @@ class ForwardPlan:
         return self.quant_max_rows > 0
 
 
-def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None, batch_invariant: bool = False) -> ForwardPlan | None:
+def build_plan(model: PlanModel, blocks: Sequence[LayerBlocks | None] | None = None,
+               batch_invariant: bool = False) -> ForwardPlan | None:  # fmt: skip
     """The plan of `model`'s forward where every layer is dense, its linears prepacked, and the
-    fused kernels are built; None otherwise. `blocks`: the checkpoint's quantized matrices
-    (gguf_loader.load_gguf_blocks) for the decode kernels that read them as stored (ignored with
-    `batch_invariant`)."""
+    fused kernels are built; None otherwise. `blocks`: per layer, the checkpoint's quantized
+    qkv, o, gate_up and down matrices, fused as the weights are (the model finds them by its own
+    names: LlamaForCausalLM.layer_blocks), for the decode kernels that read them as stored
+    (ignored with `batch_invariant`)."""
     ops = kernels()
     layers = []
     inter = 0
     for index, module in enumerate(model.layers):
-        layer = cast("LlamaDecoderLayer", module)
+        layer = cast(PlanLayer, module)
         if layer.is_moe or ops is None:
             return None
         attn, mlp = layer.self_attn, layer.mlp
@@ -152,7 +225,7 @@ def build_plan(model: LlamaModel, blocks: GgufBlocks | None = None, batch_invari
         gguf = tuple(cast("GgufBlock | None", m.__dict__.get("gguf_blocks")) for m in linears)  # cpu_blocks.attach
         layers.append(LayerPlan(attn, layer.input_layernorm.weight.detach(),
                                 layer.post_attention_layernorm.weight.detach(), qkv, o, gate_up, down,
-                                _amx_packs(attn, mlp, layer_blocks(blocks, index)), plain,
+                                _amx_packs(attn, mlp, blocks[index] if blocks else None), plain,
                                 tuple(g for g in gguf if g is not None) if all(g is not None for g in gguf) else None))  # fmt: skip
     if not layers:
         return None
@@ -187,7 +260,7 @@ def _layers_op(layers: Sequence[LayerPlan]) -> Any | None:
     return layers_op() if len(shapes) == 1 and all(lp.amx is not None for lp in layers) else None
 
 
-def _amx_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | None, ...] | None) -> AmxPacks | None:
+def _amx_packs(attn: PlanAttention, mlp: PlanMLP, blocks: LayerBlocks | None) -> AmxPacks | None:
     """The layer's matrices for the AMX kernels, or None where they do not apply (no AMX, not
     bfloat16, a shape they do not take); with the quant packs where `blocks` (qkv, o, gate_up,
     down, each fused as its weight is) reproduce every weight."""
@@ -202,7 +275,7 @@ def _amx_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | No
     return AmxPacks(qkv, o, gate_up, down, _quant_packs(attn, mlp, blocks) if blocks is not None else None)
 
 
-def _quant_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | None, ...]) -> QuantPacks | None:
+def _quant_packs(attn: PlanAttention, mlp: PlanMLP, blocks: LayerBlocks) -> QuantPacks | None:
     """The quant packs of (qkv, o, gate_up, down), or None as soon as one matrix has no blocks
     or its blocks do not reproduce its weight (the rest are then not packed: start-up time)."""
     full = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
@@ -213,29 +286,6 @@ def _quant_packs(attn: LlamaAttention, mlp: GatedMLP, blocks: tuple[GgufBlock | 
             return None
         packs.append(packed)
     return cast(QuantPacks, tuple(packs))
-
-
-GgufBlock = tuple[str, torch.Tensor]  # (block type, uint8 [rows, in / 32, bytes]): gguf_loader.load_gguf_blocks
-GgufBlocks = dict[str, GgufBlock]
-_FUSED_PARTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
-                ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))  # fmt: skip
-
-
-def layer_blocks(blocks: GgufBlocks | None, index: int) -> tuple[GgufBlock | None, ...] | None:
-    """Layer `index`'s qkv, o, gate_up and down blocks, the fused ones concatenated as their
-    weights are (None for a matrix whose parts are missing or of different block types)."""
-    if not blocks:
-        return None
-    fused: list[GgufBlock | None] = []
-    for parts in _FUSED_PARTS:
-        found = [blocks.get(f"model.layers.{index}.{part}.weight") for part in parts]
-        kinds = {b[0] for b in found if b is not None}
-        if any(b is None for b in found) or len(kinds) != 1:
-            fused.append(None)
-            continue
-        tensors = [b[1] for b in found if b is not None]
-        fused.append((kinds.pop(), tensors[0] if len(tensors) == 1 else torch.cat(tensors)))
-    return tuple(fused)
 
 
 def planned_forward(
@@ -300,7 +350,7 @@ def planned_forward(
 
 def planned_decode(
     plan: ForwardPlan, input_ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
-    rotary: RotaryEmbedding, kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
+    rotary: PlanRotary, kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
     head: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor | None:  # fmt: skip
     """The embedding, the layers and the final norm of a step's tokens in one `layers_op` call

@@ -9,6 +9,8 @@ benchmarks/round_conditions.py reads that line to name a round that ran other ke
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.config import EngineConfig
@@ -30,11 +32,14 @@ def block_linear_choice(dtype: str) -> str:
     return cpu_blocks.isa() or "none"
 
 
-def quantized_decode_fallback(model: object, quantized_decode: bool, batch_invariant: bool) -> str | None:
+def quantized_decode_fallback(model: object, quantized_decode: bool, batch_invariant: bool,
+                              layer_kinds: Callable[[], list[str]]) -> str | None:  # fmt: skip
     """After `prepack`: the warning to log where `model.quantized_decode` asked for the checkpoint's
     blocks and a step will not read them (or reads them only at one row), naming the option, what
     this CPU or checkpoint lacks and what runs instead; None where it was honoured or does not apply
-    (not a GGUF file, switched off, `batch_invariant`, which documents that it reads no blocks)."""
+    (not a GGUF file, switched off, `batch_invariant`, which documents that it reads no blocks).
+    `layer_kinds`: the block kinds of the checkpoint's layer matrices (asked only when needed;
+    engine/model/gguf_loader.py's `gguf_layer_kinds`)."""
     gguf = getattr(model, "gguf_path", None)
     step_weights = getattr(model, "step_weights", None)
     if not quantized_decode or batch_invariant or gguf is None or step_weights is None:
@@ -44,10 +49,7 @@ def quantized_decode_fallback(model: object, quantized_decode: bool, batch_invar
     reads_blocks = any("blocks" in v for v in weights.values())
     lead = "model.quantized_decode=true"
     if not reads_blocks:
-        from engine.model.gguf_loader import open_gguf
-
-        kinds = sorted({getattr(t.tensor_type, "name", "") for t in open_gguf(gguf).tensors if t.name.startswith("blk.")}
-                       - {"F32", "F16", "BF16"})  # fmt: skip
+        kinds = layer_kinds()
         readable = set(cpu_blocks.BLOCK_BYTES) | set(amx_linear.GGUF_BLOCK_KINDS)
         if dtype not in ("float32", "bfloat16"):
             why = f"the block kernels take float32 or bfloat16 rows, not {dtype}"

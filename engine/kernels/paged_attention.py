@@ -37,7 +37,7 @@ attended as separate items and merged by their softmax maxima and sums (flash-de
 at batch 1, SmolLM2's 3 kv heads make 6 items on 2 threads instead of 3 (1 thread against 2 at
 4,096 tokens: 368 against 187 us; at 256 tokens, where a call's fixed cost weighs, 14.7 against
 12.5 us). A batch-invariant call never splits.
-`set_amx_attention(False)` (or `SERVELAB_CPU_AMX=0`) keeps bfloat16 on the AVX-512 path.
+`set_amx_attention(False)` (or `kernels.amx=false`) keeps bfloat16 on the AVX-512 path.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from engine.kernels import options
 from engine.kernels.cpu_extension import load_cpu_ops
 from engine.kernels.isa import cpu_flags
 
@@ -85,9 +86,30 @@ def paged_prefill_attention_op() -> Any | None:
     return None
 
 
+def _load() -> bool:
+    """Load the op's library once (its AMX switch then set from `kernels.amx`)."""
+    global _applied
+    if not load_cpu_ops(_SOURCE, "torch attention backend", _register_fakes):
+        return False
+    if not _applied:
+        _applied = True
+        torch.ops.servelab.set_amx_attention(options.current().amx)
+    return True
+
+
+_applied = False
+
+
+def apply_options() -> None:
+    """After `options.configure`: the loaded op's AMX path follows `kernels.amx` (not loaded: at load)."""
+    global _applied
+    if _applied:
+        torch.ops.servelab.set_amx_attention(options.current().amx)
+
+
 def paged_attention_op() -> Any | None:
     """`torch.ops.servelab.paged_attention`, or None where no C++ toolchain builds it."""
-    if load_cpu_ops(_SOURCE, "torch attention backend", _register_fakes):
+    if _load():
         return torch.ops.servelab.paged_attention
     return None
 
@@ -95,8 +117,8 @@ def paged_attention_op() -> Any | None:
 def set_amx_attention(enabled: bool) -> bool:
     """Allow (or forbid) the op's AMX path; returns whether it now runs (built for this CPU and
     permitted by the kernel). Off, bfloat16 takes the AVX-512 path: tests and A/B benchmarks run
-    both in one process. `SERVELAB_CPU_AMX=0` starts a process with it off."""
-    if not load_cpu_ops(_SOURCE, "torch attention backend", _register_fakes):
+    both in one process. `kernels.amx=false` starts an engine with it off."""
+    if not _load():
         return False
     return bool(torch.ops.servelab.set_amx_attention(enabled))
 

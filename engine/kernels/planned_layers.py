@@ -36,7 +36,7 @@ cache write on one thread between two barriers (engine/kernels/csrc/team.h). The
 per op (a batch-1 step of SmolLM2 makes ~270 of them, each a few microseconds, more right after
 the weights have streamed through the caches: benchmarks/cold_after_stream.py). Under
 torch.profiler (any RecordFunction callback) the op calls the kernels through the dispatcher so
-the profile names each. `torch.ops.servelab.set_decode_team(False)` (or `SERVELAB_DECODE_TEAM=0`)
+the profile names each. `torch.ops.servelab.set_decode_team(False)` (or `kernels.decode_team=false`)
 turns it off; `decode_team_steps()` counts the steps it ran.
 
 `layers_op()` returns the op once it is loaded (and the kernels it calls), or None where they
@@ -51,8 +51,8 @@ from typing import Any
 
 import torch
 
-from engine.kernels import amx_linear
-from engine.kernels.cpu_extension import load_cpu_ops
+from engine.kernels import amx_linear, options
+from engine.kernels.cpu_extension import is_loaded, load_cpu_ops
 from engine.kernels.cpu_kernels import kernels
 from engine.kernels.paged_attention import paged_attention_op
 
@@ -108,5 +108,12 @@ def layers_op() -> Any | None:
     if kernels() is None or amx_linear.amx_ops() is None or paged_attention_op() is None:
         return None
     if load_cpu_ops(_SOURCE, "planned layers", _register_fakes):
+        apply_options()
         return BoundLayers()
     return None
+
+
+def apply_options() -> None:
+    """The loaded op's decode team follows `kernels.decode_team` (`options.configure`; at load)."""
+    if is_loaded(_SOURCE):
+        torch.ops.servelab.set_decode_team(options.current().decode_team)

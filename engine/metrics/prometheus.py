@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
-from engine.core.messages import EngineStats
-from engine.outputs import RequestOutput, StepStats
+from engine.outputs import RequestOutput
+from engine.seam import EngineStats, StepStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Buckets as vLLM uses them (seconds).

@@ -236,3 +236,14 @@ def _layer_index(hf_name: str) -> int:
     if hf_name.startswith("model.layers."):
         return int(hf_name.split(".")[2])
     return -1
+
+
+def gguf_tensor_types(path: str | Path) -> dict[str, str]:
+    """GGUF tensor name -> its type's name ("Q4_1", "Q8_0", "F32", ...), from the file's metadata."""
+    return {t.name: getattr(t.tensor_type, "name", "") for t in open_gguf(path).tensors}
+
+
+def gguf_layer_kinds(path: str | Path) -> list[str]:
+    """The block kinds of the file's layer tensors (`blk.*`), the float ones left out, sorted."""
+    types = gguf_tensor_types(path)
+    return sorted({kind for name, kind in types.items() if name.startswith("blk.")} - {"F32", "F16", "BF16"})

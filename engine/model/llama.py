@@ -35,8 +35,8 @@ from engine.kernels.forward_plan import (
     ForwardPlan,
     GgufBlock,
     GgufBlocks,
+    LayerBlocks,
     build_plan,
-    layer_blocks,
     on_huge_pages,
     planned_decode,
     planned_forward,
@@ -54,6 +54,28 @@ logger = logging.getLogger(__name__)
 # NEAR_MAX_CANDIDATES of them per row (more, rarely: the torch path).
 NEAR_MAX_REL = 2.0**-6
 NEAR_MAX_CANDIDATES = 8
+
+
+# A layer's fused linears (qkv, o, gate_up, down) as the checkpoint's HF-named matrices make them.
+_FUSED_PARTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))  # fmt: skip
+
+
+def layer_blocks(blocks: GgufBlocks | None, index: int) -> LayerBlocks | None:
+    """Layer `index`'s qkv, o, gate_up and down blocks, the fused ones concatenated as their
+    weights are (None for a matrix whose parts are missing or of different block types)."""
+    if not blocks:
+        return None
+    fused: list[GgufBlock | None] = []
+    for parts in _FUSED_PARTS:
+        found = [blocks.get(f"model.layers.{index}.{part}.weight") for part in parts]
+        kinds = {b[0] for b in found if b is not None}
+        if any(b is None for b in found) or len(kinds) != 1:
+            fused.append(None)
+            continue
+        tensors = [b[1] for b in found if b is not None]
+        fused.append((kinds.pop(), tensors[0] if len(tensors) == 1 else torch.cat(tensors)))
+    return tuple(fused)
 
 
 class LlamaAttention(nn.Module):
@@ -148,7 +170,8 @@ class LlamaModel(nn.Module):
         """Plan the eager CPU forward (engine/kernels/forward_plan.py); returns whether a plan was made
         (never for a layer that is not `plannable`: the plan would skip its switches)."""
         plannable = all(getattr(layer, "plannable", False) for layer in self.layers)
-        self.plan = build_plan(self, blocks, batch_invariant) if plannable else None
+        per_layer = [layer_blocks(blocks, i) for i in range(len(self.layers))] if blocks else None
+        self.plan = build_plan(self, per_layer, batch_invariant) if plannable else None
         return self.plan is not None
 
     def warm_up_linears(self, max_rows: int) -> float:

@@ -33,7 +33,7 @@ from engine.kernels import batch_invariance
 from engine.model import registry
 from engine.model.arch import ModelArch
 from engine.model.dummy import init_dummy_weights
-from engine.model.gguf_loader import load_gguf_state_dict, open_gguf
+from engine.model.gguf_loader import gguf_tensor_types, load_gguf_state_dict, open_gguf
 from engine.model.hf_loader import load_hf_state_dict, read_hf_arch
 from engine.model.llama import LlamaForCausalLM
 from engine.model.source import ModelSource, resolve_source
@@ -183,3 +183,14 @@ def _dtype(name: str, source: ModelSource, device: torch.device | None = None) -
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch_dtype(resolve_dtype(name, device, source.kind, source.path))
+
+
+def planned_step_weights(config: ModelConfig, dtype: str) -> dict[str, str]:
+    """`batch_invariance.planned_step_weights` of the model `config` names: its GGUF's tensor
+    types read here (metadata only), for a run's summary.json without loading the model."""
+    try:
+        source = resolve_source(config.model)
+    except ValueError:  # a shape only the workbench's run folder holds: dummy weights, no blocks
+        return {"all": dtype}
+    gguf = source.kind == "gguf" and config.load_format in ("auto", "gguf")
+    return batch_invariance.planned_step_weights(config, dtype, gguf_tensor_types(source.path) if gguf else None)

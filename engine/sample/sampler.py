@@ -29,11 +29,11 @@ from functools import cached_property
 import torch
 
 from engine.kernels.cpu_kernels import kernels
-from engine.outputs import TokenLogprobs
 from engine.sample.inverse_cdf import Workspace
 from engine.sample.row_weights import RowWeights
 from engine.sample.top_k import TopKCandidates, takes_top_k_path
 from engine.sampling_params import SamplingParams
+from engine.seam import TokenLogprobs
 
 
 @dataclass

@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.outputs import TokenLogprobs
 from engine.sample.sampler import Sampler, SamplingBatch, apply_top_k_top_p_min_p
 from engine.sampling_params import SamplingParams
+from engine.seam import TokenLogprobs
 
 
 def logits_layout(cu: np.ndarray, sample_idx: np.ndarray, drafts_of: list[list[int]]) -> np.ndarray:

@@ -29,9 +29,9 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.hooks import NULL_HOOKS, StepHooks
-from engine.outputs import TokenLogprobs
 from engine.sample.logits_mask import apply_bitmask
 from engine.sample.sampler import Sampler, SamplingBatch
+from engine.seam import TokenLogprobs
 from engine.spec_decode.verify import logits_layout, sample_with_drafts
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.compiled import CompiledForward, ForwardMode

@@ -10,10 +10,12 @@ from engine.attention.registry import get_attention_backend
 from engine.config import CacheConfig, ConfigLimitError, EngineConfig
 from engine.dtypes import torch_dtype
 from engine.hugepages import zeros_huge_in_background
+from engine.kernels import options as kernel_options
 from engine.kernels.kernel_choices import quantized_decode_fallback
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
 from engine.kv_transfer.worker_step import execute_with_connector
+from engine.model.gguf_loader import gguf_layer_kinds
 from engine.platform import resolve_device, resolve_dtype
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
@@ -57,6 +59,7 @@ def cover_positions(model: torch.nn.Module, max_model_len: int) -> None:
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        kernel_options.configure(config.kernels)  # before anything loads a kernel (engine/kernels/options.py)
         self.device = resolve_device(config.device.device)
         if config.device.num_threads > 0 and self.device.type == "cpu":
             torch.set_num_threads(config.device.num_threads)
@@ -97,8 +100,10 @@ class Worker:
             packed = self.model.prepack(self.config.model.quantized_decode)
             if packed:
                 logger.info("prepacked %d weight matrices for oneDNN", packed)
+            gguf = getattr(self.model, "gguf_path", None)
             if (fallback := quantized_decode_fallback(self.model, self.config.model.quantized_decode,
-                                                      self.config.model.batch_invariant)) is not None:
+                                                      self.config.model.batch_invariant,
+                                                      lambda: gguf_layer_kinds(gguf) if gguf else [])) is not None:
                 logger.warning(fallback)
         kv_caches = pending_kv.result()
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.outputs import EngineCoreOutput, TokenLogprobs
 from engine.request import Request, RequestStatus, finish_reason, is_finished
+from engine.seam import EngineCoreOutput, TokenLogprobs
 
 # RequestStatus -> FinishReason value (finished statuses only).
 _FINISH_REASON_VALUES = {s: int(finish_reason(s)) for s in RequestStatus if is_finished(s)}

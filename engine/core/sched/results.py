@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 from engine.core.sched import placeholders
 from engine.core.sched.output import make_output
 from engine.core.sched.stop_checker import check_stop
-from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
+from engine.seam import EngineCoreOutput
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:

@@ -56,8 +56,8 @@ from engine.core.sched.request_queue import create_request_queue
 from engine.core.sched.results import StepResults
 from engine.core.sched.stats import SchedulerStats
 from engine.core.sched.step_plan import StepPlan
-from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus, is_finished
+from engine.seam import EngineCoreOutput
 from engine.step_io import SchedulerOutput
 
 if TYPE_CHECKING:

@@ -16,12 +16,10 @@
 
 namespace servelab {
 
-// Whether the AMX path may run (where it is built and the CPU has it): on unless SERVELAB_CPU_AMX=0;
-// `set_amx_attention` changes it (tests and A/B benchmarks run both paths in one process).
-static std::atomic<bool> g_amx_enabled{[] {
-  const char* e = std::getenv("SERVELAB_CPU_AMX");
-  return !(e && e[0] == '0');
-}()};
+// Whether the AMX path may run (where it is built and the CPU has it): on until `set_amx_attention`
+// says otherwise (engine/kernels/paged_attention.py sets it from `kernels.amx` when the op loads;
+// tests and A/B benchmarks run both paths in one process).
+static std::atomic<bool> g_amx_enabled{true};
 
 // Fewer query rows than this take the AVX-512 path where AMX is on: a row's tile products leave
 // most of the tile unused, and cold-cache decode of SmolLM2's 30 layers at 256 tokens (2 Sapphire

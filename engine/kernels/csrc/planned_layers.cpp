@@ -57,12 +57,10 @@ const LayerOps& layer_ops() {
 #define SERVELAB_DECODE_TEAM 1
 #endif
 
-// The team step (below): on unless SERVELAB_DECODE_TEAM=0 in the environment; `set_decode_team`
-// switches it (tests and A/B benchmarks run both in one process). g_team_steps counts its steps.
-std::atomic<bool> g_team_enabled{[] {
-  const char* e = std::getenv("SERVELAB_DECODE_TEAM");
-  return !(e && e[0] == '0');
-}()};
+// The team step (below): on until `set_decode_team` says otherwise (engine/kernels/planned_layers.py
+// sets it from `kernels.decode_team` when the op loads; tests and A/B benchmarks run both in one
+// process). g_team_steps counts its steps.
+std::atomic<bool> g_team_enabled{true};
 std::atomic<int64_t> g_team_steps{0};
 
 #if defined(SERVELAB_DECODE_TEAM)
