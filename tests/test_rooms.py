@@ -118,3 +118,40 @@ def test_the_engine_never_imports_the_workbench() -> None:
     bad = [f"{path.relative_to(ROOT)}:{line} imports {name}" for path in engine_files()
            for name, line in imported(path) if name.split(".")[0] in WORKBENCH]  # fmt: skip
     assert not bad, "the engine imports the workbench:\n" + "\n".join(bad)
+
+
+# Every environment variable the engine reads, and why it is not a behaviour switch of ours.
+ENVIRONMENT = {
+    "SERVELAB_CPU_AMX": "overrides kernels.amx, read into the field (engine/config.py KERNEL_ENV_OVERRIDES)",
+    "SERVELAB_CPU_DPBF16": "overrides kernels.avx512_bf16, likewise",
+    "SERVELAB_ONEDNN_FP32": "overrides kernels.float32_linear, likewise",
+    "SERVELAB_DECODE_TEAM": "overrides kernels.decode_team, likewise",
+    "SERVELAB_CPU_MARCH": "a build override: the -march the C++ kernels are built for (cpu_extension.MARCH_ENV)",
+    "TRITON_INTERPRET": "Triton's own switch: its kernels on a CPU",
+    "RANK": "torch.distributed's env:// rendezvous",
+    "LOCAL_RANK": "torch.distributed's env:// rendezvous",
+    "WORLD_SIZE": "torch.distributed's env:// rendezvous",
+    "MASTER_ADDR": "torch.distributed's env:// rendezvous",
+    "MASTER_PORT": "torch.distributed's env:// rendezvous",
+    "GLOO_SOCKET_IFNAME": "gloo's interface choice (engine/distributed/parallel_state.py pins it)",
+    "OMP_NUM_THREADS": "OpenMP's thread count: servelab-serve leaves it alone where the user set it",
+}
+
+
+def test_the_engine_reads_only_the_named_environment_variables() -> None:
+    """`os.environ` / `getenv` in engine/ (Python and C++) name only ENVIRONMENT's variables."""
+    import re
+
+    from engine.config import KERNEL_ENV_OVERRIDES
+
+    found: dict[str, str] = {}
+    pattern = re.compile(r"""(?:environ(?:\.get)?\(?\[?|getenv\()\s*["']([A-Z_0-9]+)["']|"([A-Z_0-9]+)" not in os\.environ""")
+    for path in sorted((ROOT / "engine").rglob("*")):
+        if path.suffix not in (".py", ".cpp", ".h"):
+            continue
+        for match in pattern.finditer(path.read_text()):
+            found[match.group(1) or match.group(2)] = str(path.relative_to(ROOT))
+    found |= {var: "engine/config.py" for var in KERNEL_ENV_OVERRIDES.values()}
+    unknown = {var: where for var, where in found.items() if var not in ENVIRONMENT}
+    assert not unknown, f"environment variables read in engine/ and not named here: {unknown}"
+    assert {"TRITON_INTERPRET", "RANK", "SERVELAB_CPU_AMX"} <= set(found)  # the scan sees each form

@@ -42,6 +42,7 @@ from engine.kernels.forward_plan import (
     planned_forward,
     warm_up_linears,
 )
+from engine.kernels.kernel_choices import block_linear_choice
 from engine.model.arch import ModelArch
 from engine.model.gguf_loader import load_gguf_blocks
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -399,8 +400,9 @@ class LlamaForCausalLM(nn.Module):
         the AVX-512 quant packs where they run, else cpu_blocks on AVX2 or its scalar reference);
         returns how many matrices were packed for oneDNN."""
         n = prepack_linears(self)
-        blocks = self._gguf_blocks() if quantized_decode and not self.batch_invariant else None
-        avx512_blocks = blocks is not None and self._lm_head_weight().dtype == torch.bfloat16 and amx_linear.quant_available()
+        reader = block_linear_choice(str(self._lm_head_weight().dtype).removeprefix("torch."))
+        blocks = self._gguf_blocks(reader) if quantized_decode and not self.batch_invariant else None
+        avx512_blocks = blocks is not None and reader == "avx512-vnni"
         if blocks is not None and not avx512_blocks:
             self._attach_blocks(blocks)
         if n:
@@ -452,14 +454,11 @@ class LlamaForCausalLM(nn.Module):
         """Which weights the linears multiply, by step size (batch_invariance.step_weights)."""
         return batch_invariance.step_weights(self)
 
-    def _gguf_blocks(self) -> GgufBlocks | None:
+    def _gguf_blocks(self, reader: str) -> GgufBlocks | None:
         """The checkpoint's block matrices for the decode kernels that read them, where they can
-        apply: a GGUF file, bfloat16 or float32 weights on the CPU, kernels built for this CPU
-        (amx_linear's quant packs in bfloat16 on AVX-512, else cpu_blocks)."""
-        weight = self._lm_head_weight()
-        if self.gguf_path is None or weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
-            return None
-        if not (weight.dtype == torch.bfloat16 and amx_linear.quant_available()) and cpu_blocks.block_ops() is None:
+        apply: a GGUF file, weights on the CPU and a kernel here that reads them in their dtype
+        (`reader`: kernel_choices.block_linear_choice)."""
+        if self.gguf_path is None or self._lm_head_weight().device.type != "cpu" or reader == "none":
             return None
         return load_gguf_blocks(self.gguf_path, self.arch)
 
