@@ -43,8 +43,8 @@ from peers import ROOT, LlamaCppBinaries, Peer, free_port, llamacpp_binaries, ll
 from round_conditions import RoundConditions, RunnableSampler, busy_processes, startup_choices
 from side_by_side import LLAMACPP_SAMPLING_EXTRA, SAMPLING
 
+from analysis.metrics import summarize
 from workloads.driver import run_workload
-from workloads.metrics import summarize
 from workloads.spec import RequestSpec
 from workloads.targets.openai import OpenAITarget
 from workloads.targets.peer import DEFAULT_LLAMACPP_VENV, PeerMissingError, check_llamacpp

@@ -51,6 +51,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis.metrics import summarize
 from engine.config import EngineConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.executor.inprocess import InProcessExecutor
@@ -58,7 +59,6 @@ from engine.sim.calibrated import CalibratedStepModel
 from engine.sim.executor import SimulatedExecutor
 from engine.sim.model_counts import load_arch
 from workloads.calibration import fit_step_model
-from workloads.metrics import summarize
 from workloads.simulate import Clock, SimResult, WallClock, replay, simulate, trace_token_specs
 from workloads.spec import RequestSpec
 from workloads.traces import TraceRow, load_trace, scale_time, slice_rows

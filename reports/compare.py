@@ -11,7 +11,7 @@ noise?" asks whether the interval of the change excludes 0:
   load, its process placement) cannot be told from an effect, and the row says "too few runs
   to tell noise" instead of a verdict (`servelab-compare --runs N` makes the runs);
 - latency metrics of one value per request (`*_ttft_ms`, `*_tpot_ms`, `*_e2el_ms`) with
-  requests.csv in every run: a two-level bootstrap (`workloads.stats.cluster_bootstrap`): runs,
+  requests.csv in every run: a two-level bootstrap (`analysis.stats.cluster_bootstrap`): runs,
   then requests within each run; each resampled run's metric (mean, median, std or
   percentile of its resampled requests) is averaged over the resampled runs;
 - other metrics (throughputs, ITL metrics, whose token gaps are correlated within a request):
@@ -29,15 +29,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from reports.page import Section, html_table, render_page
-from reports.run_data import RunData, RunFolderError, load_run, numeric_summary
-from workloads.stats import (
+from analysis.stats import (
     Interval,
     cluster_bootstrap,
     coefficient_of_variation,
     nan_quantile,
     relative_change,
 )
+from reports.page import Section, html_table, render_page
+from reports.run_data import RunData, RunFolderError, load_run, numeric_summary
 
 LATENCY_RE = re.compile(r"^(mean|median|std|p\d+)_(ttft|tpot|e2el)_ms$")
 MIN_RUNS = 3

@@ -4,7 +4,8 @@
 contributors beyond noise (share, ms per output token, interval, the operators that moved) with
 the folded rest on one line, a bar chart of the contributions (inline SVG, an interval whisker
 on each bar), and the step composition of both sides. `explain_page(report)` wraps it in a
-page. Reads only the report dict of `workloads.explain.explain`.
+page, and `write_outputs` both as explain.html and explain.json. Reads only the report dict of
+`analysis.explain.explain`.
 """
 
 from __future__ import annotations
@@ -108,6 +109,17 @@ def explain_page(report: dict[str, Any], title: str = "servelab-explain") -> str
             f"<h1>{escape(title)}</h1>{explain_section(report)}</body></html>")  # fmt: skip
 
 
+def write_outputs(report: dict[str, Any], out_dir: Path, title: str) -> tuple[Path, Path]:
+    """explain.json and explain.html in `out_dir`; their paths."""
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js, page = out_dir / "explain.json", out_dir / "explain.html"
+    js.write_text(json.dumps(report, indent=2, default=float))
+    page.write_text(explain_page(report, title))
+    return js, page
+
+
 def reps_from_run(run_dir: Path) -> dict[str, Any]:
     """A run folder's profiled steps as one explain rep (workloads/explain_probe.py's shape).
 
@@ -155,7 +167,7 @@ def explain_runs(a: list[Path], b: list[Path]) -> dict[str, Any]:
     """servelab-compare --explain: one rep per run folder, run i of A paired with run i of B;
     with one run a side, each run's profiled steps are split into up to five consecutive segments,
     segment k of A paired with segment k of B (within-run noise only: said in the report's notes)."""
-    from workloads.explain import explain
+    from analysis.explain import explain
 
     base, cand = [reps_from_run(p) for p in a], [reps_from_run(p) for p in b]
     notes = []

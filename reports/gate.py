@@ -15,7 +15,7 @@ new runs:
   otherwise raw values are compared and the check says so;
 - a metric regresses when its relative change in the bad direction exceeds its
   tolerance and, with >= 2 runs on both sides, the bootstrap CI of the change of
-  medians (runs resampled on each side, `workloads.stats.cluster_bootstrap` with one value
+  medians (runs resampled on each side, `analysis.stats.cluster_bootstrap` with one value
   per run) excludes 0 (the change is not noise).
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 import yaml
 
 import conf
-from workloads.stats import cluster_bootstrap, relative_change
+from analysis.stats import cluster_bootstrap, relative_change
 
 DEFAULT_CONFIG = Path(conf.__file__).parent / "gate" / "default.yaml"
 EPS = 1e-9

@@ -115,16 +115,6 @@ def load_run(path: str | Path) -> RunData:
     return run
 
 
-def json_list(cell: Any) -> list[float]:
-    """A JSON list stored in a CSV cell (token_times, itls_ms); [] when empty or bad."""
-    if not isinstance(cell, str) or not cell.strip():
-        return []
-    try:
-        return [float(x) for x in json.loads(cell)]
-    except (ValueError, TypeError):
-        return []
-
-
 def numeric_summary(summary: dict[str, Any] | None) -> dict[str, float]:
     """Numeric scalar entries of a summary.json (bools excluded)."""
     out = {}

@@ -1,14 +1,14 @@
 """The run report's load-phase section: saturation, the steady-state window beside the whole
-run, and time slices (workloads/saturation.py, workloads/steady_state.py)."""
+run, and time slices (workloads/saturation.py, analysis/steady_state.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
+from analysis.steady_state import csv_frame, in_flight, steady_window, time_slices, window_figures
 from reports.page import Section, html_table, new_figure, render
 from reports.run_data import RunData
-from workloads.steady_state import csv_frame, in_flight, steady_window, time_slices, window_figures
 
 COMPARED = ("output_throughput", "request_throughput", "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms",
             "mean_tpot_ms", "p99_tpot_ms", "mean_e2el_ms", "p99_e2el_ms")  # fmt: skip

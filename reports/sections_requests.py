@@ -12,8 +12,9 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from analysis.runfolder import json_list
 from reports.page import Section, html_table, new_figure, render
-from reports.run_data import RunData, json_list
+from reports.run_data import RunData
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL"))
 PERCENTILES = (50, 90, 95, 99)

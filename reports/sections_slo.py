@@ -1,6 +1,6 @@
 """The SLO-miss section: why requests missed, and the worst ones drawn against the batch.
 
-Recomputed from requests.csv, steps.csv and step_members.csv (workloads/attribution.py), so a
+Recomputed from requests.csv, steps.csv and step_members.csv (analysis/attribution.py), so a
 report rebuilt from an old run folder gets it too. Each component, as the page's note says:
 queueing (engine arrival -> first scheduled), preemption (out of the batch after its first
 scheduling + the steps that recomputed it), prefill_interference (its steps' time x other
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import pandas as pd
 
+from analysis.attribution import CAUSES, attribute, attribution_frame, miss_summary
+from analysis.runfolder import read_requests, records_from_frame
+from analysis.step_members import read_members
 from reports.page import Section, html_table, new_figure, render
 from reports.run_data import RunData
-from workloads.attribution import CAUSES, attribute, attribution_frame, miss_summary
-from workloads.runfolder import read_requests, records_from_frame
-from workloads.step_members import read_members
 
 WORST = 6
 _COLORS = {"queued": "#9e9e9e", "prefill": "#ff7f0e", "decode": "#1f77b4"}
@@ -33,7 +33,7 @@ def slo_misses(run: RunData) -> Section:
                       "(its steps' share of other requests' prefill tokens), prefill / decode (its own compute at "
                       "one row), batch_size (decode above one row; not a cause when the batch never varied), "
                       "front_end (client minus engine), harness_lateness (TTFT and E2EL only). See "
-                      "workloads/attribution.py.")  # fmt: skip
+                      "analysis/attribution.py.")  # fmt: skip
     slo = run.slo()
     if not slo:
         s.missing = "No SLO set for this run (slo.ttft_ms / slo.tpot_ms / slo.e2el_ms)."

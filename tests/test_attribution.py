@@ -11,12 +11,12 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from analysis.attribution import DecodeLine, attribute, attribution_frame, fit_decode_line, miss_summary
+from analysis.record import RequestRecord
 from engine.config import EngineConfig
 from engine.model.arch import ModelArch
 from engine.sim.calibrated import CalibratedStepModel
 from engine.sim.executor import SimulatedExecutor
-from workloads.attribution import DecodeLine, attribute, attribution_frame, fit_decode_line, miss_summary
-from workloads.record import RequestRecord
 from workloads.simulate import simulate
 from workloads.spec import RequestSpec
 
@@ -101,8 +101,8 @@ def test_report_section_names_the_causes_and_draws_the_worst(tmp_path) -> None: 
 
     import yaml
 
+    from analysis import runfolder
     from reports.run_report import build_report
-    from workloads import runfolder
 
     decoders = [_spec(f"d{i}", 0.0, 16, 120) for i in range(3)]
     long_prompts = [_spec(f"p{i}", 0.1 + 0.2 * i, 4000, 2) for i in range(8)]

@@ -28,13 +28,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from analysis.attribution import Attribution, attribute
+from analysis.record import TargetResult
+from analysis.runfolder import steps_frame
+from analysis.step_members import members_frame
 from engine.config import EngineConfig
-from workloads.attribution import Attribution, attribute
 from workloads.driver import RunResult, run_workload
-from workloads.record import TargetResult
-from workloads.runfolder import steps_frame
 from workloads.spec import RequestSpec
-from workloads.step_members import members_frame
 from workloads.targets.base import OnToken
 from workloads.targets.engine import EngineTarget
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from analysis.attribution import attribute
+from analysis.record import RequestRecord
+from analysis.step_members import members_frame, read_members, write_members
 from engine.config import EngineConfig
 from engine.model.arch import ModelArch
 from engine.sim.calibrated import CalibratedStepModel
 from engine.sim.executor import SimulatedExecutor
-from workloads.attribution import attribute
-from workloads.record import RequestRecord
 from workloads.simulate import simulate
 from workloads.spec import RequestSpec
-from workloads.step_members import members_frame, read_members, write_members
 
 STEP_COLUMNS = ["step", "time", "step_time", "num_prefill_tokens", "num_decode_tokens", "num_decode_reqs",
                 "num_preemptions"]  # fmt: skip

@@ -29,8 +29,8 @@ PROMPTS = [[(i * 7919 + j * 104729) % 30000 + 100 for j in range(IN)] for i in r
 
 def _workbench(base_url: str, model: str) -> tuple[float, float]:
     """(median TTFT ms, the driver's largest lateness ms) of one round, as servelab-run drives it."""
+    from analysis.metrics import summarize
     from workloads.driver import Driver
-    from workloads.metrics import summarize
     from workloads.spec import RequestSpec
     from workloads.targets.openai import OpenAITarget
 

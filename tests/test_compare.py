@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from report_fixtures import make_run
 
-from reports.cli import compare_main
 from reports.compare import TOO_FEW, change_interval, compare
 from reports.gate import load_gate_config
 from workloads import compare_runs
+from workloads.compare_cli import compare_main
 
 TESTS = Path(__file__).resolve().parent
 

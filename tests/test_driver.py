@@ -7,8 +7,8 @@ import pytest
 from test_metrics import target as metric_target
 from test_metrics import workload as metric_workload
 
+from analysis.metrics import summarize
 from workloads.driver import Driver, run_workload
-from workloads.metrics import summarize
 from workloads.spec import RequestSpec
 from workloads.targets.scripted import Script, ScriptedTarget
 

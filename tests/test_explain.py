@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from analysis.explain import explain, format_explain
 from engine.hooks import NullHooks
-from workloads.explain import Side, explain, format_explain, run_pairs
+from workloads.explain_pairs import Side, run_pairs
 from workloads.explain_probe import find_model
 from workloads.gate_worker import spin_cpu
 
@@ -66,7 +67,7 @@ def mlp_extra_matmul(llm: Any) -> contextlib.AbstractContextManager[None]:
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[Any]:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     torch.set_num_threads(1)
     engine = LLM(model="smollm2", max_num_seqs=8, num_gpu_blocks_override=64)
@@ -124,7 +125,7 @@ def test_mlp_matmul_is_named_with_its_op(llm: Any) -> None:
 
 
 def test_fewer_kv_blocks_is_composition(llm: Any) -> None:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     small = LLM(model="smollm2", max_num_seqs=8, num_gpu_blocks_override=6)
     try:

@@ -105,7 +105,7 @@ def _run_folder(path: Path, mm_ms: float, jitter: float) -> Path:
 
 
 def test_compare_explain_names_the_slower_operator(tmp_path, capsys) -> None:
-    from reports.cli import compare_main
+    from workloads.compare_cli import compare_main
 
     for k in range(2):
         _run_folder(tmp_path / "a" / f"run_{k}", 1.0, 0.01 * (k + 1))

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from workloads.explain import explain
+from analysis.explain import explain
 
 GROUPS = ("attention", "linears", "mlp", "norm", "embedding", "lm head / logits", "rope", "sampler ops")
 PHASES = {"schedule": 0.4, "prepare": 0.8, "sample": 1.2, "update": 0.3, "other": 0.2}  # ms per step
@@ -76,3 +76,13 @@ def test_a_real_change_is_still_named_at_five_pairs() -> None:
             rep["wall_s"] += 0.5e-3 * ms
     report = explain(base, cand)
     assert [e["component"] for e in report["contributors"]] == ["forward › mlp"], report["contributors"]
+
+
+def test_the_rep_format_names_agree_with_the_probe() -> None:
+    """The probe imports only torch (a baseline tree loads it by path), so it keeps its own copy
+    of the rep's phase names and host group; they must be the ones the decomposition reads."""
+    from analysis import explain as decomposition
+    from workloads import explain_probe
+
+    assert tuple(explain_probe.PHASE_FIELDS) == decomposition.STEP_PHASES
+    assert explain_probe.HOST_GROUP == decomposition.HOST_GROUP

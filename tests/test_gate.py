@@ -6,8 +6,8 @@ import json
 
 from report_fixtures import make_run
 
-from reports.cli import gate_main
 from reports.gate import check, load_gate_config, make_baseline
+from workloads.gate_cli import gate_main
 
 
 def test_same_run_passes_and_writes_verdict(tmp_path, capsys):

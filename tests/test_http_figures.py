@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
+from analysis.metrics import scraped_summary, summarize
+from analysis.runfolder import scraped_frame
 from workloads.driver import run_workload
 from workloads.factory import resolve_salt, salt_prompts
-from workloads.metrics import scraped_summary, summarize
-from workloads.runfolder import scraped_frame
 from workloads.spec import RequestSpec
 from workloads.targets.openai import parse_gauges
 from workloads.targets.scripted import Script, ScriptedTarget

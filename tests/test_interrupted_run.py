@@ -19,8 +19,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from analysis.runfolder import JOURNAL
 from reports.cli import report_main
-from workloads.runfolder import JOURNAL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[1]

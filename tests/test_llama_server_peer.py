@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import peers  # noqa: E402
 import serving_sides  # noqa: E402
 
+from analysis.record import RequestRecord  # noqa: E402
 from workloads.driver import run_workload  # noqa: E402
-from workloads.record import RequestRecord  # noqa: E402
 
 MISSING = peers.llamacpp_missing()
 STREAMS = 8

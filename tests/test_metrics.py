@@ -6,9 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from workloads.metrics import summarize
-from workloads.record import token_times_from_chunks
-from workloads.runfolder import read_requests, read_summary, records_from_frame, write_requests, write_summary
+from analysis.metrics import summarize
+from analysis.record import token_times_from_chunks
+from analysis.runfolder import read_requests, read_summary, records_from_frame, write_requests, write_summary
 from workloads.spec import RequestSpec
 from workloads.targets.scripted import Script, ScriptedTarget
 

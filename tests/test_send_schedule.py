@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from analysis.record import RequestRecord, TargetResult
 from workloads.driver import run_workload
-from workloads.record import RequestRecord, TargetResult
 from workloads.record_builder import build_record, record_from_result
 from workloads.send_schedule import Send, SendSchedule
 from workloads.spec import RequestSpec

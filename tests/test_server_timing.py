@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workloads.metrics import summarize
+from analysis.metrics import summarize
 from workloads.record_builder import record_from_result
 from workloads.spec import RequestSpec
 from workloads.targets.openai import _Stream
@@ -93,7 +93,7 @@ def test_server_with_4_token_chunks_matches_engine_itl(tmp_path: Path) -> None:
 
     from conf.schema import RunConfig, compose_typed
     from workloads.driver import Driver
-    from workloads.experiment import write_serve_config
+    from workloads.targets.build import write_serve_config
     from workloads.targets.engine import ServerTarget
 
     cfg = compose_typed(RunConfig, "run", ["model.load_format=dummy", "model.num_layers_override=2",

@@ -180,7 +180,7 @@ def _lowest(name: str) -> str:
 
 STATS_SCRIPT = """
 import numpy as np, scipy
-from workloads import stats
+from analysis import stats
 rng = np.random.default_rng(0)
 clusters = [rng.normal(1.0, 0.1, 5) for _ in range(8)]
 iv = stats.cluster_bootstrap([clusters], lambda x: stats.pooled_median(x), resamples=200, seed=1)
@@ -194,7 +194,7 @@ print("numpy", np.__version__, "scipy", scipy.__version__, "interval", iv.low, i
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_lowest_declared_versions_run_the_statistics_module(tmp_path: Path) -> None:
-    """workloads/stats.py (numpy and scipy only) in a clean venv with the lowest release series
+    """analysis/stats.py (numpy and scipy only) in a clean venv with the lowest release series
     pyproject.toml admits of each (`==X.*`: the series of its lower bound, that series' latest
     patch): scipy.stats.bootstrap's `rng=` came with SciPy 1.15, so `scipy>=1.11` was a lie."""
     versions = {name: _lowest(name) for name in ("numpy", "scipy")}

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
+from analysis.metrics import summarize
 from engine.config import EngineConfig
 from engine.model.arch import ModelArch
 from engine.sim.calibrated import CalibratedStepModel
 from engine.sim.executor import SimulatedExecutor
-from workloads.metrics import summarize
 from workloads.simulate import WallClock, simulate, trace_token_specs
 from workloads.spec import RequestSpec
 from workloads.traces import TraceRow

@@ -19,7 +19,7 @@ from sched_utils import make_request, make_scheduler, step
 from test_oracle import PROMPTS, SYSTEM
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sample.sampler import Sampler, SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.proposer import NgramProposer
@@ -328,10 +328,10 @@ def test_sampled_with_speculation_has_the_distribution_without(engines: tuple[LL
 
 
 def test_spec_metrics_in_steps_requests_and_prometheus() -> None:
+    from analysis.record import RequestRecord
+    from analysis.runfolder import request_row, steps_frame
     from engine.metrics.prometheus import PrometheusMetrics
-    from engine.outputs import StepStats
-    from workloads.record import RequestRecord
-    from workloads.runfolder import request_row, steps_frame
+    from engine.seam import StepStats
 
     stats = [StepStats(step=0, time=1.0, num_drafts=2, num_draft_tokens=6, num_accepted_tokens=3,
                        num_accepted_tokens_per_pos=[2, 1]),
@@ -341,8 +341,8 @@ def test_spec_metrics_in_steps_requests_and_prometheus() -> None:
     assert frame["num_accepted_tokens_per_pos"].tolist() == ["[2, 1]", "[]"]
     assert frame["spec_mean_accepted_length"].tolist()[0] == 2.5  # 1 + 3 accepted / 2 requests
     assert frame["spec_acceptance_rate"].isna().tolist() == [False, True]
+    from analysis.metrics import step_summary
     from reports.sections_engine import _speculation_figure
-    from workloads.metrics import step_summary
 
     summary = step_summary(frame)
     assert summary["spec_decode_acceptance_rate"] == 0.5 and summary["spec_decode_mean_acceptance_length"] == 2.5

@@ -1,4 +1,4 @@
-"""The one statistics module (workloads/stats.py; issue 37 items 1-2): a cluster bootstrap on
+"""The one statistics module (analysis/stats.py; issue 37 items 1-2): a cluster bootstrap on
 scipy.stats, the rank test beside it, and the paired gate resampling whole generations."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workloads.gate_stats import MetricRule, judge
-from workloads.stats import (
+from analysis.stats import (
     cluster_bootstrap,
     coefficient_of_variation,
     mean_interval,
@@ -18,18 +17,19 @@ from workloads.stats import (
     pooled_median,
     rank_test,
 )
+from workloads.gate_stats import MetricRule, judge
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_one_bootstrap_in_the_workbench():
-    """`grep -rn "def .*bootstrap" workloads reports` finds only workloads/stats.py."""
+    """`grep -rn "def .*bootstrap" analysis workloads reports` finds only analysis/stats.py."""
     found = []
-    for folder in ("workloads", "reports"):
+    for folder in ("analysis", "workloads", "reports"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             found += [f"{path.relative_to(ROOT)}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1)
                       if re.search(r"def .*bootstrap", line)]  # fmt: skip
-    assert [f.split(":")[0] for f in found] == ["workloads/stats.py"], found
+    assert [f.split(":")[0] for f in found] == ["analysis/stats.py"], found
 
 
 def _shared_offsets(seed: int = 3) -> tuple[list[float], list[float], list[int]]:

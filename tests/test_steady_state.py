@@ -1,4 +1,4 @@
-"""Steady-state window and time slices (workloads/steady_state.py), in summary.json and the
+"""Steady-state window and time slices (analysis/steady_state.py), in summary.json and the
 run report."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from workloads.record import RequestRecord
-from workloads.steady_state import csv_frame, request_frame, steady_summary, steady_window, time_slices
+from analysis.record import RequestRecord
+from analysis.steady_state import csv_frame, request_frame, steady_summary, steady_window, time_slices
 
 
 def _run(

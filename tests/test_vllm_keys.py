@@ -16,10 +16,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workloads.metrics import summarize
-from workloads.record import TargetResult
+from analysis.metrics import summarize
+from analysis.record import TargetResult
+from analysis.runfolder import read_requests, records_from_frame, write_requests
 from workloads.record_builder import record_from_result
-from workloads.runfolder import read_requests, records_from_frame, write_requests
 from workloads.spec import RequestSpec
 from workloads.targets.engine import _step_chunks
 

@@ -128,8 +128,8 @@ class _VllmBench:
 
 def _workbench(base_url: str, model: str) -> dict:
     """The same load through the workbench's driver and openai target; its summary."""
+    from analysis.metrics import summarize
     from workloads.driver import Driver
-    from workloads.metrics import summarize
     from workloads.spec import RequestSpec
     from workloads.targets.openai import OpenAITarget
 
@@ -153,7 +153,7 @@ def _records_from_vllm(result: dict) -> list:
     """vLLM's own per-request timings (`--save-detailed`) as workbench records: sent at its start
     time, one content chunk at start + TTFT and one more after each of its ITLs, done at its latency,
     with its token counts."""
-    from workloads.record import RequestRecord
+    from analysis.record import RequestRecord
 
     t0 = min(result["start_times"])
     records = []
@@ -169,7 +169,7 @@ def _records_from_vllm(result: dict) -> list:
 
 def _same_requests_mismatches(result: dict) -> dict[str, tuple[float, float]]:
     """vLLM-named keys where `summarize` over vLLM's own requests differs from vLLM's figure."""
-    from workloads.metrics import summarize
+    from analysis.metrics import summarize
 
     s = summarize(_records_from_vllm(result))
     got = {k: s[k] for k in SAME_REQUEST_KEYS + ("completed", "total_input_tokens", "total_output_tokens",

@@ -6,8 +6,8 @@ import json
 import pytest
 from aiohttp import web
 
+from analysis.metrics import summarize
 from workloads.driver import run_workload
-from workloads.metrics import summarize
 from workloads.spec import RequestSpec
 from workloads.targets.openai import OpenAITarget, parse_gauges, reconcile_counts
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from analysis.record import RequestRecord
 from workloads.driver import run_workload
 from workloads.lengths import Fixed
 from workloads.prompts import PromptBuilder, default_corpus
-from workloads.record import RequestRecord
 from workloads.sessions import SessionShape, session_workload
 from workloads.synthetic import SharedPrefix, synthetic_workload
 from workloads.targets.scripted import Script, ScriptedTarget

@@ -9,7 +9,7 @@ exists, the overrides themselves separated by spaces. Both configurations replay
 order (A B, B A, A B, ...) so slow drift of the machine falls on both. Per metric the statistic
 is the median of the paired differences B - A (same request, same repeat): a burst of machine
 noise that slows a few requests of one run moves a mean a long way and a median hardly at all.
-Its interval is a cluster bootstrap (workloads/stats.py): repeats, then requests within each
+Its interval is a cluster bootstrap (analysis/stats.py): repeats, then requests within each
 repeat, so run-to-run drift (a busier machine during one repeat) widens the interval instead of
 passing as an effect; with fewer than MIN_REPEATS (3) repeats there is no interval (two clusters
 give a bootstrap only three distinct resamples: identical configurations came out +30% 'significant'). A difference is significant when
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from workloads.stats import cluster_bootstrap, pooled_median
+from analysis.stats import cluster_bootstrap, pooled_median
 
 REQUEST_METRICS = ("ttft_ms", "tpot_ms", "e2el_ms")
 RUN_METRICS = ("output_throughput", "request_throughput")
@@ -107,7 +107,7 @@ def run_one(run_dir: Path, recorded: Path, overrides: list[str]) -> Path:
 
 def compare(a_runs: list[Path], b_runs: list[Path], *, min_effect: float, seed: int = 0) -> list[Difference]:
     """Per-metric paired differences B - A over the repeats (request metrics paired by id)."""
-    from workloads.runfolder import read_requests, read_summary
+    from analysis.runfolder import read_requests, read_summary
 
     out = []
     frames = [(read_requests(a), read_requests(b)) for a, b in zip(a_runs, b_runs, strict=True)]

@@ -6,7 +6,7 @@ processes: a process's placement luck stays with that run) writing `<out>/a/run_
 `<out>/b/run_<k>`), the configurations taking turns (A B, B A, ...) so a drift of the
 machine's load falls on both. With one configuration the table is its repeatability: per
 summary metric the mean over the runs, the standard deviation, the coefficient of variation
-and Student's t interval of the mean (`workloads.stats.mean_interval`), as vLLM's sweeps and
+and Student's t interval of the mean (`analysis.stats.mean_interval`), as vLLM's sweeps and
 AIPerf's multi-run mode report them. With two, the runs are compared (`reports.compare`). It
 lives in `workloads` because it runs experiments; `reports` only reads the folders.
 """
@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from analysis.stats import coefficient_of_variation, mean_interval
 from reports.run_data import load_run, numeric_summary
 from workloads.ab import read_overrides
-from workloads.stats import coefficient_of_variation, mean_interval
 
 SERVELAB_RUN = (sys.executable, "-m", "workloads.cli")
 

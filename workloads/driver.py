@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from engine.outputs import StepStats
-from workloads.record import RequestRecord, TargetResult
+from analysis.record import RequestRecord, TargetResult
+from engine.seam import StepStats
 from workloads.record_builder import record_from_result
 from workloads.saturation import SaturationMonitor
 from workloads.send_schedule import Send, SendSchedule

@@ -11,7 +11,7 @@ and torch module hooks on the model.
 - a range around every module call of the model (`module_ranges`), named by its group:
   attention (LlamaAttention's own ops: rotary, the attention backend), linears (nn.Linear),
   mlp (the MLP's own ops: activation and anything hooked on it), norm, embedding. The CPU
-  forward's plan (engine/model/forward_plan.py: the same ops without module calls) is set aside
+  forward's plan (engine/kernels/forward_plan.py: the same ops without module calls) is set aside
   for the rep, since it calls no module; it is restored afterwards.
 Each op's self time goes to the innermost module range around it; ops in the forward phase
 outside any module are "lm head / logits" (compute_logits runs there).
@@ -20,6 +20,8 @@ Returned (JSON-ready): `{"wall_s", "output_tokens", "steps": [row, ...]}`, one r
 its composition (tokens, prefill tokens, requests, preemptions, prefix hits), its phase seconds
 from StepStats (schedule, prepare, forward, sample, update, other = step_time minus those), and
 `ops`: {"<group>|<op name>": [self ms, calls]} for the forward phase's ops.
+analysis/explain.py decomposes the reps; it keeps its own copy of the phase names and `HOST_GROUP`
+(tests/test_explain_stats.py checks they agree), since this file imports nothing of the workbench.
 """
 
 from __future__ import annotations

@@ -85,6 +85,19 @@ def build_workload(cfg: Any, tokenizer: Any, max_model_len: int) -> tuple[list[R
     return specs, info
 
 
+def plan_workload(cfg: Any, tokenizer: Any, max_len: int, run_dir: Path) -> tuple[list[RequestSpec], dict[str, Any]]:
+    """A run's requests (`cfg`: its RunConfig; replayed when `cfg.replay`), recorded in
+    <run_dir>/workload.jsonl."""
+    from workloads.replay import replayed, write_workload
+
+    specs, extra = build_workload(cfg.workload, tokenizer, max_len)
+    if cfg.replay:
+        specs = replayed(specs, cfg.replay)
+        extra = {**(extra or {}), "replay_of": str(cfg.replay)}
+    write_workload(run_dir, specs)
+    return specs, extra
+
+
 def resolve_salt(setting: str) -> str:
     """`workload.prompt_salt`: "" none, "auto" a new random salt per run, else the text itself."""
     if setting == "auto":

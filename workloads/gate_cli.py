@@ -1,4 +1,7 @@
-"""`servelab-gate --against REF`: the paired gate's options, table and fallback (reports/cli.py parses).
+"""`servelab-gate`: its command line, and `--against REF`: the paired gate's options, table and fallback.
+
+The stored-baseline modes (`--baseline`, `--make-baseline`) read run folders only
+(reports/cli.py `stored_gate`); the command sits here because `--against` runs workloads.
 
 Without git history to compare with (no .git, a shallow clone lacking the commit, a first
 commit) it says so in one line and falls back to the stored-baseline gate: the ci_gate
@@ -11,10 +14,11 @@ import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import conf
+from reports.cli import guard, stored_gate
 from reports.run_data import RunFolderError
 from workloads.gate_stats import format_table
 from workloads.gate_trees import NoHistory
@@ -110,7 +114,7 @@ def paired_gate(args: argparse.Namespace, stored_gate: Callable[[argparse.Namesp
 def explain_failure(args: argparse.Namespace, settings: GateSettings, commit: str, out: Path) -> None:
     """The FAIL's top contributors after the verdict (workloads/explain_cli.py); a failure to
     explain is one line, never a change of the verdict."""
-    from workloads.explain import format_explain
+    from analysis.explain import format_explain
     from workloads.explain_cli import explain_refs
 
     try:
@@ -123,3 +127,31 @@ def explain_failure(args: argparse.Namespace, settings: GateSettings, commit: st
     print(format_explain(report))
     print(f"gate: explained in {out / 'explain.html'} and explain.json")
 
+
+def gate_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="servelab-gate",
+        description="Fail when runs regress against a baseline: a stored one (--baseline) or a git "
+        "commit measured in the same run, pair by pair (--against).",
+    )
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--baseline", help="baseline JSON to compare the runs with")
+    mode.add_argument("--make-baseline", metavar="FILE", help="write a baseline JSON from the runs")
+    mode.add_argument(
+        "--against", metavar="REF",
+        help="paired gate against git REF ('auto': the merge-base with main, else HEAD~1); see docs/benchmarks.md",
+    )
+    parser.add_argument("runs", nargs="*", help="run folders (repeats are compared by median)")
+    parser.add_argument("--config", help="gate config (default conf/gate/default.yaml; --against: conf/gate/paired.yaml)")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="print every check, not only regressions"
+    )
+    add_paired_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.against is None and not args.runs:
+        parser.error("the run folders are required with --baseline / --make-baseline")
+    return guard(_paired_gate if args.against is not None else stored_gate, parser, argv)
+
+
+def _paired_gate(args: argparse.Namespace) -> int:
+    return paired_gate(args, stored_gate=stored_gate)

@@ -7,9 +7,9 @@ statistic is the median of those ratios minus 1 (robust to a pair hit by a burst
 The pairs are not independent draws: the pairs of one generation ran on the same two worker
 processes, whose placement luck (up to ±12% on identical code, workloads/paired_gate.py) they
 all share. The interval therefore resamples whole generations, then pairs within each
-(`workloads.stats.cluster_bootstrap`, percentile), so the real sample, the generations, sets
+(`analysis.stats.cluster_bootstrap`, percentile), so the real sample, the generations, sets
 its width. Beside it the gate prints the exact Wilcoxon signed-rank p-value of the
-per-generation median ratios (`workloads.stats.rank_test`) as a cross-check; it does not
+per-generation median ratios (`analysis.stats.rank_test`) as a cross-check; it does not
 decide (with 4 generations it cannot go below 0.125). A time metric regresses only when both
 hold:
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from workloads.stats import Interval, cluster_bootstrap, pooled_median, rank_test
+from analysis.stats import Interval, cluster_bootstrap, pooled_median, rank_test
 
 EPS = 1e-9
 

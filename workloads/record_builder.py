@@ -1,13 +1,13 @@
 """Building a run's `RequestRecord`s from the `RequestSpec` sent and the times observed.
 
-Above both `workloads.spec` (what was sent) and `workloads.record` (what was measured), so that
+Above both `workloads.spec` (what was sent) and `analysis.record` (what was measured), so that
 neither of those two imports the other: a spec's follow-up hook reads a record, and a record is
-built from a spec. The views and clocks the records hold are described in workloads/record.py.
+built from a spec. The views and clocks the records hold are described in analysis/record.py.
 """
 
 from __future__ import annotations
 
-from workloads.record import RequestRecord, TargetResult, gaps, token_times_from_chunks
+from analysis.record import RequestRecord, TargetResult, gaps, token_times_from_chunks
 from workloads.spec import RequestSpec
 
 
@@ -81,7 +81,7 @@ def build_record(
 
 
 def engine_token_times(first_chunk_s: float, offsets: list[float]) -> list[float]:
-    """Token times on the client clock from the engine's per-token offsets (workloads/record.py's module doc)."""
+    """Token times on the client clock from the engine's per-token offsets (analysis/record.py's module doc)."""
     return [first_chunk_s + off for off in offsets]
 
 

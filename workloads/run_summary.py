@@ -9,16 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from analysis import runfolder
+from analysis.metrics import summarize
+from analysis.step_members import members_frame, write_members
 from conf.schema import RunConfig
-from workloads import runfolder
 from workloads.driver import RunResult
-from workloads.metrics import summarize
 from workloads.saturation import run_health
-from workloads.step_members import members_frame, write_members
+from workloads.targets.registry import target_kind
 from workloads.time_reference import reference_cores
-
-# targets that run this engine on this machine (the others are HTTP servers of any kind)
-ENGINE_TARGETS = ("offline", "inprocess", "server", "pd")
 
 
 def slo_of(cfg: RunConfig) -> dict[str, float | None]:
@@ -45,10 +43,14 @@ def kv_connector_summary(run_dir: Path, steps_df: Any) -> dict[str, Any]:
 
 
 def write_results(
-    cfg: RunConfig, run_dir: Path, result: RunResult, reference: float | None, compile_time_s: float | None = None
+    cfg: RunConfig, run_dir: Path, result: RunResult, reference: float | None, compile_time_s: float | None = None,
+    own: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """requests.csv, steps.csv (the engine's, or scraped from a server's /metrics) and summary.json
-    of a finished (or stopped) run; error.txt where it stopped early. Returns the summary."""
+    of a finished (or stopped) run; error.txt where it stopped early. What summary.json holds beyond
+    every run's figures follows the target's kind (workloads/targets/registry.py), `own` last (the
+    kind's own keys). Returns the summary."""
+    kind = target_kind(cfg.target.kind)
     runfolder.write_requests(run_dir, result.records)
     steps_df = None
     if result.steps:
@@ -60,7 +62,7 @@ def write_results(
     summary = summarize(result.records, slo=slo_of(cfg), steps=steps_df)
     members = members_frame(result.steps or [])
     if write_members(run_dir, members) is not None and "slo_misses" in summary:
-        from workloads.attribution import attribute, miss_summary
+        from analysis.attribution import attribute, miss_summary
 
         # attributed again from each request's own steps (summarize saw no members)
         summary.update(miss_summary(attribute(result.records, steps_df, slo_of(cfg), members)))
@@ -71,18 +73,20 @@ def write_results(
     summary.update(run_health(cfg, result.records))  # saturated? (workloads/saturation.py)
     if result.metrics_error:
         summary["server_metrics"] = f"unavailable: {result.metrics_error}"
-    if cfg.target.kind != "simulated":  # the dtype that ran ("auto" resolved, engine/platform.py)
+    if kind.model_dtype:  # the dtype that ran ("auto" resolved, engine/platform.py)
         from engine.platform import resolve_device, resolve_engine_dtype
 
         summary["dtype"] = resolve_engine_dtype(cfg.model.dtype, cfg.device.device, cfg.model.model)
-        on_cpu = cfg.target.kind in ENGINE_TARGETS and resolve_device(cfg.device.device, check=False).type == "cpu"
+        on_cpu = kind.engine and resolve_device(cfg.device.device, check=False).type == "cpu"
         if on_cpu:  # the linears' kernel, and which weights each step size multiplied
-            from engine.model.batch_invariance import planned_step_weights
-            from engine.model.kernel_choices import cpu_linear_choice, kernel_cpu_flags
+            from engine.kernels import options
+            from engine.kernels.isa import kernel_cpu_flags
+            from engine.kernels.kernel_choices import cpu_linear_choice
+            from engine.model.loader import planned_step_weights
 
+            options.configure(cfg.kernels)  # what the run's engine ran with (its config's kernels section)
             summary.update(cpu_linear_choice(summary["dtype"]))
             summary["cpu_flags"] = kernel_cpu_flags()
-
             summary["linear_weights"] = planned_step_weights(cfg.model, summary["dtype"])
             summary["batch_invariant"] = cfg.model.batch_invariant
     summary.update(kv_connector_summary(run_dir, steps_df))
@@ -93,5 +97,6 @@ def write_results(
         summary["stop_reason"] = result.stop_reason
         summary["partial"] = True
         runfolder.write_error(run_dir, f"run stopped early: {result.stop_reason}")
+    summary.update(own or {})
     runfolder.write_summary(run_dir, summary)
     return summary

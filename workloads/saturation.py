@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from workloads.record import RequestRecord
+from analysis.record import RequestRecord
 from workloads.send_schedule import send_limits
 from workloads.spec import RequestSpec
 
@@ -167,8 +167,8 @@ class SaturationMonitor:
 
 def run_health(cfg: Any, records: Sequence[RequestRecord]) -> dict[str, Any]:
     """The figures workloads/run_summary.py adds to summary.json: saturation (open loop only)
-    and the steady-state window's figures (workloads/steady_state.py; none when saturated)."""
-    from workloads.steady_state import steady_summary
+    and the steady-state window's figures (analysis/steady_state.py; none when saturated)."""
+    from analysis.steady_state import steady_summary
 
     closed_loop, _ = send_limits(cfg)
     out = saturation_summary(records, open_loop=not closed_loop)

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 from workloads.spec import RequestSpec
 
 if TYPE_CHECKING:
+    from analysis.record import RequestRecord
     from conf.schema import RunConfig
-    from workloads.record import RequestRecord
 
 
 def send_limits(cfg: RunConfig) -> tuple[bool, int | None]:

@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from analysis.record import RequestRecord
 from workloads.lengths import LengthDist
 from workloads.prompts import PromptBuilder
-from workloads.record import RequestRecord
 from workloads.spec import RequestSpec
 
 

@@ -5,7 +5,7 @@ requests whose send time has come (on the virtual clock) are added to the engine
 engine has work it steps (each step advances the clock by the modelled step time); when it
 is idle the clock jumps to the next send time. It returns the same `RequestRecord`s the real
 driver produces (times in seconds since the run start, one time per output token: the end of
-the step that produced it), so `workloads.metrics.summarize`, the run folder and the reports
+the step that produced it), so `analysis.metrics.summarize`, the run folder and the reports
 work unchanged.
 
 Send times follow the driver's rules, from the same `SendSchedule`
@@ -40,15 +40,15 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
+from analysis.metrics import summarize
+from analysis.record import RequestRecord
+from analysis.runfolder import steps_frame
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore, EngineCoreRequest
-from engine.outputs import EngineCoreOutput, FinishReason, StepStats
+from engine.core.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreOutput, EngineCoreRequest, FinishReason, StepStats
 from engine.sim.executor import SimulatedExecutor
-from workloads.metrics import summarize
-from workloads.record import RequestRecord
 from workloads.record_builder import build_record
-from workloads.runfolder import steps_frame
 from workloads.send_schedule import Send, SendSchedule
 from workloads.spec import RequestSpec
 from workloads.trace_workload import BlockTokens

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from workloads.record import RequestRecord
+from analysis.record import RequestRecord
 
 FollowUp = Callable[["RequestSpec", RequestRecord], "RequestSpec | None"]
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from engine.outputs import StepStats
-from workloads.record import TargetResult
+from analysis.record import TargetResult
+from engine.seam import StepStats
 from workloads.spec import RequestSpec
 
 OnToken = Callable[[float, int], None]

@@ -25,12 +25,12 @@ from typing import Any
 
 import aiohttp
 
-from engine.async_llm import AsyncLLM
+from analysis.record import TargetResult
 from engine.config import EngineConfig
+from engine.frontend.async_llm import AsyncLLM
 from engine.hooks import StepHooks
-from engine.outputs import StepStats
 from engine.sampling_params import SamplingParams
-from workloads.record import TargetResult
+from engine.seam import StepStats
 from workloads.spec import RequestSpec
 from workloads.targets.base import OnToken
 from workloads.targets.openai import OpenAITarget

@@ -9,7 +9,7 @@ Measurement choices (METRICS.md):
 - the servelab timing extension (engine/entrypoints/timing.py) is asked for with a header
   (`target.server_timing`; other servers ignore headers they do not know). When the answer
   carries it, each token's engine time, the engine's phase split and its TTFT are kept
-  (workloads/record.py turns them into per-token ITLs); without it, chunk timing stays.
+  (analysis/record.py turns them into per-token ITLs); without it, chunk timing stays.
 - aiohttp with large read buffers and a connector without a connection limit, so the client
   never queues requests or stalls on long SSE lines.
 """
@@ -23,9 +23,9 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from analysis.record import TargetResult
 from engine.entrypoints.timing import HEADER as TIMING_HEADER
-from engine.outputs import StepStats
-from workloads.record import TargetResult
+from engine.seam import StepStats
 from workloads.spec import RequestSpec
 from workloads.sse import DONE as SSE_DONE
 from workloads.sse import SSEParser

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.outputs import StepStats
-from workloads.record import RequestRecord, TargetResult, token_times_from_chunks
+from analysis.record import RequestRecord, TargetResult, token_times_from_chunks
+from engine.seam import StepStats
 from workloads.record_builder import build_record
 from workloads.spec import RequestSpec
 from workloads.targets.base import OnToken

@@ -31,16 +31,18 @@ into one line.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from workloads.explain_probe import HOST_GROUP, PHASE_FIELDS, profiled_rep
-from workloads.stats import Interval, mean_interval
+from analysis.stats import Interval, mean_interval
 
+# A rep's engine phases and the forward group of time outside every op, as
+# workloads/explain_probe.py writes them (it keeps its own copy: it imports only torch and the
+# standard library; tests/test_explain_stats.py checks that the two agree).
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "update")
+HOST_GROUP = "host"
 PHASES = ("schedule", "prepare", "sample", "update", "other")  # forward: by operator group
 IDLE = "idle (outside steps)"
 COMPOSITION = "composition"
@@ -155,7 +157,7 @@ def _mean_composition(reps: Sequence[dict[str, Any]]) -> dict[str, float]:
 def explain(base: Sequence[dict[str, Any]], cand: Sequence[dict[str, Any]], min_effect: float = 0.02,
             alpha: float = 0.05, same_work: bool = True) -> dict[str, Any]:  # fmt: skip
     """The decomposition of paired reps (`base[i]` and `cand[i]` ran one after the other, from
-    `explain_probe.profiled_rep`): a JSON-ready report (module docstring). `same_work`: every rep
+    workloads/explain_probe.py's `profiled_rep`): a JSON-ready report (module docstring). `same_work`: every rep
     must have produced the same output tokens (the same requests, greedy; a failed step breaks it).
     `alpha`: the family-wise error rate of the contributors' simultaneous intervals."""
     if len(base) != len(cand) or len(base) < 2:
@@ -211,8 +213,8 @@ def explain(base: Sequence[dict[str, Any]], cand: Sequence[dict[str, Any]], min_
 
 def _phase_means(reps: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Mean ms per step of every engine phase (steps.csv's columns) over the reps."""
-    steps = [s for r in reps for s in r["steps"]] or [dict.fromkeys([*PHASE_FIELDS, "other"], 0.0)]
-    return {p: 1e3 * float(np.mean([s[p] for s in steps])) for p in (*PHASE_FIELDS, "other")}
+    steps = [s for r in reps for s in r["steps"]] or [dict.fromkeys([*STEP_PHASES, "other"], 0.0)]
+    return {p: 1e3 * float(np.mean([s[p] for s in steps])) for p in (*STEP_PHASES, "other")}
 
 
 def format_explain(report: dict[str, Any], top: int = 5) -> str:
@@ -236,32 +238,3 @@ def format_explain(report: dict[str, Any], top: int = 5) -> str:
     if n["count"]:
         lines.append(f"  {n['contribution']:+.3f} ms/token from {n['count']} component(s) within noise")
     return "\n".join(lines)
-
-
-@dataclass
-class Side:
-    """One side of an in-process explain: an engine, the step hooks to run it with (a test's or
-    the gate worker's injected slowdown; None for none) and a context entered around each rep
-    (e.g. torch module hooks)."""
-
-    llm: Any
-    hooks: Any = None
-    around: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
-
-    def rep(self, requests: list[dict[str, Any]]) -> dict[str, Any]:
-        with self.around():
-            return profiled_rep(self.llm, requests, self.hooks)
-
-
-def run_pairs(base: Side, cand: Side, requests: list[dict[str, Any]], repeats: int = 4,
-              warmup: int = 1) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
-    """`repeats` pairs after `warmup` discarded ones, the side that goes first alternating."""
-    reps: dict[str, list[dict[str, Any]]] = {"base": [], "cand": []}
-    sides = {"base": base, "cand": cand}
-    for i in range(warmup + repeats):
-        order = ("base", "cand") if i % 2 == 0 else ("cand", "base")
-        measured = {name: sides[name].rep(requests) for name in order}
-        if i >= warmup:
-            for name in order:
-                reps[name].append(measured[name])
-    return reps["base"], reps["cand"]

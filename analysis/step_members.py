@@ -4,7 +4,7 @@ One row per (step, request): `step`, `request_id`, `num_tokens` (scheduled that 
 included), `kind` (prefill / decode / recompute, engine/outputs.py `StepMember`), `num_computed`
 (its tokens in KV before the step) and `num_prefix_hit` (tokens its admission found cached).
 Written for targets whose steps come from this engine in this process (in-process, offline,
-simulated); HTTP targets have no such file and SLO attribution falls back (workloads/attribution.py).
+simulated); HTTP targets have no such file and SLO attribution falls back (analysis/attribution.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from engine.outputs import StepStats
+from engine.seam import StepStats
 
 MEMBERS_FILE = "step_members.csv"
 MEMBER_COLUMNS = ["step", "request_id", "num_tokens", "kind", "num_computed", "num_prefix_hit"]

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from workloads.record import RequestRecord
+from analysis.record import RequestRecord
+from analysis.runfolder import json_list
 
 LEVEL_FRACTION = 0.9
 MIN_REQUESTS = 10
@@ -50,8 +51,6 @@ def request_frame(records: Sequence[RequestRecord]) -> pd.DataFrame:
 
 def csv_frame(requests: pd.DataFrame) -> pd.DataFrame:
     """`request_frame`'s columns from a run folder's requests.csv (measured requests only)."""
-    from reports.run_data import json_list
-
     req = requests
     if "is_warmup" in req:
         req = req[~req["is_warmup"].astype(str).str.lower().isin(("true", "1"))]

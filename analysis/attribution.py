@@ -32,7 +32,7 @@ its decode part (TPOT; E2EL takes both).
   late send alone does not lengthen a TTFT measured from the send; a pinned driver also reads late.
 
 Without step members for a request (HTTP targets; older run folders) its windows are placed on
-the client's token times instead (workloads/attribution_fallback.py). Without engine timings
+the client's token times instead (analysis/attribution_fallback.py). Without engine timings
 and steps, the cause is `unknown` unless the harness lagged.
 """
 
@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from workloads.attribution_fallback import DecodeLine, decode_components, fit_decode_line, ttft_components
-from workloads.record import RequestRecord
+from analysis.attribution_fallback import DecodeLine, decode_components, fit_decode_line, ttft_components
+from analysis.record import RequestRecord
 
 __all__ = ["CAUSES", "METRICS", "Attribution", "DecodeLine", "RunSteps", "attribute", "attribution_frame",
            "fit_decode_line", "miss_summary", "own_components", "prepare_steps"]  # fmt: skip

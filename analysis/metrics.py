@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from workloads.record import RequestRecord
+from analysis.record import RequestRecord
 
 PERCENTILES = (50, 90, 95, 99)
 DRIVER_LATE_P99_MS = 10.0
@@ -77,7 +77,7 @@ DEFINITIONS = {
     "offline targets have no HTTP: their chunks are the engine's step outputs), chunks (client chunks spread "
     "per token), engine (engine timestamps), mixed (some requests had engine timestamps, others not)",
     "failed": "requests without a content chunk or with an error; excluded from latency statistics",
-    "slo_miss_causes": "per SLO metric, requests missing it by dominant cause (workloads/attribution.py): queueing, "
+    "slo_miss_causes": "per SLO metric, requests missing it by dominant cause (analysis/attribution.py): queueing, "
     "prefill_interference, prefill, decode, preemption, batch_size, front_end, harness_lateness, unknown",
 }
 
@@ -176,7 +176,7 @@ def summarize(
 def _miss_causes(
     measured: list[RequestRecord], steps: pd.DataFrame | None, slo: dict[str, float | None] | None
 ) -> dict[str, Any]:
-    from workloads.attribution import attribute, miss_summary
+    from analysis.attribution import attribute, miss_summary
 
     if not slo or all(v is None for v in slo.values()):
         return {}

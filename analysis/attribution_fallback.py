@@ -4,7 +4,7 @@ Used for requests that no recorded step names (HTTP targets, whose engine does n
 batches; run folders older than step_members.csv). Nothing says which steps were the request's
 own, so its windows are placed on the client's token times (first token, last token) and the
 steps inside them are taken as its steps; the engine's durations (server timing) size the TTFT
-parts. See workloads/attribution.py for the member-based figures and the cause rules.
+parts. See analysis/attribution.py for the member-based figures and the cause rules.
 
 TTFT: `queueing` (engine queue time), `prefill_interference` (its prefill window times the
 share of the window's tokens that were not its prompt), `prefill` (the rest), `front_end` (client
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from workloads.record import RequestRecord
+from analysis.record import RequestRecord
 
 
 @dataclass(frozen=True)

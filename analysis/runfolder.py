@@ -1,6 +1,7 @@
-"""Run folder files written by the workbench: requests.csv, steps.csv, summary.json.
+"""Run folder files: requests.csv, steps.csv, summary.json, the journal of finished requests.
 
-The schema is the contract with `reports/` (which reads only these files). requests.csv
+Written by the workbench (workloads/), read by `reports/` (which reads only these files); the
+format's writer and reader live here, below both. The schema is their contract. requests.csv
 has one row per request with the columns of `REQUEST_COLUMNS` (times in s since the run
 start, latencies in ms, empty cells where a value does not apply); `token_times` and
 `itls_ms` are JSON list strings. `timing_source` says where the token times came from
@@ -22,8 +23,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from engine.outputs import StepStats
-from workloads.record import RequestRecord
+from analysis.record import RequestRecord
+from engine.seam import StepStats
 
 REQUEST_COLUMNS = [
     "request_id", "is_warmup", "scheduled_s", "start_s", "first_token_s", "end_s", "done_s",
@@ -38,7 +39,7 @@ KV_COLUMNS = ["kv_external_tokens", "kv_bytes_loaded", "kv_bytes_saved", "kv_loa
 REQUEST_COLUMNS += KV_COLUMNS
 # Derived per step: spec_acceptance_rate = accepted / draft tokens; spec_mean_accepted_length =
 # 1 + accepted / requests verified with drafts (vLLM's mean acceptance length), empty without drafts.
-# `members` (the requests of each step) goes to step_members.csv (workloads/step_members.py).
+# `members` (the requests of each step) goes to step_members.csv (analysis/step_members.py).
 STEP_COLUMNS = [*(f for f in StepStats.__struct_fields__ if f != "members"), "kv_usage", "spec_acceptance_rate",
                 "spec_mean_accepted_length"]  # fmt: skip
 # Speculative decoding per request (in-process targets; empty for the others).
@@ -138,6 +139,16 @@ def read_requests(run_dir: str | Path) -> pd.DataFrame:
     return df
 
 
+def json_list(cell: Any) -> list[float]:
+    """A JSON list stored in a CSV cell (token_times, itls_ms); [] when empty or bad."""
+    if not isinstance(cell, str) or not cell.strip():
+        return []
+    try:
+        return [float(x) for x in json.loads(cell)]
+    except (ValueError, TypeError):
+        return []
+
+
 def _opt(v: Any) -> float | None:
     return None if v is None or (isinstance(v, float) and np.isnan(v)) else float(v) / 1000.0
 
@@ -230,7 +241,7 @@ def recover_partial(run_dir: str | Path, slo: dict[str, float | None] | None, re
     """After an interrupted or killed run: requests.csv and summary.json (`partial: true`)
     from the journal of finished requests (and steps.csv when it was written). None when
     there is no journal, or a summary already exists."""
-    from workloads.metrics import summarize
+    from analysis.metrics import summarize
 
     run_dir = Path(run_dir)
     if (run_dir / "summary.json").exists():
