@@ -28,7 +28,7 @@ bench: $(SETUP_STAMP)
 	$(VENV)/bin/servelab-run
 
 lint: $(TEST_STAMP)
-	$(PY) -m ruff check engine workloads profiling reports tests benchmarks history
+	$(PY) -m ruff check engine workloads profiling reports tests benchmarks history analysis
 
 # mypy's cache lives outside the checkout, so a fresh clone re-checks only what differs from the last run
 # (mypy takes a cached module whose path or mtime changed when its content hash is the same): ~30 s -> ~2 s.

@@ -8,7 +8,7 @@ Three parts, each a table:
            32 query heads, 8 kv heads, head_dim 128, block 16) for batch x context; time, and
            achieved bandwidth (KV bytes + q/o bytes) / time as a fraction of the device peak.
   prefill  causal attention of fresh prompts (and one prefix hit); time and TFLOP/s.
-  e2e      decode-step time of the engine (`engine.llm.LLM`, Llama-3-8B-shaped dummy weights) per
+  e2e      decode-step time of the engine (`engine.frontend.llm.LLM`, Llama-3-8B-shaped dummy weights) per
            attention backend, next to the weights-bytes / peak-bandwidth floor of a batch-1 step.
 Baselines that are not installed, or fail, are reported as such and do not stop the sweep.
 """
@@ -276,7 +276,7 @@ def run_prefill(args: argparse.Namespace, shape: tuple, device: Any) -> list[dic
 
 def run_e2e(args: argparse.Namespace, peak: float | None) -> list[dict]:
     """Median decode-step time of the engine per backend, batch 1 and 16, Llama-3-8B-shaped dummy model."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     floor_ms = LLAMA3_8B_PARAMS * 2 / (peak * 1e9) * 1e3 if peak else None

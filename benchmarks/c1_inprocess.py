@@ -98,8 +98,8 @@ def servelab_worker() -> None:
     """`--worker`: the servelab side of one round, job on stdin, JSON on stdout (as llamacpp_c1_worker)."""
     job = json.load(sys.stdin)
     torch.set_num_threads(job["threads"])
-    from engine.llm import LLM
-    from engine.model.batch_invariance import block_step_bytes
+    from engine.frontend.llm import LLM
+    from engine.kernels.batch_invariance import block_step_bytes
     from engine.sampling_params import SamplingParams
     from workloads.explain_probe import find_model
 

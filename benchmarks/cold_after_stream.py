@@ -11,7 +11,7 @@ threads (0: nothing read in between, the work's own data hot):
 
 - `embedding`: one row of a [49152, 576] bfloat16 table (SmolLM2's embedding, 56 MB) through
   `F.embedding`, as the engine embeds a decode step's token;
-- `add_rms_norm`: servelab's fused residual add and RMS norm on one [1, 576] row (engine/csrc/
+- `add_rms_norm`: servelab's fused residual add and RMS norm on one [1, 576] row (engine/kernels/csrc/
   layer_ops.cpp; skipped, with the reason printed, where the extension cannot be built);
 - `python`: a dict of 200 short lists built in pure Python, a stand-in for the engine's per-step
   bookkeeping.
@@ -54,11 +54,11 @@ def _works() -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
     ids = torch.tensor([1234])
     works: dict[str, Callable[[], object]] = {"embedding": lambda: F.embedding(ids, table)}
     skipped = {}
-    from engine.model.cpu_kernels import kernels
+    from engine.kernels.cpu_kernels import kernels
 
     ops = kernels()
     if ops is None:
-        skipped["add_rms_norm"] = "servelab's CPU kernels did not build here (engine/model/cpu_kernels.py)"
+        skipped["add_rms_norm"] = "servelab's CPU kernels did not build here (engine/kernels/cpu_kernels.py)"
     else:
         x, res = torch.randn(1, 576).to(torch.bfloat16), torch.randn(1, 576).to(torch.bfloat16)
         weight = torch.ones(576, dtype=torch.bfloat16)

@@ -29,8 +29,8 @@ from engine.attention import torch_backend  # noqa: E402
 from engine.attention.backend import AttentionMetadata  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
+from engine.kernels.isa import BF16_CPU_FLAGS, cpu_flags  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
-from engine.platform import BF16_CPU_FLAGS, cpu_flags  # noqa: E402
 
 BLOCK = 16
 

@@ -28,12 +28,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.attention.cpu_paged_attention import (  # noqa: E402
+from engine.attention.torch_backend import gather_context  # noqa: E402
+from engine.kernels.paged_attention import (  # noqa: E402
     paged_attention_op,
     paged_prefill_attention_op,
     set_amx_attention,
 )
-from engine.attention.torch_backend import gather_context  # noqa: E402
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 

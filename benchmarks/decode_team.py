@@ -5,7 +5,7 @@
 The offline engine on the default model (SmolLM2-135M's Q4_1 GGUF, `model.quantized_decode`: the
 checkpoint's blocks), one request at a time, greedy, EOS ignored. Each generate decodes a fresh
 random prompt with `planned_layers`' team step on (one OpenMP parallel region for a step's
-layers: engine/model/planned_layers.py) or off (`torch.ops.servelab.set_decode_team(False)`: the
+layers: engine/kernels/planned_layers.py) or off (`torch.ops.servelab.set_decode_team(False)`: the
 same kernels called one by one through torch's dispatcher), in ABBA order over `--pairs` pairs
 after one warm-up of each. Prints each side's TPOT (time between the first and the last token
 over the tokens between) as the median and range over its generates, the ratio of medians, and
@@ -39,13 +39,13 @@ def main() -> int:
     if min(args.pairs, args.input_len, args.threads) < 1 or args.output_len < 2:
         ap.error("--pairs, --input-len and --threads must be at least 1, --output-len at least 2")
     torch.set_num_threads(args.threads)
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     llm = LLM(model="smollm2", max_num_seqs=1, max_model_len=args.input_len + args.output_len + 16)
     ops = torch.ops.servelab
     if not hasattr(ops, "set_decode_team") or not ops.set_decode_team(None):
-        print("the team step is not built here: it needs AVX512-VNNI and the C++ kernels (engine/csrc/gguf_blocks.h)")
+        print("the team step is not built here: it needs AVX512-VNNI and the C++ kernels (engine/kernels/csrc/gguf_blocks.h)")
         return 2
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rng = random.Random(0)

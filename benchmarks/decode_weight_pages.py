@@ -5,7 +5,7 @@ without vs with each call's hand-off prefetch of the next call's weight.
 
 SmolLM2-135M's 30 layers (qkv, o, gate/up with the fused silu*up, down) and its LM head (the
 fused greedy argmax), random bfloat16 weights packed for the decode kernels
-(engine/model/amx_linear.py), twice in one process: each matrix in its own allocation (4 KiB
+(engine/kernels/amx_linear.py), twice in one process: each matrix in its own allocation (4 KiB
 pages) and all of them in one `copies_on_huge_pages` buffer, as the engine's prepack lays them
 out. Steps alternate between the two copies, a 128 MiB read between steps evicts the caches,
 and the ratio of medians is printed per row count (> 1: huge pages faster). Needs a CPU with
@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.hugepages import copies_on_huge_pages, thp_mode  # noqa: E402
-from engine.model import amx_linear  # noqa: E402
-from engine.platform import cpu_flags  # noqa: E402
+from engine.kernels import amx_linear  # noqa: E402
+from engine.kernels.isa import cpu_flags  # noqa: E402
 
 LAYERS, HIDDEN, QKV, INTER, VOCAB = 30, 576, 960, 1536, 49152
 

@@ -55,7 +55,7 @@ BENCH_SCRIPTS = ["benchmarks/attention_kernels.py", "benchmarks/gpu_offline.py"]
 ENGINE_MODULES = [
     "torch", "triton", "numpy", "msgspec", "zmq", "gguf", "tokenizers", "hydra", "omegaconf", "pydantic",
     "pandas", "matplotlib", "jinja2", "pynvml", "psutil", "pytest",
-    "engine.llm", "engine.attention.triton_backend", "engine.sample.sampler", "profiling.telemetry",
+    "engine.frontend.llm", "engine.attention.triton_backend", "engine.sample.sampler", "profiling.telemetry",
     "profiling.torch_profiler", "workloads.cli",
 ]  # fmt: skip
 FLASH_PACKAGES = {"flash_attn": "flash-attn", "flashinfer": "flashinfer-python"}

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_offline: needs a CUDA GPU (use --dry-run to check the plan)")
         return 2
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     name = torch.cuda.get_device_name()

@@ -189,7 +189,7 @@ def servelab_options(args: argparse.Namespace) -> tuple[dict[str, Any], list[str
 
 
 def make_servelab(args: argparse.Namespace, dtype: str, options: dict[str, Any]):  # type: ignore[no-untyped-def]
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     if "warm_up_linears" in engine_option_names():  # start-up work (oneDNN's kernels) is never timed
         options = {"warm_up_linears": True, **options}
@@ -415,7 +415,7 @@ def run_all(args: argparse.Namespace) -> dict:
             s_dtype = llm.config.model.dtype
             why = ""
             if not torch.cuda.is_available():
-                from engine.platform import fastest_cpu_dtype
+                from engine.kernels.isa import fastest_cpu_dtype
 
                 why = f" ({fastest_cpu_dtype()[1]})"
             print(f"servelab: dtype auto -> {s_dtype}{why}", flush=True)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.llm import LLM  # noqa: E402
-from engine.outputs import StepStats  # noqa: E402
+from engine.frontend.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.seam import StepStats  # noqa: E402
 
 
 def run_one(args: argparse.Namespace, tp: int) -> dict[str, float]:

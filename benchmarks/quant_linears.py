@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
-from engine.model import amx_linear  # noqa: E402
+from engine.kernels import amx_linear  # noqa: E402
+from engine.kernels.isa import BF16_CPU_FLAGS, cpu_flags  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
-from engine.platform import BF16_CPU_FLAGS, cpu_flags  # noqa: E402
 
 
 def step_linears(ops, mats: list[tuple[torch.Tensor, ...]], head: torch.Tensor | None, sizes: dict,

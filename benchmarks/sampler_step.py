@@ -142,7 +142,7 @@ def candidates_off() -> Iterator[None]:
 
 
 def bench_e2e(args: argparse.Namespace) -> dict[str, dict[str, float | list[float]]]:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from workloads.prompts import PromptBuilder
 
     llm = LLM(model="smollm2")

@@ -78,7 +78,7 @@ def bench(overrides: list[str], rounds: int, max_tokens: int) -> tuple[tuple[flo
                                                                         tuple[float, float], int]:
     """Both paths up at once (each idle while the other runs), requests alternating between
     them for `rounds` rounds after one warm-up round: slow drifts of a shared machine hit both."""
-    from engine.async_llm import AsyncLLM
+    from engine.frontend.async_llm import AsyncLLM
 
     engine_config, _ = load_config(overrides)  # the server's own rule for engine threads
     threads = engine_config.device.num_threads

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.llm import LLM  # noqa: E402
+from engine.frontend.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 CODE = [

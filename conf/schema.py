@@ -263,7 +263,7 @@ class TargetSection:
     venv: str | None = None
     """`vllm`: the venv holding vLLM (null: `~/.cache/servelab-peers/vllm`, made by `scripts/peers.sh`);
     `llamacpp`: the venv holding llama-cpp-python[server] (null: `~/.cache/servelab-peers/llamacpp`, made by
-    `make peers-llamacpp`)."""
+    `make peers-llamacpp-python`)."""
     hf_model: str | None = None
     """`vllm`: the model as an HF folder (null: `~/.cache/servelab-peers/smollm2-hf`)."""
     gguf: str | None = None

@@ -31,7 +31,7 @@ class RequestMetrics:
     kv_save_time: float = 0.0
 
     def kv_figures(self) -> dict[str, float]:
-        """The external-KV figures as requests.csv names them (workloads/runfolder.py)."""
+        """The external-KV figures as requests.csv names them (analysis/runfolder.py)."""
         return {"kv_external_tokens": self.kv_external_tokens, "kv_bytes_loaded": self.kv_bytes_loaded,
                 "kv_bytes_saved": self.kv_bytes_saved, "kv_load_wait_ms": self.kv_load_wait * 1000.0,
                 "kv_save_ms": self.kv_save_time * 1000.0}  # fmt: skip

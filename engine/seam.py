@@ -119,7 +119,7 @@ TokenLogprobs = tuple[int, float, list[tuple[int, float]]]
 
 
 class StepMember(msgspec.Struct, array_like=True, frozen=True):
-    """One request's part in a step (step_members.csv; SLO attribution, workloads/attribution.py).
+    """One request's part in a step (step_members.csv; SLO attribution, analysis/attribution.py).
 
     `kind`: "decode" (exactly its next token, its prompt computed), "recompute" (a request
     back from preemption recomputing what it had: its first step after resuming and every

@@ -114,8 +114,8 @@ fi
 # ~/.cache/torch_extensions): built here so that no run or test pays the ~1 min build.
 if [ "$("$VENV/bin/python" -c "import torch; print(int(torch.cuda.is_available()))")" != 1 ]; then
   "$VENV/bin/python" -c "
-from engine.attention.cpu_paged_attention import paged_attention_op
-from engine.model.cpu_kernels import kernels
+from engine.kernels.paged_attention import paged_attention_op
+from engine.kernels.cpu_kernels import kernels
 from engine.model import amx_linear
 print('[setup] CPU paged attention op:', 'ready' if paged_attention_op() else 'unavailable (torch ops are used)')
 print('[setup] CPU layer kernels:', 'ready' if kernels() else 'unavailable (torch ops are used)')

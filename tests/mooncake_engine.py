@@ -23,9 +23,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.core.engine_core import EngineCore, EngineCoreRequest  # noqa: E402
-from engine.outputs import finish_reason_str  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.seam import (
+    EngineCoreRequest,
+    finish_reason_str,  # noqa: E402
+)
 
 
 def make_core(master: str, metadata: str, role: str, real: bool, num_blocks: int = 32) -> EngineCore:

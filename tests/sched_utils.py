@@ -10,9 +10,9 @@ import itertools
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.sched.scheduler import Scheduler
-from engine.outputs import EngineCoreOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreOutput
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2

@@ -17,14 +17,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.core.core_client import EngineCoreClient
-from engine.core.engine_core import EngineCoreRequest
+from engine.frontend.async_llm import AsyncLLM
 from engine.hooks import NULL_HOOKS, StepHooks
-from engine.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason, StepStats
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, StepStats
 
 POISON_TOKEN = 200  # a non-ASCII byte: inside the byte-level vocabulary, absent from test prompts
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,8 +133,8 @@ def make_echo_engine(config: EngineConfig) -> EchoEngineCore:
 
 def echo_async_llm(multiprocess: bool = False, step_delay_ms: float = 0.0) -> AsyncLLM:
     """An AsyncLLM over the echo engine with the byte-level tokenizer and the real processors."""
-    from engine.output_processor import OutputProcessor
-    from engine.processor import InputProcessor
+    from engine.frontend.output_processor import OutputProcessor
+    from engine.frontend.processor import InputProcessor
     from engine.tokenizer import Tokenizer
 
     cfg = EngineConfig()

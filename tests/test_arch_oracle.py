@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.model import registry
 from engine.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 
 
@@ -100,7 +100,7 @@ def test_abort_with_steps_in_flight_leaves_nothing_behind() -> None:
     llm = _llm(True)
     core = llm.engine_core
     try:
-        from engine.core.engine_core import EngineCoreRequest
+        from engine.seam import EngineCoreRequest
 
         for i, p in enumerate(_prompts(3)):
             core.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, None, 0.0, 12))
@@ -134,7 +134,7 @@ def test_failed_step_drains_the_queue(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(runner, "run_step", failing)
     try:
-        from engine.core.engine_core import EngineCoreRequest
+        from engine.seam import EngineCoreRequest
 
         for i, p in enumerate(_prompts(2)):
             core.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, None, 0.0, 12))

@@ -15,9 +15,9 @@ import threading
 import pytest
 from server_utils import POISON_TOKEN, echo_async_llm, make_echo_engine
 
-from engine.async_llm import AsyncLLM, RequestFailedError
 from engine.config import EngineConfig
 from engine.core.core_client import EngineCoreClient, EngineDeadError
+from engine.frontend.async_llm import AsyncLLM, RequestFailedError
 from engine.hooks import NullHooks
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams

@@ -13,8 +13,8 @@ from sched_utils import EOS, SAMPLED, fake_runner_output, make_request
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.sched.scheduler import Scheduler
-from engine.outputs import EngineCoreOutput, FinishReason
 from engine.request import RequestStatus
+from engine.seam import EngineCoreOutput, FinishReason
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 

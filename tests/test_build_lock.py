@@ -1,6 +1,6 @@
 """A live kernel build is never deleted; a dead one's folder is (issue 60 item 4).
 
-engine/cpu_extension.py used to remove a build folder whose torch lock was older than 600 s, and
+engine/kernels/cpu_extension.py used to remove a build folder whose torch lock was older than 600 s, and
 to keep a younger one: a slow build on a loaded machine lost its folder under it, and a build
 killed a minute ago left every later one waiting on torch's lock. Here the builders are real
 processes: one runs `load_cpu_ops` with a build that waits for the test's word (torch's baton
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import cpu_extension
+from engine.kernels import cpu_extension
 
 SOURCE = sorted(cpu_extension.CSRC.glob("*.cpp"))[0].name
 
@@ -30,7 +30,7 @@ import os, sys, time
 from pathlib import Path
 import torch.utils.cpp_extension as ce
 from torch.utils.file_baton import FileBaton
-from engine import cpu_extension
+from engine.kernels import cpu_extension
 mode, source, go = sys.argv[1:4]
 
 def slow_build(name, **_):

@@ -68,7 +68,7 @@ def test_dummy_metadata_is_a_valid_decode_batch():
 
 def _tiny_llm(enforce_eager: bool, **kw):
     """float32 unless told: compiled and eager are compared at float32 tolerances."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     kw.setdefault("dtype", "float32")
     return LLM(model="smollm2", load_format="dummy", num_layers_override=2, max_num_seqs=4, num_blocks=64,
@@ -120,7 +120,7 @@ def test_cuda_graph_module_imports_without_cuda():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 def test_cuda_graphs_match_eager_on_gpu():
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -11,7 +11,7 @@ from server_utils import POISON_TOKEN, echo_request, make_echo_engine
 
 from engine.config import EngineConfig
 from engine.core.core_client import EngineCoreClient, EngineDeadError, EngineStartError
-from engine.outputs import EngineCoreOutputs, FinishReason
+from engine.seam import EngineCoreOutputs, FinishReason
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""engine/csrc/block_linear.cpp (engine/model/cpu_blocks.py): GGUF blocks multiplied as stored, on
+"""engine/kernels/csrc/block_linear.cpp (engine/kernels/cpu_blocks.py): GGUF blocks multiplied as stored, on
 AVX2 or by the scalar reference, against the float64 product of the dequantized weights (gguf's own
 quantizer and dequantizer make the blocks and the reference), within the bound the kernel's note
 derives: x rounded to 14 bits per 32-input block, the rest float32 sums."""
@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model import cpu_blocks
-from engine.platform import cpu_flags
+from engine.kernels import cpu_blocks
+from engine.kernels.isa import cpu_flags
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 
 ops = cpu_blocks.block_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="no C++ toolchain built engine/csrc/block_linear.cpp")
+pytestmark = pytest.mark.skipif(ops is None, reason="no C++ toolchain built engine/kernels/csrc/block_linear.cpp")
 KINDS = ("Q4_1", "Q8_0", "Q5_0")
 AVX2 = {"avx2", "fma", "f16c"} <= cpu_flags()
 

@@ -1,4 +1,4 @@
-"""Prepacked oneDNN linears (engine/model/cpu_linear.py) against plain `F.linear`, bfloat16 on a CPU.
+"""Prepacked oneDNN linears (engine/kernels/cpu_linear.py) against plain `F.linear`, bfloat16 on a CPU.
 
 Both multiply the same bfloat16 values with float32 accumulation and round once, in another
 blocking order: they agree to ~1 bfloat16 ulp of the output (rtol 1e-2 plus a small atol).
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import cpu_linear
-from engine.model.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
+from engine.kernels import cpu_linear
+from engine.kernels.cpu_linear import pack_weight, packed_linear, prepack_linears, prepack_supported
 
 pytestmark = pytest.mark.skipif(
     not prepack_supported(torch.empty(1, 1, dtype=torch.bfloat16)),
@@ -55,7 +55,7 @@ def test_prepack_linears_only_touches_bf16_cpu_layers(monkeypatch: pytest.Monkey
 
 
 def test_engine_tokens_equal_with_and_without_prepacking() -> None:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -94,7 +94,7 @@ def test_planned_forward_equals_the_modules_forward_bit_for_bit() -> None:
     modules compute, on chunked-prefill, mixed and decode steps through the paged cache: with
     the same linear kernels (oneDNN's; the decode-sized AMX / AVX512-BF16 kernels sum in another
     order than oneDNN on a CPU without AMX, tests/test_amx_linear.py checks them against references)."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     llm = LLM(model="smollm2", load_format="dummy", num_layers_override=3, dtype="bfloat16", num_blocks=64,
@@ -127,7 +127,7 @@ def test_planned_forward_equals_the_modules_forward_bit_for_bit() -> None:
 
 
 def test_padded_rows_are_few_shapes() -> None:
-    from engine.model.cpu_linear import padded_rows
+    from engine.kernels.cpu_linear import padded_rows
 
     assert [padded_rows(r) for r in (1, 8, 9, 128, 129, 160, 161, 2048)] == [8, 8, 16, 128, 160, 160, 192, 2048]
     assert len({padded_rows(r) for r in range(1, 2049)}) == 16 + 60  # what warm_up_linears builds
@@ -141,7 +141,7 @@ def test_planned_forward_on_padded_prefill_steps_gives_the_modules_tokens() -> N
     """Steps of more than 128 rows (oneDNN, rows padded to a multiple of 32) against the modules'
     forward: the same greedy tokens, hidden states within bfloat16 rounding; `warm_up_linears`
     builds every padded shape first."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     llm = LLM(model="smollm2", load_format="dummy", num_layers_override=2, dtype="bfloat16", num_blocks=64,

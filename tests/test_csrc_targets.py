@@ -1,4 +1,4 @@
-"""Every kernel path of engine/csrc compiles for every CPU class, whatever CPU runs the tests.
+"""Every kernel path of engine/kernels/csrc compiles for every CPU class, whatever CPU runs the tests.
 
 The kernels choose their paths at compile time (`#if defined(__AVX512BF16__)`, `__AMX_TILE__`,
 `__AVX2__`, ...), so a machine's own `-march=native` build compiles one set of branches and never
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.cpu_extension import MARCH_ENV, all_sources_unit
-from engine.platform import cpu_flags
+from engine.kernels.cpu_extension import MARCH_ENV, all_sources_unit
+from engine.kernels.isa import cpu_flags
 
 TARGETS = ("x86-64", "x86-64-v3", "cooperlake", "sapphirerapids")
 CXX = shutil.which("g++") or shutil.which("c++")
@@ -71,7 +71,7 @@ def test_every_kernel_path_compiles_for_every_cpu_class(tmp_path: Path) -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda m: _check(m, unit, tmp_path), TARGETS))
     failed = [f"-march={m}:\n{err}" for m, rc, err in results if rc != 0]
-    assert not failed, "engine/csrc does not compile for:\n" + "\n".join(failed)
+    assert not failed, "engine/kernels/csrc does not compile for:\n" + "\n".join(failed)
 
 
 AVX2_TESTS = ("tests/test_cpu_blocks.py", "tests/test_cpu_kernels.py", "tests/test_cpu_gemv.py")

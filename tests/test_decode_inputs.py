@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.worker.decode_inputs import LeadingDecodeInputs
 from engine.worker.input_batch import InputBatch

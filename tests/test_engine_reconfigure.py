@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 
 

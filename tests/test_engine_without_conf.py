@@ -31,7 +31,7 @@ except ImportError:
 else:
     raise SystemExit("the blocker did not block conf")
 
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.model.loader import resolve_model
 from engine.config import ModelConfig
 from engine.sampling_params import SamplingParams

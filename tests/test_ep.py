@@ -114,7 +114,7 @@ def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _logprob_run(model: str, **parallel: object) -> tuple[list[list[int]], list[list]]:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     llm = LLM(model=model, dtype="float32", num_blocks=32, block_size=8, max_num_seqs=4, max_model_len=128,

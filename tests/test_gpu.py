@@ -150,7 +150,7 @@ MAX_TOKENS = [12, 5, 9, 16]  # requests leave at different steps: the decode bat
 
 def greedy_tokens(**engine_args) -> tuple[list[list[int]], int]:
     """Greedy tokens of a 2-layer Llama-3-8B-shaped dummy model on the GPU, and prefix-hit tokens."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     llm = LLM(

@@ -123,8 +123,8 @@ def test_planned_decode_weights_lie_in_one_buffer() -> None:
     """Where the decode-sized bf16 kernels run (AMX or AVX512-BF16), prepack moves every layer's
     packed matrices and the LM head into one huge-page buffer; the greedy tokens are those of
     the same weights in their own tensors (the kernels read the same words)."""
-    from engine.llm import LLM
-    from engine.model import amx_linear
+    from engine.frontend.llm import LLM
+    from engine.kernels import amx_linear
 
     if not amx_linear.available():
         pytest.skip("the CPU has neither AMX nor AVX512-BF16 (or no C++ toolchain): no decode-sized kernels")
@@ -136,7 +136,7 @@ def test_planned_decode_weights_lie_in_one_buffer() -> None:
     packs = [t for lp in plan.layers for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down)]
     storages = {t.untyped_storage().data_ptr() for t in [*packs, model.amx_lm_head]}
     assert len(storages) == 1
-    from engine.model.forward_plan import AmxPacks
+    from engine.kernels.forward_plan import AmxPacks
 
     def own_tensors() -> None:
         own = [AmxPacks(*(t.clone() for t in (lp.amx.qkv, lp.amx.o, lp.amx.gate_up, lp.amx.down))) for lp in plan.layers]
@@ -165,8 +165,8 @@ def test_quant_packs_and_head_join_the_buffer() -> None:
     layer's quant packs and the quantized LM head into the same huge-page buffer as the bfloat16
     packs (a batch-1 step streams them; on 4 KiB pages it read at half the bandwidth); the greedy
     tokens are those of the same packs in tensors of their own."""
-    from engine.llm import LLM
-    from engine.model import amx_linear
+    from engine.frontend.llm import LLM
+    from engine.kernels import amx_linear
 
     if not amx_linear.quant_available():
         pytest.skip("no block kernels here (they need AVX512-BF16 and a C++ toolchain)")

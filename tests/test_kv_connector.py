@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore, EngineCoreRequest
+from engine.core.engine_core import EngineCore
 from engine.kv_transfer.base import BlockStoreConnector, KVConnectorRole
 from engine.kv_transfer.cpu_offload import CPUOffloadConnector
 from engine.kv_transfer.metadata import BlockTransfer, KVConnectorOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreRequest
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 BS = 16

@@ -125,7 +125,7 @@ def test_tensor_parallel_with_a_connector_is_refused_at_start_up() -> None:
     text = str(err.value)
     assert "kv_transfer.kv_connector=CPUOffloadConnector" in text and "tensor_parallel_size=2" in text
     assert "\n" not in text
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):  # before any rank starts
         LLM(model="smollm2", tensor_parallel_size=2, kv_transfer_config=kv)

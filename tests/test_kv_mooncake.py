@@ -49,7 +49,7 @@ def _engine(mode: str, m: MooncakeMaster, arg: str, **kw: object) -> subprocess.
 def test_second_engine_gets_every_full_block_from_the_store_and_the_same_tokens(master: MooncakeMaster) -> None:
     from mooncake_engine import greedy, kv_digest, make_core
 
-    from engine.core.engine_core import EngineCoreRequest
+    from engine.seam import EngineCoreRequest
 
     prompt = [(i * 104729) % 40000 + 100 for i in range(16 * 4 + 9)]  # 4 full blocks and a tail
     producer = _engine("produce", master, json.dumps([prompt]))

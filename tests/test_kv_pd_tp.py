@@ -19,12 +19,13 @@ import pytest
 from test_kv_mooncake import _mooncake_missing
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore, EngineCoreRequest
+from engine.core.engine_core import EngineCore
 from engine.kv_transfer.metadata import KVConnectorOutput
 from engine.kv_transfer.mooncake_master import MooncakeMaster
 from engine.kv_transfer.tp_output import TPOutputMerger
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreRequest
 
 needs_mooncake = pytest.mark.skipif(_mooncake_missing() is not None, reason=str(_mooncake_missing()))
 

@@ -20,9 +20,10 @@ import pytest
 from test_kv_transfer_engine import _missing
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore, EngineCoreRequest
+from engine.core.engine_core import EngineCore
 from engine.kv_transfer.mooncake_master import MooncakeMaster
 from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreRequest
 
 pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 

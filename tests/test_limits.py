@@ -33,7 +33,7 @@ def tiny_shape(tmp_path: Path, **extra: object) -> str:
 
 
 def tiny_llm(model: str, **kwargs: object):
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     args = {"dtype": "float32", "block_size": 16, "max_num_seqs": 2, "max_num_batched_tokens": 128, **kwargs}
     return LLM(model=model, **args)
@@ -81,8 +81,8 @@ def test_unset_max_model_len_is_lowered_to_the_kv_cache_with_a_warning(tmp_path:
 
 def test_the_limit_reaches_an_in_process_front_end_as_its_reason(tmp_path: Path) -> None:
     """servelab-run's in-process target runs the core in a thread: its reason must not be lost."""
-    from engine.async_llm import AsyncLLM
     from engine.core.core_client import EngineStartError
+    from engine.frontend.async_llm import AsyncLLM
 
     cfg = EngineConfig.from_kwargs(tiny_shape(tmp_path), dtype="float32", max_model_len=128, num_blocks=4)
     with pytest.raises(EngineStartError, match=r"ConfigLimitError: model.max_model_len=128 .*64 tokens"):

@@ -100,7 +100,7 @@ def test_llama31_shape_is_llama3_8b_with_a_long_context() -> None:
 
 def test_llama31_scaled_rope_runs_past_8192_with_dummy_weights(tmp_path: Path) -> None:
     """The packaged shape at a tiny width and two layers: same context, same scaling."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     cfg = yaml.safe_load((SHAPES_DIR / "llama-3.1-8b.yaml").read_text())
     cfg.update(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
+from engine.kernels.cpu_linear import prepack_linears
 from engine.model import registry
 from engine.model.arch import ModelArch
-from engine.model.cpu_linear import prepack_linears
 from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.model.loader import build_on_meta, load_model, resolve_model
 
@@ -137,7 +137,7 @@ def test_layers_with_a_family_switch_never_reach_the_plan(architecture: str, pla
     elif packed == 0:
         pytest.skip(f"oneDNN prepacking does not apply to {dtype} here: no plan for any model to compare against")
     else:
-        from engine.model.cpu_kernels import kernels
+        from engine.kernels.cpu_kernels import kernels
 
         assert made == (kernels() is not None)  # the same layer, planned wherever the fused kernels are built
 

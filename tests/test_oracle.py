@@ -17,7 +17,7 @@ import torch
 from oracle_hf import hf_greedy_tokens
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from oracle_hf import hf_greedy_tokens
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.sampling_params import SamplingParams

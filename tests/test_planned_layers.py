@@ -1,4 +1,4 @@
-"""The decoder layers in one C++ call (engine/model/planned_layers.py) against the planned
+"""The decoder layers in one C++ call (engine/kernels/planned_layers.py) against the planned
 forward's Python loop: the same hidden states bit for bit on every decode step, with the
 bfloat16 packs (dummy weights) and the checkpoint's quant packs (the real SmolLM2 GGUF; both as
 the team step and op by op, at 1 and 3 rows); steps with prefill rows and observed attention keep
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from engine.frontend.llm import LLM
 from engine.hooks import NULL_HOOKS, NullHooks, observe_attention
-from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 
@@ -98,7 +98,7 @@ def test_op_equals_the_python_loop_with_the_checkpoints_quant_packs(team: bool, 
         pytest.skip("no quant packs: the CPU lacks AVX512-BF16 for the GGUF block kernels")
     had = torch.ops.servelab.set_decode_team(None)
     if team and not had:
-        pytest.skip("the team step needs the GGUF block kernels' AVX512-VNNI build (engine/csrc/gguf_blocks.h)")
+        pytest.skip("the team step needs the GGUF block kernels' AVX512-VNNI build (engine/kernels/csrc/gguf_blocks.h)")
     torch.ops.servelab.set_decode_team(team)
     before = _team_step_count()
     try:
@@ -127,7 +127,7 @@ def test_greedy_decode_equals_the_forward_and_the_heads_argmax(team: bool, rows:
         pytest.skip("no quant packs: the CPU lacks AVX512-BF16 for the GGUF block kernels")
     had = torch.ops.servelab.set_decode_team(None)
     if team and not had:
-        pytest.skip("the team step needs the GGUF block kernels' AVX512-VNNI build (engine/csrc/gguf_blocks.h)")
+        pytest.skip("the team step needs the GGUF block kernels' AVX512-VNNI build (engine/kernels/csrc/gguf_blocks.h)")
     fused = model.greedy_decode
     checked = [0]
 
@@ -161,7 +161,7 @@ def test_a_profiled_step_keeps_every_kernel_in_view() -> None:
     llm = LLM(model="smollm2", max_num_seqs=1, max_model_len=512)
     plan = _needs_op(llm)
     if not plan.quant_packs or not torch.ops.servelab.set_decode_team(None):
-        pytest.skip("the team step needs the GGUF block kernels' AVX512-VNNI build (engine/csrc/gguf_blocks.h)")
+        pytest.skip("the team step needs the GGUF block kernels' AVX512-VNNI build (engine/kernels/csrc/gguf_blocks.h)")
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     before = _team_step_count()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -205,7 +205,7 @@ def test_observed_attention_and_batch_invariant_plans_keep_the_loop() -> None:
 
 
 def test_op_rejects_mismatched_lists_and_ids_outside_the_tables() -> None:
-    from engine.model.planned_layers import layers_op
+    from engine.kernels.planned_layers import layers_op
 
     op = layers_op()
     if op is None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine.core.kv_cache.hashing import hash_request_blocks, make_block_hasher
-from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus, finish_reason, is_finished
 from engine.sampling_params import SamplingParams
+from engine.seam import FinishReason
 
 
 def test_status_helpers() -> None:

@@ -176,7 +176,7 @@ def test_seeded_generation_is_reproducible_and_batch_independent(smollm2_path) -
     are not read (`quantized_decode=False`): with them a step of up to 8 rows (this 8-token prompt
     alone) multiplies the blocks and a larger one (the three prompts together) the dense weights, so
     the logits, not the generator, would follow the step's size (model.batch_invariant's subject)."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     llm = LLM(model=str(smollm2_path), dtype="float32", max_num_batched_tokens=256, quantized_decode=False)
     seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=4242)

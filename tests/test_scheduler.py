@@ -8,8 +8,8 @@ from __future__ import annotations
 from sched_utils import EOS, SAMPLED, fake_runner_output, make_request, make_scheduler, run_until_idle, step
 
 from engine.core.sched.stats import KV_CONNECTOR_STATS
-from engine.outputs import FinishReason
 from engine.request import RequestStatus
+from engine.seam import FinishReason
 from engine.step_io import ModelRunnerOutput
 
 

@@ -11,8 +11,9 @@ request must be identical, and so must the preemption counts and finished output
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore, EngineCoreRequest
+from engine.core.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreRequest
 from engine.sim.calibrated import CalibratedStepModel
 from engine.sim.executor import SimulatedExecutor
 from engine.sim.model_counts import load_arch

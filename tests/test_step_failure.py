@@ -11,9 +11,10 @@ import pytest
 from sched_utils import fake_runner_output, make_request, make_scheduler
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore, EngineCoreRequest
+from engine.core.engine_core import EngineCore
 from engine.model.arch import ModelArch
 from engine.sampling_params import SamplingParams
+from engine.seam import EngineCoreRequest
 from engine.sim.executor import SimulatedExecutor
 from engine.sim.step_batch import StepBatch
 
@@ -177,7 +178,7 @@ def test_after_a_failed_prefill_the_prompt_gives_a_fresh_engines_tokens(async_sc
     """The real default model, greedy, prefix caching on: the step prefilling P raises (with the
     batch queue, P's prefill spans both steps in flight). P then gives the tokens P gives with
     no prefix cache at all; the failed request ended with an error and the engine went on."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     llm = LLM(model="smollm2", enable_prefix_caching=True, block_size=16, num_blocks=64, max_num_seqs=4,
               max_num_batched_tokens=budget, async_scheduling=async_scheduling)  # fmt: skip

@@ -17,8 +17,8 @@ import torch
 from json_schemas import SCHEMAS, validate
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.llm import LLM
-from engine.processor import fan_out
+from engine.frontend.llm import LLM
+from engine.frontend.processor import fan_out
 from engine.sample.logits_mask import apply_bitmask, unpack_bitmask
 from engine.sampling_params import SamplingParams
 from engine.structured_output import grammar

@@ -23,13 +23,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.core.core_client import EngineCoreClient
 from engine.core.core_proc import build_engine_core
 from engine.entrypoints.api_server import ServerSettings, build_app
-from engine.output_processor import OutputProcessor
-from engine.processor import InputProcessor
+from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.processor import InputProcessor
 from engine.structured_output.params import StructuredOutputsParams
 from engine.tokenizer import get_tokenizer
 

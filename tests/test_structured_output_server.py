@@ -23,7 +23,7 @@ import pytest
 from json_schemas import SCHEMAS, validate
 from server_utils import ServerProcess, start_server
 
-from engine.model.batch_invariance import machine_lacks
+from engine.kernels.batch_invariance import machine_lacks
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(400)]
 

@@ -78,7 +78,7 @@ def _tiny_shape(tmp_path, **arch: int) -> str:
 
 
 def test_unsplittable_model_is_a_one_line_config_error(tmp_path) -> None:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     # one KV head, three query heads: the KV head is replicated, but 3 query heads do not split over 2
     model = _tiny_shape(tmp_path, hidden_size=24, num_attention_heads=3, num_key_value_heads=1)
@@ -88,7 +88,7 @@ def test_unsplittable_model_is_a_one_line_config_error(tmp_path) -> None:
 
 
 def test_a_context_the_kv_cache_cannot_hold_is_a_one_line_error_with_ranks(tmp_path) -> None:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     model = _tiny_shape(tmp_path)  # 64 positions; 2 blocks of 16 hold 32
     with pytest.raises(ValueError, match=r"max_model_len=64 is more than the KV cache holds \(32 tokens") as err:
@@ -99,7 +99,7 @@ def test_a_context_the_kv_cache_cannot_hold_is_a_one_line_error_with_ranks(tmp_p
 # ---- TP=2 against the oracle -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tp_llm():
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     llm = LLM(model="smollm2", dtype="float32", tensor_parallel_size=2, max_num_seqs=8, num_blocks=64,
               block_size=16, max_model_len=256)
@@ -122,7 +122,7 @@ def tp1_greedy(prompt_ids) -> list[list[int]]:
     """One rank (the in-process executor), all prompts together: tests/test_oracle.py checks that
     these equal HF transformers' tokens, so TP=2 matching them matches the HF oracle too (HF
     itself costs ~50 s on two busy cores, more than this whole module may spend)."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     llm = LLM(model="smollm2", dtype="float32", max_num_seqs=8, num_blocks=64, block_size=16, max_model_len=256)
     return _run(llm, prompt_ids)
@@ -166,8 +166,9 @@ def test_tp2_matches_tp1_on_oracle_prompts(tp_llm, prompt_ids, tp1_greedy) -> No
 
 # ---- a dead rank -----------------------------------------------------------------------------
 def test_dead_worker_fails_the_step_and_leaves_no_process(tmp_path) -> None:
-    from engine.core.engine_core import EngineCore, EngineCoreRequest
+    from engine.core.engine_core import EngineCore
     from engine.executor.base import ExecutorDiedError
+    from engine.seam import EngineCoreRequest
 
     config = EngineConfig.from_kwargs(model=_tiny_shape(tmp_path), dtype="float32", tensor_parallel_size=2, num_blocks=8,
                                       max_num_seqs=2)
@@ -205,7 +206,7 @@ def test_second_node_joins_through_env_rendezvous(tmp_path) -> None:
     import threading
 
     from engine.executor.multiproc import free_port
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     addr = _node_address()
     if not addr or addr.startswith("127."):

@@ -33,8 +33,8 @@ TIMEOUT_S = 120
 # Node 0's engine: prints its greedy tokens, then on "go" runs a long request and stops at its first error.
 NODE0_SCRIPT = """
 import json, sys, time
-from engine.core.engine_core import EngineCoreRequest
-from engine.llm import LLM
+from engine.seam import EngineCoreRequest
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 model, addr, port, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 llm = LLM(model=model, dtype="float32", tensor_parallel_size=2, nnodes=2, master_addr=addr, master_port=port,
@@ -112,7 +112,7 @@ def _pids_in(ns: str) -> list[int]:
 
 @pytest.mark.timeout(TIMEOUT_S * 2)
 def test_tp_over_two_namespaces_matches_one_rank_and_a_killed_node1_rank_fails_fast(two_nodes, tmp_path) -> None:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     a, b = two_nodes

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from engine.llm import LLM  # noqa: E402
+from engine.frontend.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = [

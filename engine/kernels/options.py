@@ -12,10 +12,12 @@ start on in C++ and are set from `current()` when their op loads, and again by `
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from engine.config import KernelsConfig
 
 _current: KernelsConfig | None = None
+_listeners: list[Callable[[], None]] = []  # ops already loaded that follow the switches (`on_configure`)
 
 
 def current() -> KernelsConfig:
@@ -31,7 +33,10 @@ def configure(config: KernelsConfig) -> None:
     global _current
     config.validate()
     _current = dataclasses.replace(config)
-    from engine.kernels import paged_attention, planned_layers
+    for listener in _listeners:
+        listener()
 
-    paged_attention.apply_options()
-    planned_layers.apply_options()
+
+def on_configure(listener: Callable[[], None]) -> None:
+    """Call `listener` after every `configure` (a module whose loaded op holds a switch registers it)."""
+    _listeners.append(listener)

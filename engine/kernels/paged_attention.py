@@ -107,6 +107,9 @@ def apply_options() -> None:
         torch.ops.servelab.set_amx_attention(options.current().amx)
 
 
+options.on_configure(apply_options)
+
+
 def paged_attention_op() -> Any | None:
     """`torch.ops.servelab.paged_attention`, or None where no C++ toolchain builds it."""
     if _load():

@@ -117,3 +117,7 @@ def apply_options() -> None:
     """The loaded op's decode team follows `kernels.decode_team` (`options.configure`; at load)."""
     if is_loaded(_SOURCE):
         torch.ops.servelab.set_decode_team(options.current().decode_team)
+
+
+
+options.on_configure(apply_options)

@@ -2,7 +2,7 @@
 
 Implementations: `OpenAITarget` (any OpenAI-compatible server, SSE streaming) and
 `ScriptedTarget` (known token timings, for tests and driver benchmarks). An in-process engine
-target wrapping `engine.async_llm.AsyncLLM` belongs in `workloads/targets/engine.py`: it
+target wrapping `engine.frontend.async_llm.AsyncLLM` belongs in `workloads/targets/engine.py`: it
 implements the same `Target` protocol, fills `TargetResult.server_*` from
 `RequestOutput.metrics`, and returns per-step `StepStats` from `step_stats()`.
 """

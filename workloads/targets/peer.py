@@ -103,7 +103,7 @@ DEFAULT_LLAMACPP_VENV = PEERS / "llamacpp"
 def check_llamacpp(venv: Path) -> Path:
     """The venv's python, or PeerMissingError saying what is missing."""
     return _venv_python(venv, "llamacpp", "llama-cpp-python[server]", ("llama_cpp", "uvicorn"),
-                        "scripts/peers.sh --llamacpp makes the side venv")
+                        "scripts/peers.sh --llamacpp-python (make peers-llamacpp-python) makes the side venv")
 
 
 class LlamaCppTarget(ServerTarget):
