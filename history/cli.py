@@ -72,6 +72,23 @@ def record_after_run(url: str, run_dirs: list[str], repo: Path = Path(".")) -> N
         print(f"servelab-run: run.history: not recorded: {type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)
 
 
+def record_after_gate(url: str, gate_json: Path, repo: Path = Path("."), gate_config: Path | None = None) -> None:
+    """`servelab-gate --against REF --history URL` (workloads/gate_cli.py): the gate's gate.json into
+    the store, at the checkout's commit (its candidate) with the baseline commit it measured in the
+    same run. A failure to record is one line on stderr, never the gate's verdict or exit code."""
+    try:
+        from history.ingest import load_record
+
+        with Store(url) as store:
+            rec = load_record(gate_json, repo, "HEAD", gate_config)
+            stored = store.add(rec)
+            dirty = " (dirty checkout: left out of change detection)" if rec.commit.dirty else ""
+            print(f"history: gate at {rec.commit.sha[:12]} {'recorded' if stored is not None else 'already recorded'} "
+                  f"in {url}{dirty}")  # fmt: skip
+    except Exception as exc:  # the verdict stands whatever the store says
+        print(f"servelab-gate: --history: not recorded: {type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)
+
+
 def _settings(args: argparse.Namespace):  # -> history.changes.Settings
     from history.changes import Settings
 

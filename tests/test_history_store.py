@@ -291,6 +291,34 @@ def test_servelab_run_history_hook_records_and_never_fails_the_run(tmp_path: Pat
     assert err.count("\n") == 1 and "run.history: not recorded: OperationalError" in err
 
 
+def test_servelab_gate_history_records_its_gate_json_and_never_changes_the_verdict(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`servelab-gate --against REF --history URL`: the finished gate's gate.json goes into the store at
+    the checkout's commit; a store that cannot be reached is one line on stderr and the gate's exit
+    code is its verdict's."""
+    from workloads import gate_cli
+    from workloads.paired_gate import GateResult
+
+    repo = _repo(tmp_path)
+    parent = _git(repo, "rev-parse", "HEAD~1")
+    out = tmp_path / "gate"
+    out.mkdir()
+    _gate_json(out / "gate.json", parent, 2.6, 0.04)
+    result = GateResult(baseline_commit=parent, baseline_tree="", checks=[], baseline_reps=[], candidate_reps=[],
+                        pairs=8, discarded=0, elapsed_s=1.0, notes=[], out_dir=str(out))  # fmt: skip
+    monkeypatch.setattr(gate_cli, "run_paired_gate", lambda *a, **k: result)
+    url = str(tmp_path / "h.sqlite")
+    assert gate_cli.gate_main(["--against", "HEAD~1", "--repo", str(repo), "--history", url]) == 0
+    with Store(url) as store:
+        runs = store.runs()
+    assert len(runs) == 1 and runs.iloc[0]["kind"] == "gate"
+    assert runs.iloc[0]["commit_sha"] == _git(repo, "rev-parse", "HEAD") and runs.iloc[0]["baseline_commit"] == parent
+    assert "history: gate at" in capsys.readouterr().out
+    bad = "postgresql+psycopg://nobody@127.0.0.1:1/none"
+    assert gate_cli.gate_main(["--against", "HEAD~1", "--repo", str(repo), "--history", bad]) == 0
+    assert "--history: not recorded: OperationalError" in capsys.readouterr().err
+
+
 def test_since_keeps_the_commits_from_a_ref_on(tmp_path: Path) -> None:
     from history.cli import _scan, history_parser
 

@@ -48,6 +48,11 @@ def add_paired_arguments(parser: argparse.ArgumentParser) -> None:
         "the gate's power (benchmarks/gate_power.py)",
     )
     group.add_argument(
+        "--history", metavar="URL",
+        help="also record gate.json in this results store (servelab-history: an SQLite file path or an "
+        "SQLAlchemy URL); a failure to record is one line on stderr, never the verdict (default: no record)",
+    )
+    group.add_argument(
         "--explain-repeats", type=int, default=5, metavar="N",
         help="on FAIL, N profiled pairs decompose the change (servelab-explain; explain.html and explain.json "
         "beside gate.json); 0: none (default: %(default)s)",
@@ -106,6 +111,11 @@ def paired_gate(args: argparse.Namespace, stored_gate: Callable[[argparse.Namesp
           f"{result.elapsed_s:.0f} s)")  # fmt: skip
     if args.verbose:
         print(json.dumps(result.notes))
+    if getattr(args, "history", None):
+        from history.cli import record_after_gate
+
+        record_after_gate(args.history, Path(result.out_dir) / "gate.json", Path(args.repo),
+                          Path(args.config) if args.config else None)  # fmt: skip
     if bad and getattr(args, "explain_repeats", 0) >= 2:
         explain_failure(args, settings, result.baseline_commit, Path(result.out_dir))
     return 1 if bad else 0
