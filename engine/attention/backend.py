@@ -16,7 +16,9 @@ Packed batch layout (one step):
     query_len_i tokens of its sequence of seq_lens[i] tokens (the first
     seq_lens[i] - query_len_i are already in the cache: a cached prefix, earlier
     chunks or earlier decode steps). Query token j of request i sits at position
-    context_len_i + j and attends causally to positions 0 .. context_len_i + j.
+    context_len_i + j and attends causally to positions 0 .. context_len_i + j; in a layer with a
+    sliding window w (Gemma 3's local layers) only to positions context_len_i + j - w + 1 ..
+    context_len_i + j (the cache still holds every position: no sliding-window allocator yet).
 """
 
 from __future__ import annotations
@@ -57,6 +59,12 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+def window_excludes(metadata: AttentionMetadata, window: int | None) -> bool:
+    """Whether a sliding window of `window` positions hides any position of this step's contexts
+    (never where every sequence fits in it: the whole-context attention is then the same)."""
+    return window is not None and metadata.max_seq_len > window
+
+
 class AttentionBackend(ABC):
     """One instance per engine; stateless across steps apart from caches it owns."""
 
@@ -87,9 +95,13 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v into kv_cache at metadata.slot_mapping, then attend.
 
         q, k and v may be strided views (the model passes slices of its fused QKV output);
         only the last dimension is guaranteed contiguous. The result may be a view too.
+        `window`: each query attends to the last `window` positions only, its own included
+        (None: the whole context). A backend that cannot raises NotImplementedError where the
+        window would exclude a position (`window_excludes`), never attends past it silently.
         """

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import AttentionBackend, AttentionMetadata, window_excludes
 
 # Upstream flash_attn 2 accepts a block table only for pages that are a multiple of this.
 FLASH_ATTN_PAGE_MULTIPLE = 256
@@ -68,8 +68,12 @@ class _LibraryBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Write k/v into kv_cache, then attend with the library (fp16/bf16 only)."""
+        """Write k/v into kv_cache, then attend with the library (fp16/bf16 only); no sliding window yet."""
+        if window_excludes(metadata, window):
+            raise NotImplementedError(f"{self.name}: sliding-window attention (window {window}) is not implemented; "
+                                      "use the torch backend")
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"{self.name} supports float16/bfloat16 only, got {q.dtype}; use dtype='bfloat16'")
         n = metadata.num_tokens

@@ -37,6 +37,12 @@ attends, so a layer costs a handful of torch ops whatever the batch holds):
   chunk or several, alone or beside others (the prefill paths above attend a prompt's rows in
   16-row blocks and differ from the decode path in their sums).
 
+- A sliding window (`forward(..., window=w)`, Gemma 3's local layers) that hides a position of
+  the step (some sequence longer than w): every request's rows attend over just the blocks
+  holding their last w positions, gathered, with a causal-and-window mask, one SDPA call per
+  request (planned once per step and window, `_WindowRows`). Correct first: the C++ paged op
+  has no window. A step whose sequences all fit in the window runs the paths above unchanged.
+
 This backend is the correctness oracle for the Triton and FlashAttention backends.
 """
 
@@ -49,7 +55,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import AttentionBackend, AttentionMetadata, window_excludes
 from engine.kernels.paged_attention import (
     paged_attention_op,
     paged_prefill_attention_op,
@@ -114,6 +120,38 @@ class _StepRows:
     seq_lens: torch.Tensor  # [B] int64
 
 
+@dataclass
+class _WindowRows:
+    """One request's rows in a sliding-window layer: the blocks holding its last `window` positions."""
+
+    start: int  # first query row
+    end: int
+    blocks: torch.Tensor  # [nblk] int64: the blocks from the one holding `first` to the last
+    offset: int  # position `first` within the gathered blocks
+    length: int  # positions gathered: the blocks' first position .. seq_len - 1
+    mask: torch.Tensor  # [q_len, length - offset] bool: key first + j visible to query row i
+
+
+def _plan_window(metadata: AttentionMetadata, window: int) -> list[_WindowRows]:
+    """Every request of the step under a sliding window of `window` positions: query position p
+    sees keys p - window + 1 .. p (HF's `sliding_window_overlay`, llama.cpp's SWA)."""
+    bs = metadata.block_size
+    qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    device = metadata.block_table.device
+    plans = []
+    for i in range(metadata.num_reqs):
+        start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(lens[i])
+        ctx = seq_len - (end - start)
+        first = max(0, ctx - window + 1)  # the earliest key any of its rows sees
+        first_block = first // bs
+        blocks = metadata.block_table[i, first_block : -(-seq_len // bs)].long()
+        keys = torch.arange(first, seq_len, device=device)[None, :]  # [1, L]
+        queries = torch.arange(ctx, seq_len, device=device)[:, None]  # [q_len, 1]
+        mask = (keys <= queries) & (keys > queries - window)
+        plans.append(_WindowRows(start, end, blocks, first - first_block * bs, seq_len - first_block * bs, mask))
+    return plans
+
+
 # head dims of the paged op's vector paths (others run its scalar loop: SDPA is faster there)
 _OP_VECTOR_HEAD_DIMS = (64, 128)
 
@@ -170,9 +208,11 @@ class TorchAttentionBackend(AttentionBackend):
         self._prefill_rows: _PrefillRows | None = None
         self._step_rows: _StepRows | None = None
         self.batch_invariant = False  # module note; engine/kernels/batch_invariance.py sets it
+        self._windows: dict[int, list[_WindowRows]] = {}  # this step's plans by window (`_attend_window`)
 
     # ---- per-step plan -----------------------------------------------------------------
     def begin_step(self, metadata: AttentionMetadata) -> None:
+        self._windows = {}
         one = metadata.one_row_each
         if one is not None and not self.batch_invariant:  # decode rows in request order, inputs as the op reads them
             n = metadata.num_reqs
@@ -287,8 +327,11 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, metadata.slot_mapping)
+        if window is not None and window_excludes(metadata, window):
+            return self._attend_window(q, kv_cache, metadata, scale, window)
         if self.batch_invariant:
             sr, op = self._step_rows, _cpu_op(q, kv_cache)
             assert sr is not None and op is not None, "batch_invariant: the C++ paged-attention op (CPU, bfloat16)"
@@ -320,6 +363,18 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for rows, o in parts:
             out[rows] = o
+        return out
+
+    def _attend_window(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                       window: int) -> torch.Tensor:  # fmt: skip
+        """[T, Hq, D]: every request's rows over its last `window` positions (module note)."""
+        plans = self._windows.get(window)
+        if plans is None:
+            plans = self._windows[window] = _plan_window(metadata, window)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for w in plans:
+            kv = gather_context(kv_cache, w.blocks, 1, w.length)[:, :, w.offset :]  # [2, 1, L, Hkv, D]
+            out[w.start : w.end] = _sdpa(q[w.start : w.end].unsqueeze(0), kv[0], kv[1], scale, attn_mask=w.mask)[0]
         return out
 
     @staticmethod

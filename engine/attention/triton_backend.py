@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import AttentionBackend, AttentionMetadata, window_excludes
 
 
 def _interpreting() -> bool:
@@ -59,8 +59,13 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write k/v into kv_cache (in place), then attend; rows past metadata.num_tokens are zero."""
+        """Write k/v into kv_cache (in place), then attend; rows past metadata.num_tokens are zero. No
+        sliding window yet."""
+        if window_excludes(metadata, window):
+            raise NotImplementedError(f"{self.name}: sliding-window attention (window {window}) is not implemented; "
+                                      "use the torch backend")
         kernels = _kernels()
         n = metadata.num_tokens
         kernels.reshape_and_cache(k, v, kv_cache, metadata.slot_mapping, n)

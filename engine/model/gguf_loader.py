@@ -14,6 +14,10 @@ which (`ModelFamily.gguf_rotary_permuted`, engine/model/registry.py).
 Names: a tensor `blk.N.<kind>.weight|bias` becomes `model.layers.N.<HF name>.weight|bias`; the
 kinds are Llama's, plus Qwen3's `attn_q_norm` / `attn_k_norm`, and for Phi-3 the fused
 `attn_qkv` and `ffn_up` (gate and up in one), which fill the fused parameters as they are.
+Gemma 3's four norms per layer have names of their own (`ffn_norm` is its pre-feedforward norm),
+and llama.cpp's converter stored each norm weight plus one (its RMSNorm multiplies by the weight,
+HF Gemma's by one plus it): the loader takes the one off again, as HF transformers' does, so a
+GGUF and a HF folder fill the same parameters.
 """
 
 from __future__ import annotations
@@ -54,7 +58,11 @@ _LAYER_NAMES = {
 # Families whose GGUF files store fused projections: a kind's name there
 _FAMILY_LAYER_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
 }
+# Families whose converter stored every `*norm.weight` plus this (HF's Gemma RMSNorm: x * (1 + weight))
+_NORM_WEIGHT_OFFSET = {"gemma3": 1.0}
 # Mixtral experts: llama.cpp stacks them ([E, out, in]) or, in older files, numbers them.
 _EXPERT_NAMES = {"ffn_gate": "w1", "ffn_down": "w2", "ffn_up": "w3"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+?)(?:_exps|\.(\d+))?\.(weight|bias)$")
@@ -195,6 +203,8 @@ def load_gguf_state_dict(
         if _layer_index(targets[0][0]) >= arch.num_layers:
             continue
         weight = dequantize_tensor(tensor, torch.float32)
+        if arch.family in _NORM_WEIGHT_OFFSET and tensor.name.endswith("norm.weight"):
+            weight = weight - _NORM_WEIGHT_OFFSET[arch.family]
         if permuted and ".attn_q." in tensor.name:
             weight = unpermute_rotary_rows(weight, arch.num_heads)
         elif permuted and ".attn_k." in tensor.name:

@@ -256,10 +256,12 @@ _EXPERT_SHARD = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)}
 class LlamaForCausalLM(nn.Module):
     """Llama / Mixtral causal LM. See the module docstring for the runner contract."""
 
+    inner_model: type[LlamaModel] = LlamaModel  # a family with layers of its own names its model (gemma3.py)
+
     def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, max_positions: int | None = None) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, attn_backend, max_positions or arch.max_position_embeddings)
+        self.model = self.inner_model(arch, attn_backend, max_positions or arch.max_position_embeddings)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # set by prepack()
         self.amx_lm_head: torch.Tensor | None = None  # the LM head for the AMX kernels, set by prepack()

@@ -35,6 +35,7 @@ from engine.model.arch import ModelArch
 from engine.model.dummy import init_dummy_weights
 from engine.model.gguf_loader import gguf_tensor_types, load_gguf_state_dict, open_gguf
 from engine.model.hf_loader import load_hf_state_dict, read_hf_arch
+from engine.model.layers import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
 from engine.model.source import ModelSource, resolve_source
 from engine.platform import resolve_dtype
@@ -167,7 +168,9 @@ def load_model(
     assert isinstance(model, LlamaForCausalLM)
     model.batch_invariant = model_config.batch_invariant
     model = materialize(model, device, dtype)
-    model.model.rotary_emb.rebuild(device, dtype)
+    for rotary in model.modules():  # (Gemma 3 has two: its global and its sliding layers')
+        if isinstance(rotary, RotaryEmbedding):
+            rotary.rebuild(device, dtype)
     if weights_fn is None:
         init_dummy_weights(model, model_config.seed)
     else:

@@ -7,7 +7,7 @@ A checkpoint names its architecture: a Hugging Face `config.json` in `architectu
 from the Llama layer are switches on `ModelArch` (biases on q/k/v, q/k RMSNorm per head, top-k
 renormalisation), set here once per family, so every family shares `engine/model/llama.py`'s
 decoder layer; each family's class (one file per family) holds what its checkpoints name
-differently.
+differently. Gemma 3 (engine/model/gemma3.py) has a layer of its own, built of the same parts.
 
 This module imports neither torch nor the model classes: the simulator and the planner resolve
 architectures without building a model. `model_class` imports the family's module when the
@@ -42,6 +42,8 @@ class ModelFamily:
     gguf_rotary_permuted: bool = False
     # engine/model/parallel_layers.py shards this family's parameters (the Llama / Mixtral ones)
     tensor_parallel: bool = False
+    # the MLP's activation (HF `hidden_act` / `hidden_activation`): SwiGLU's silu, Gemma's tanh GELU
+    hidden_act: str = "silu"
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -55,6 +57,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("qwen3_moe", "engine.model.qwen", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3_moe",),
                 ("qwen3moe",), qk_norm=True, norm_topk_default=False),
     ModelFamily("phi3", "engine.model.phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
+    ModelFamily("gemma3", "engine.model.gemma3", "Gemma3ForCausalLM", ("Gemma3ForCausalLM",), ("gemma3_text",),
+                ("gemma3",), qk_norm=True, hidden_act="gelu_pytorch_tanh"),
 )  # fmt: skip
 
 _BY_NAME = {f.name: f for f in FAMILIES}

@@ -11,6 +11,9 @@ frequencies once, before the cos/sin table is built (nothing changes per step):
 A checkpoint states it as Hugging Face's `rope_scaling` (or, in newer configs, `rope_parameters`)
 mapping: `{rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4,
 original_max_position_embeddings: 8192}`.
+
+Gemma 3's global layers use "linear" scaling instead (`{rope_type: linear, factor: 8}`, the 4B-27B
+models): every frequency divided by `factor`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ _UNSCALED = (None, "default")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1's frequency scaling (the only scaled RoPE the engine implements)."""
+    """Llama-3.1's frequency scaling, or linear scaling (`rope_type` "linear": `factor` alone)."""
 
     factor: float
     low_freq_factor: float
@@ -47,8 +50,12 @@ class RopeScaling:
         kind = cfg.get("rope_type", cfg.get("type"))
         if kind in _UNSCALED:
             return None
+        if kind == "linear":
+            if not float(cfg.get("factor") or 0) > 0:
+                raise ValueError(f"model: linear rope scaling needs factor > 0, got {cfg!r}")
+            return cls(float(cfg["factor"]), 0.0, 0.0, 0, rope_type="linear")
         if kind != "llama3":
-            raise ValueError(f"model: rope scaling {kind!r} is not supported (supported: llama3)")
+            raise ValueError(f"model: rope scaling {kind!r} is not supported (supported: llama3, linear)")
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         missing = [k for k in keys if cfg.get(k) is None]
         if missing:
@@ -62,6 +69,8 @@ class RopeScaling:
 
     def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
         """inv_freq: [D/2] rotary frequencies (radians per position) -> the scaled ones, same dtype."""
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
         old_len = self.original_max_position_embeddings
         wavelen = 2 * math.pi / inv_freq  # positions per turn
         keep_below = old_len / self.high_freq_factor  # shorter wavelengths: unchanged

@@ -1,7 +1,7 @@
 """The engine's tokenizer: a `tokenizers.Tokenizer` plus special tokens and a chat template.
 
 Built from a GGUF file's vocabulary (byte-level BPE, as HF transformers builds it for
-the same file, so both tokenize identically), from a HF folder's `tokenizer.json`, or
+the same file, so both tokenize identically; a SentencePiece one by HF transformers itself), from a HF folder's `tokenizer.json`, or
 as a byte-level fallback (one token per byte) for dummy models that ship none.
 """
 
@@ -79,7 +79,7 @@ class Tokenizer:
     # ---- construction ------------------------------------------------------------
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """From `tokenizer.ggml.*` metadata (only the byte-level BPE "gpt2" model).
+        """From `tokenizer.ggml.*` metadata (byte-level BPE "gpt2"; SentencePiece "llama" through HF).
 
         ValueError ("model: ...") for other tokenizer models.
         """
@@ -88,8 +88,11 @@ class Tokenizer:
 
         meta = GGUFMetadata(open_gguf(path))
         kind = meta.get("tokenizer.ggml.model")
+        if kind == "llama":  # SentencePiece (Gemma 3): HF transformers' own conversion of the same file
+            return cls._from_gguf_sentencepiece(Path(path), meta)
         if kind != "gpt2":
-            raise ValueError(f"model: GGUF tokenizer {kind!r} is not supported (only byte-level BPE 'gpt2')")
+            raise ValueError(f"model: GGUF tokenizer {kind!r} is not supported (byte-level BPE 'gpt2', "
+                             f"SentencePiece 'llama')")
         tokens: list[str] = meta.require("tokenizer.ggml.tokens")
         types: list[int] = meta.get("tokenizer.ggml.token_type") or []
         merges = [_merge_pair(m) for m in meta.get("tokenizer.ggml.merges") or []]
@@ -101,6 +104,21 @@ class Tokenizer:
         _set_post_processor(backend, bos if meta.get("tokenizer.ggml.add_bos_token", False) else None,
                             eos if meta.get("tokenizer.ggml.add_eos_token", False) else None)
         return cls(backend, bos, eos, meta.get("tokenizer.chat_template"), name=Path(path).name)
+
+    @classmethod
+    def _from_gguf_sentencepiece(cls, path: Path, meta: Any) -> Tokenizer:
+        """A SentencePiece vocabulary (`tokenizer.ggml.model` "llama": scores, byte fallback, "▁" for
+        spaces) as HF transformers builds it from the same file: its tokens are then HF's by
+        construction, which the oracle tests need (several seconds for Gemma's 262,144 tokens)."""
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:  # pragma: no cover (a dependency of the engine)
+            raise ValueError("model: a SentencePiece GGUF tokenizer needs HF transformers") from e
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+        bos = _token(tokens, meta.get("tokenizer.ggml.bos_token_id"))
+        eos = _token(tokens, meta.get("tokenizer.ggml.eos_token_id"))
+        return cls(hf.backend_tokenizer, bos, eos, meta.get("tokenizer.chat_template"), name=path.name)
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> Tokenizer:

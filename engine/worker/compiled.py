@@ -3,7 +3,7 @@
 Design note:
 
 - The attention call is the seam. Every layer's attention goes through ONE opaque torch
-  custom op, `servelab::layer_attention(q, k, v, layer, scale)`, registered here. The op
+  custom op, `servelab::layer_attention(q, k, v, layer, scale, window)`, registered here. The op
   reads the step's backend, metadata and KV cache from a per-step forward context
   (`step_context`), so dynamo never sees the backend's Python planning, host lists or
   the cache write: the rest of the forward (embedding, norms, projections, rotary,
@@ -72,8 +72,10 @@ def step_context(backend: AttentionBackend, metadata: AttentionMetadata, kv_cach
 
 # ---- the attention custom op -----------------------------------------------------------
 @torch.library.custom_op("servelab::layer_attention", mutates_args=())
-def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                    window: int = 0) -> torch.Tensor:  # fmt: skip
     """Write k/v of the step's real rows into layer `layer`'s cache, attend; [T, Hq, D] contiguous.
+    `window`: the layer's sliding window (0: none; AttentionBackend.forward's `window`).
 
     q: [T, Hq, D], k/v: [T, Hkv, D] where T >= metadata.num_tokens (rows past it are
     padding: ignored, and their output rows are zero). The cache write is a side effect
@@ -85,15 +87,17 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         raise RuntimeError("servelab::layer_attention called outside step_context()")
     md = ctx.metadata
     n = md.num_tokens
+    win = window or None
     if q.shape[0] == n:
-        return ctx.backend.forward(q, k, v, ctx.kv_caches[layer], md, scale).contiguous()
+        return ctx.backend.forward(q, k, v, ctx.kv_caches[layer], md, scale, window=win).contiguous()
     out = q.new_zeros(q.shape)
-    out[:n] = ctx.backend.forward(q[:n], k[:n], v[:n], ctx.kv_caches[layer], md, scale)
+    out[:n] = ctx.backend.forward(q[:n], k[:n], v[:n], ctx.kv_caches[layer], md, scale, window=win)
     return out
 
 
 @layer_attention.register_fake
-def _layer_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _layer_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                          window: int = 0) -> torch.Tensor:  # fmt: skip
     return q.new_empty(q.shape)
 
 
@@ -111,9 +115,9 @@ class LayerAttention:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: AttentionMetadata, scale: float,
+        metadata: AttentionMetadata, scale: float, window: int | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        return torch.ops.servelab.layer_attention(q, k, v, self.layer, scale)
+        return torch.ops.servelab.layer_attention(q, k, v, self.layer, scale, window or 0)
 
     def begin_step(self, metadata: AttentionMetadata) -> None:
         self.backend.begin_step(metadata)

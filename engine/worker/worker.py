@@ -16,6 +16,7 @@ from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
 from engine.kv_transfer.worker_step import execute_with_connector
 from engine.model.gguf_loader import gguf_layer_kinds
+from engine.model.layers import RotaryEmbedding
 from engine.platform import resolve_device, resolve_dtype
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
@@ -50,10 +51,10 @@ def check_kv_capacity(max_model_len: int, requested: int | None, num_blocks: int
 def cover_positions(model: torch.nn.Module, max_model_len: int) -> None:
     """Extend the model's RoPE table to `max_model_len` positions when it is longer than the model's
     context (model.allow_long_max_model_len); a no-op otherwise, and for models without one."""
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if rotary is not None and rotary.max_positions < max_model_len:
-        rotary.max_positions = max_model_len
-        rotary.rebuild()
+    for rotary in model.modules():  # (Gemma 3 has two)
+        if isinstance(rotary, RotaryEmbedding) and rotary.max_positions < max_model_len:
+            rotary.max_positions = max_model_len
+            rotary.rebuild()
 
 
 class Worker:

@@ -1,0 +1,169 @@
+"""Gemma 3 (text): the Llama model's frame around a layer of its own.
+
+What differs from the Llama layer, each as HF transformers' `Gemma3ForCausalLM` computes it (the
+oracle: tests/test_gemma3.py, greedy tokens equal on the same GGUF):
+- the embedding is multiplied by sqrt(hidden), the factor rounded to the model's dtype first;
+- every RMSNorm multiplies by (1 + weight), computed in float32 and rounded once (`GemmaRMSNorm`);
+  a GGUF stores 1 + weight, which the loader takes off again (engine/model/gguf_loader.py);
+- each query and key head is RMS-normed before the rotary (QK-norm, Qwen3's place);
+- four norms per layer ("sandwich"): before and after the attention, before and after the MLP,
+  the residual added after each post-norm;
+- the MLP is GeGLU: down(gelu_tanh(gate(x)) * up(x));
+- local layers attend to the last `sliding_window` positions (their own included) with a rotary
+  base of 10,000, global layers (every sixth, `ModelArch.layer_types`) to the whole context with
+  the checkpoint's base (1e6) and its rope scaling; the attention scale is
+  `query_pre_attn_scalar ** -0.5`;
+- the LM head is the embedding (tied); logits are soft-capped where the config says so.
+
+The sliding window goes to the attention backend per call (`AttentionBackend.forward`'s `window`;
+the torch backend attends over just the last window's blocks). The KV cache still keeps every
+position of every layer: the sliding-window allocator (KV cache groups) is not built yet.
+
+The layer has no planned CPU forward (engine/kernels/forward_plan.py computes the Llama layer):
+`LlamaModel.build_plan` finds it not `plannable` and the modules' forward runs. No kernel reads
+this checkpoint's blocks yet (Q5_0 / Q8_0 q-k-v in one matrix, Q4_K, Q6_K): every step multiplies
+the loader's dense weights, and start-up says so when `model.quantized_decode` asked otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.model.arch import ModelArch
+from engine.model.layers import GatedMLP, RotaryEmbedding
+from engine.model.llama import LlamaForCausalLM, LlamaModel
+
+
+class GemmaRMSNorm(nn.Module):
+    """y = x / rms(x) * (1 + weight), in float32, rounded to x's dtype once (HF's Gemma3RMSNorm, op for op)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3MLP(GatedMLP):
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x)); gate and up fused in one Linear as SwiGLU's are."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)  # [T, H]
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = arch.q_size
+        self.scale = (arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
+        self.window = arch.window(layer)  # None: a global layer
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * arch.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.attn_backend = attn_backend
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,  # [T, 1, D]: this layer's rotary (local or global)
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
+        q = self.q_norm(qkv[:, :hq])  # [T, Hq, D], each head normed over its D values
+        k = self.k_norm(qkv[:, hq : hq + hkv])  # [T, Hkv, D]
+        q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
+        o = self.attn_backend.forward(q, k, qkv[:, hq + hkv :], kv_cache, metadata, self.scale, window=self.window)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    plannable = False  # forward_plan computes the Llama layer, not this one
+    is_moe = False
+
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        h, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.self_attn = Gemma3Attention(arch, attn_backend, layer)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.mlp = Gemma3MLP(h, arch.intermediate_size)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        """x: [T, H] the residual stream -> the same after this layer."""
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(LlamaModel):
+    """LlamaModel's parts and plan interface (its plan is always None: no layer is `plannable`),
+    Gemma's layers, norms and two rotaries: `rotary_emb` for the global layers, `rotary_local` for
+    the sliding ones."""
+
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, max_positions: int) -> None:
+        nn.Module.__init__(self)  # (LlamaModel.__init__ would build Llama layers)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, attn_backend, i) for i in range(arch.num_layers))
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+        self.rotary_local = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_local_theta or arch.rope_theta)
+        self.embed_scale = arch.hidden_size**0.5
+        self.plan = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale).to(x.dtype)  # the factor rounded to the dtype first, as HF does
+        rotaries = {False: self.rotary_emb.cos_sin(positions), True: self.rotary_local.cos_sin(positions)}
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cos, sin = rotaries[layer.self_attn.window is not None]
+            x = layer(x, cos, sin, kv_cache, metadata)
+        return self.norm(x)  # type: ignore[no-any-return]
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3's text model. The runner contract and the weight loading are LlamaForCausalLM's
+    (q/k/v and gate/up fill fused parameters); the logits are soft-capped where the config says."""
+
+    inner_model = Gemma3Model
+
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        logits = super().compute_logits(hidden, upcast)
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _gguf_blocks(self, reader: str) -> None:
+        """None: no kernel reads this family's layers (module note), and the LM head alone reading
+        its Q8_0 blocks would make `step_weights` (every matrix or none) untrue."""
+        return None
+
+    def hf_weight_names(self) -> list[str]:
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if self.lm_head is not None:
+            names.append("lm_head.weight")
+        per_layer = [
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
+            "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+        ]  # fmt: skip
+        return names + [f"model.layers.{i}.{p}.weight" for i in range(self.arch.num_layers) for p in per_layer]
