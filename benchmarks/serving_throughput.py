@@ -3,7 +3,7 @@
     python benchmarks/serving_throughput.py [--peer vllm|llamacpp|llamacpp-python|none] [--concurrency 1,16]
         [--sampling greedy,temperature1] [--repeats 3] [--num-requests 64] [--num-requests-c1 16]
         [--input-len 128] [--output-len 128] [--max-num-batched-tokens 512] [--max-num-seqs 16]
-        [--max-model-len 2048] [--dtype auto|float32|bfloat16] [--own-defaults] [--no-vllm-bench] [--json OUT] [--keep-logs DIR]
+        [--max-model-len 2048] [--dtype auto|float32|bfloat16] [--float32-linear prepacked|plain] [--own-defaults] [--no-vllm-bench] [--json OUT] [--keep-logs DIR]
         [servelab overrides...]
 
 The peers, as their maintainers run them (serving_sides.py): `vllm`, vLLM-CPU's server bound to the
@@ -139,6 +139,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None,
                    help="servelab's model.dtype (and vLLM's --dtype); default bfloat16 against vLLM, else auto "
                         "(float32 on a CPU without avx512_bf16 / amx_bf16, where bfloat16 is emulated)")
+    p.add_argument("--float32-linear", choices=["auto", "prepacked", "plain"], default=None,
+                   help="servelab's kernels.float32_linear in every round (default: probed once here and pinned, "
+                        "so every round's servers run the same float32 kernel)")
     p.add_argument("--own-defaults", action="store_true",
                    help="also a configuration where each server keeps its own defaults (labelled)")
     p.add_argument("--no-vllm-bench", dest="vllm_bench", action="store_false",
@@ -152,10 +155,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def pinned_float32_linear() -> str:
+    """The float32 linears' kernel, probed once in this process (engine/kernels/cpu_linear.py)."""
+    from engine.kernels.cpu_linear import probe_onednn_float32_faster
+
+    return "prepacked" if probe_onednn_float32_faster() else "plain"
+
+
 def configurations(args: argparse.Namespace) -> list[tuple[str, Settings | None]]:
     """('equal settings', the shared Settings) and, with --own-defaults, ('own defaults', None)."""
     dtype = args.dtype or ("bfloat16" if args.peer == "vllm" else "auto")
-    equal = Settings(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len, dtype)
+    equal = Settings(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len, dtype,
+                     args.float32_linear or pinned_float32_linear())
     return [("equal settings", equal)] + ([("own defaults", None)] if args.own_defaults else [])
 
 

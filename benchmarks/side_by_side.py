@@ -62,11 +62,14 @@ class Settings:
     max_num_seqs: int = 16
     max_model_len: int = 2048
     dtype: str = "bfloat16"
+    # servelab's float32 linears, decided once by the harness (`kernels.float32_linear`): left to
+    # each server's start-up probe, machine noise tipped one round of three to the other kernel
+    float32_linear: str = "auto"
 
     def servelab_overrides(self) -> list[str]:
         return [f"scheduler.max_num_batched_tokens={self.max_num_batched_tokens}",
                 f"scheduler.max_num_seqs={self.max_num_seqs}", f"model.max_model_len={self.max_model_len}",
-                f"model.dtype={self.dtype}"]
+                f"model.dtype={self.dtype}", f"kernels.float32_linear={self.float32_linear}"]
 
     def vllm_args(self) -> list[str]:
         return ["--max-num-batched-tokens", str(self.max_num_batched_tokens), "--max-num-seqs",
@@ -79,7 +82,8 @@ class Settings:
 
     def describe(self) -> str:
         return (f"max_num_batched_tokens={self.max_num_batched_tokens}, max_num_seqs={self.max_num_seqs}, "
-                f"max_model_len={self.max_model_len}, dtype={self.dtype}")
+                f"max_model_len={self.max_model_len}, dtype={self.dtype}, servelab kernels.float32_linear="
+                f"{self.float32_linear}")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -140,14 +140,21 @@ def test_no_server_is_sent_a_prompt_twice(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert not workbench_seeds & set(bench_seeds["vllm"])
 
 
-def test_serving_args_give_both_servers_the_same_settings() -> None:
+def test_serving_args_give_both_servers_the_same_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    probes = []
+    monkeypatch.setattr(serving, "pinned_float32_linear", lambda: probes.append(1) or "plain")
     args = serving.parse_args(["--concurrency", "16", "--max-num-seqs", "8", "scheduler.foo=1"])
     assert args.overrides == ["scheduler.foo=1"] and args.concurrency == [16] and args.peer == "vllm"
     assert args.repeats == 3 and args.sampling == ["greedy", "temperature1"]
     (label, settings), = serving.configurations(args)
-    assert label == "equal settings" and settings == sbs.Settings(512, 8, 2048, "bfloat16")
+    assert label == "equal settings" and settings == sbs.Settings(512, 8, 2048, "bfloat16", "plain")
     vllm = sbs.Settings(512, 8, 2048).vllm_args()
     ours = settings.servelab_overrides()
+    # the float32 kernel probed once by the harness and pinned for every round's servelab server
+    assert "kernels.float32_linear=plain" in ours and probes == [1]
+    given = serving.parse_args(["--float32-linear", "prepacked", "--peer", "llamacpp"])
+    (_, pinned), = serving.configurations(given)
+    assert pinned is not None and pinned.float32_linear == "prepacked" and pinned.dtype == "auto" and probes == [1]
     assert vllm[vllm.index("--max-num-batched-tokens") + 1] == "512" and "scheduler.max_num_batched_tokens=512" in ours
     assert vllm[vllm.index("--max-num-seqs") + 1] == "8" and "scheduler.max_num_seqs=8" in ours
     assert vllm[vllm.index("--max-model-len") + 1] == "2048" and "model.max_model_len=2048" in ours
