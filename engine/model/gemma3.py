@@ -27,6 +27,8 @@ the loader's dense weights, and start-up says so when `model.quantized_decode` a
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -119,7 +121,7 @@ class Gemma3Model(LlamaModel):
         nn.Module.__init__(self)  # (LlamaModel.__init__ would build Llama layers)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, attn_backend, i) for i in range(arch.num_layers))
-        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)  # type: ignore[assignment]  # (1 + w), not w
         self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
         self.rotary_local = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_local_theta or arch.rope_theta)
         self.embed_scale = arch.hidden_size**0.5
@@ -135,7 +137,8 @@ class Gemma3Model(LlamaModel):
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale).to(x.dtype)  # the factor rounded to the dtype first, as HF does
         rotaries = {False: self.rotary_emb.cos_sin(positions), True: self.rotary_local.cos_sin(positions)}
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for module, kv_cache in zip(self.layers, kv_caches, strict=True):
+            layer = cast(Gemma3DecoderLayer, module)
             cos, sin = rotaries[layer.self_attn.window is not None]
             x = layer(x, cos, sin, kv_cache, metadata)
         return self.norm(x)  # type: ignore[no-any-return]
