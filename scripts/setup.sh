@@ -120,7 +120,7 @@ if [ "$("$VENV/bin/python" -c "import torch; print(int(torch.cuda.is_available()
   "$VENV/bin/python" -c "
 from engine.kernels.paged_attention import paged_attention_op
 from engine.kernels.cpu_kernels import kernels
-from engine.model import amx_linear
+from engine.kernels import amx_linear
 print('[setup] CPU paged attention op:', 'ready' if paged_attention_op() else 'unavailable (torch ops are used)')
 print('[setup] CPU layer kernels:', 'ready' if kernels() else 'unavailable (torch ops are used)')
 print('[setup] decode-sized bfloat16 linear kernels:', amx_linear.kind() if amx_linear.available() else 'not used (neither amx_bf16 nor avx512_bf16 on this CPU)')"
