@@ -100,3 +100,38 @@ def test_template_errors_are_value_errors(ours):
         bad.apply_chat_template([{"role": "user", "content": "x"}])
     with pytest.raises(ValueError, match="has no chat template"):
         Tokenizer(ours.backend, None, None, None).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_a_sentencepiece_conversion_is_kept_and_read_back(tmp_path, monkeypatch, ours: Tokenizer) -> None:
+    """HF's conversion of a GGUF's SentencePiece tokenizer (~32 s for Gemma 3's 262,144 tokens) runs
+    once per file: later loads read the kept tokenizer.json; a changed file is converted again."""
+    import os
+
+    import transformers
+
+    from engine.tokenizer import tokenizer as module
+
+    monkeypatch.setattr(module, "TOKENIZER_CACHE", tmp_path / "kept")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls = []
+
+    class Converted:
+        backend_tokenizer = ours.backend  # what the conversion gives: any tokenizers backend will do
+
+    def convert(folder: str, gguf_file: str) -> Converted:
+        calls.append(gguf_file)
+        return Converted()
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", convert)
+    first = module._converted_sentencepiece(gguf)
+    kept = module.converted_tokenizer_path(gguf)
+    assert calls == ["model.gguf"] and kept.is_file() and not list(kept.parent.glob("*.partial"))
+    again = module._converted_sentencepiece(gguf)
+    assert calls == ["model.gguf"]  # read back, not converted
+    text = "Hello, my name is servelab. 12345 ünïcödé"
+    assert again.encode(text).ids == first.encode(text).ids == ours.backend.encode(text).ids
+    os.utime(gguf, ns=(1, 1))  # another file under the same name
+    assert module.converted_tokenizer_path(gguf) != kept
+    module._converted_sentencepiece(gguf)
+    assert calls == ["model.gguf", "model.gguf"]

@@ -8,7 +8,10 @@ as a byte-level fallback (one token per byte) for dummy models that ship none.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.tokenizer.chat_template import CHATML_TEMPLATE, render_chat_template
+
+logger = logging.getLogger(__name__)
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 TOKEN_TYPE_CONTROL = 3
@@ -109,16 +114,13 @@ class Tokenizer:
     def _from_gguf_sentencepiece(cls, path: Path, meta: Any) -> Tokenizer:
         """A SentencePiece vocabulary (`tokenizer.ggml.model` "llama": scores, byte fallback, "▁" for
         spaces) as HF transformers builds it from the same file: its tokens are then HF's by
-        construction, which the oracle tests need (several seconds for Gemma's 262,144 tokens)."""
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as e:  # pragma: no cover (a dependency of the engine)
-            raise ValueError("model: a SentencePiece GGUF tokenizer needs HF transformers") from e
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        construction, which the oracle tests need. The conversion takes ~32 s for Gemma's 262,144
+        tokens on a 2-core AMD EPYC, so its result is kept (`converted_tokenizer_path`) and later
+        loads read that file (about a second)."""
         tokens: list[str] = meta.require("tokenizer.ggml.tokens")
         bos = _token(tokens, meta.get("tokenizer.ggml.bos_token_id"))
         eos = _token(tokens, meta.get("tokenizer.ggml.eos_token_id"))
-        return cls(hf.backend_tokenizer, bos, eos, meta.get("tokenizer.chat_template"), name=path.name)
+        return cls(_converted_sentencepiece(path), bos, eos, meta.get("tokenizer.chat_template"), name=path.name)
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> Tokenizer:
@@ -252,3 +254,39 @@ def _content(token: Any) -> str | None:
     if isinstance(token, dict):
         return token.get("content")
     return token
+
+
+TOKENIZER_CACHE = Path.home() / ".cache" / "servelab" / "tokenizers"
+
+
+def converted_tokenizer_path(path: Path) -> Path:
+    """Where the HF conversion of a GGUF's SentencePiece tokenizer is kept: named by the file's name,
+    size and modification time and by the transformers version that converted it, so a changed file
+    or another converter never reads a stale one."""
+    import transformers
+
+    st = path.resolve().stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return TOKENIZER_CACHE / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _converted_sentencepiece(path: Path) -> BackendTokenizer:
+    """The `tokenizers` backend of HF's conversion of `path`'s tokenizer, from the kept file where
+    there is one; a conversion that cannot be kept (a read-only home) is used all the same."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:  # pragma: no cover (a dependency of the engine)
+        raise ValueError("model: a SentencePiece GGUF tokenizer needs HF transformers") from e
+    kept = converted_tokenizer_path(path)
+    if kept.is_file():
+        return BackendTokenizer.from_file(str(kept))
+    backend = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).backend_tokenizer
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
+        backend.save(str(partial))
+        os.replace(partial, kept)  # whole or absent: a reader never sees half a file
+    except OSError as e:
+        logger.warning("tokenizer: the conversion of %s could not be kept (%s); the next start converts it again",
+                       path.name, e)
+    return backend
