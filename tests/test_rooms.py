@@ -19,6 +19,7 @@ import ast
 from pathlib import Path
 
 import engine.kernels
+from engine.config import KERNEL_ENV_OVERRIDES
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKBENCH = ("workloads", "reports", "conf", "profiling", "history", "analysis")
@@ -120,12 +121,10 @@ def test_the_engine_never_imports_the_workbench() -> None:
     assert not bad, "the engine imports the workbench:\n" + "\n".join(bad)
 
 
-# Every environment variable the engine reads, and why it is not a behaviour switch of ours.
+# Every environment variable the engine reads, and why it is not a behaviour switch of ours: the
+# kernels section's overrides (each read into its field: engine/config.py) and these.
 ENVIRONMENT = {
-    "SERVELAB_CPU_AMX": "overrides kernels.amx, read into the field (engine/config.py KERNEL_ENV_OVERRIDES)",
-    "SERVELAB_CPU_DPBF16": "overrides kernels.avx512_bf16, likewise",
-    "SERVELAB_ONEDNN_FP32": "overrides kernels.float32_linear, likewise",
-    "SERVELAB_DECODE_TEAM": "overrides kernels.decode_team, likewise",
+    **{var: f"overrides kernels.{field}, read into the field" for field, var in KERNEL_ENV_OVERRIDES.items()},
     "SERVELAB_CPU_MARCH": "a build override: the -march the C++ kernels are built for (cpu_extension.MARCH_ENV)",
     "TRITON_INTERPRET": "Triton's own switch: its kernels on a CPU",
     "RANK": "torch.distributed's env:// rendezvous",
@@ -141,8 +140,6 @@ ENVIRONMENT = {
 def test_the_engine_reads_only_the_named_environment_variables() -> None:
     """`os.environ` / `getenv` in engine/ (Python and C++) name only ENVIRONMENT's variables."""
     import re
-
-    from engine.config import KERNEL_ENV_OVERRIDES
 
     found: dict[str, str] = {}
     pattern = re.compile(r"""(?:environ(?:\.get)?\(?\[?|getenv\()\s*["']([A-Z_0-9]+)["']|"([A-Z_0-9]+)" not in os\.environ""")

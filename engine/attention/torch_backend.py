@@ -330,7 +330,8 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None = None,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, metadata.slot_mapping)
-        if window is not None and window_excludes(metadata, window):
+        if window_excludes(metadata, window):
+            assert window is not None
             return self._attend_window(q, kv_cache, metadata, scale, window)
         if self.batch_invariant:
             sr, op = self._step_rows, _cpu_op(q, kv_cache)

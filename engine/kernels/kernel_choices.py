@@ -10,6 +10,7 @@ benchmarks/round_conditions.py reads that line to name a round that ran other ke
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,12 +34,12 @@ def block_linear_choice(dtype: str) -> str:
 
 
 def quantized_decode_fallback(model: object, quantized_decode: bool, batch_invariant: bool,
-                              layer_kinds: Callable[[], list[str]]) -> str | None:  # fmt: skip
+                              layer_kinds: Callable[[Any], list[str]]) -> str | None:  # fmt: skip
     """After `prepack`: the warning to log where `model.quantized_decode` asked for the checkpoint's
     blocks and a step will not read them (or reads them only at one row), naming the option, what
     this CPU or checkpoint lacks and what runs instead; None where it was honoured or does not apply
     (not a GGUF file, switched off, `batch_invariant`, which documents that it reads no blocks).
-    `layer_kinds`: the block kinds of the checkpoint's layer matrices (asked only when needed;
+    `layer_kinds(path)`: the block kinds of the checkpoint's layer matrices (asked only when needed;
     engine/model/gguf_loader.py's `gguf_layer_kinds`)."""
     gguf = getattr(model, "gguf_path", None)
     step_weights = getattr(model, "step_weights", None)
@@ -49,7 +50,7 @@ def quantized_decode_fallback(model: object, quantized_decode: bool, batch_invar
     reads_blocks = any("blocks" in v for v in weights.values())
     lead = "model.quantized_decode=true"
     if not reads_blocks:
-        kinds = layer_kinds()
+        kinds = layer_kinds(gguf)
         readable = set(cpu_blocks.BLOCK_BYTES) | set(amx_linear.GGUF_BLOCK_KINDS)
         if dtype not in ("float32", "bfloat16"):
             why = f"the block kernels take float32 or bfloat16 rows, not {dtype}"

@@ -101,10 +101,9 @@ class Worker:
             packed = self.model.prepack(self.config.model.quantized_decode)
             if packed:
                 logger.info("prepacked %d weight matrices for oneDNN", packed)
-            gguf = getattr(self.model, "gguf_path", None)
             if (fallback := quantized_decode_fallback(self.model, self.config.model.quantized_decode,
                                                       self.config.model.batch_invariant,
-                                                      lambda: gguf_layer_kinds(gguf) if gguf else [])) is not None:
+                                                      gguf_layer_kinds)) is not None:
                 logger.warning(fallback)
         kv_caches = pending_kv.result()
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size,
