@@ -24,8 +24,11 @@ $(TEST_STAMP): pyproject.toml constraints.txt scripts/setup.sh
 
 setup: $(SETUP_STAMP)
 
+# `make bench model=gemma3-270m` (any conf/model/*.yaml name) runs the same experiment on another model;
+# BENCH_ARGS passes further Hydra overrides (`make bench BENCH_ARGS='workload.num_requests=32'`).
+BENCH_ARGS ?=
 bench: $(SETUP_STAMP)
-	$(VENV)/bin/servelab-run
+	$(VENV)/bin/servelab-run $(if $(model),model=$(model)) $(BENCH_ARGS)
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check engine workloads profiling reports tests benchmarks history analysis
