@@ -126,3 +126,21 @@ def test_servelab_run_precheck_is_one_line() -> None:
     assert precheck(["workload.prompt_len={dist: fixed, valu: 3}"]) == (
         "Could not override 'workload.prompt_len'.; Key 'valu' not in 'LengthSection'")
     assert precheck(["scheduler.max_num_seq=3"]).startswith("unknown key 'scheduler.max_num_seq'")  # type: ignore[union-attr]
+
+
+def test_every_model_choice_names_a_model_the_engine_has() -> None:
+    """`make bench model=NAME` / `servelab-run model=NAME` for every conf/model/NAME.yaml: its model is the
+    embedded default, a packaged real model (CHUNKED_MODELS) or a packaged shape (engine/model/shapes)."""
+    from pathlib import Path
+
+    import yaml
+
+    from engine.model import source
+
+    conf_dir = Path(__file__).resolve().parents[1] / "conf" / "model"
+    known = set(source.EMBEDDED_NAMES) | set(source.CHUNKED_MODELS) | {p.stem for p in source.SHAPES_DIR.glob("*.yaml")}
+    choices = {path.stem: yaml.safe_load(path.read_text())["model"] for path in conf_dir.glob("*.yaml")}
+    assert {"smollm2", "gemma3-270m", "qwen3-8b", "gemma-3-27b"} <= set(choices)
+    unknown = {stem: name for stem, name in choices.items() if name not in known}
+    assert not unknown, f"conf/model choices naming no model the engine has: {unknown}"
+    assert all(stem == name for stem, name in choices.items()), choices
