@@ -36,6 +36,31 @@ def test_gemma_3_27b_shape() -> None:
     assert sum(p.numel() for p in model.parameters()) == arch.num_parameters()
 
 
+def test_dummy_weights_leave_gemma_norms_unscaled() -> None:
+    """Random weights fill a norm with the weight that scales by 1: Gemma's (1 + w) gets w = 0 (it got 1 and
+    doubled every norm's output), Llama's RMSNorm keeps w = 1."""
+    from engine.model.dummy import init_dummy_weights
+    from engine.model.gemma3 import GemmaRMSNorm
+    from engine.model.layers import RMSNorm
+
+    arch = ModelArch.from_hf_config(dict(
+        architectures=["Gemma3ForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, intermediate_size=96, vocab_size=128, sliding_window=16,
+        query_pre_attn_scalar=32, sliding_window_pattern=2))  # fmt: skip
+    model = registry.model_class(arch.family)(arch, TorchAttentionBackend())
+    init_dummy_weights(model)
+    norms = [m for m in model.modules() if isinstance(m, GemmaRMSNorm)]
+    assert len(norms) == 1 + 2 * 6  # final + (input, post-attn, pre-FFN, post-FFN, q, k) per layer
+    x = torch.randn(3, 64)
+    for norm in norms:
+        assert torch.count_nonzero(norm.weight) == 0
+    final = model.model.norm
+    assert torch.allclose(final(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + final.eps))
+    llama_norm = RMSNorm(64, 1e-6)
+    init_dummy_weights(torch.nn.ModuleDict({"norm": llama_norm}))
+    assert torch.all(llama_norm.weight == 1.0)
+
+
 def test_transformers_5_config_reads_as_4s() -> None:
     """`layer_types` / `rope_parameters` per layer type (transformers 5) give the same arch as
     `sliding_window_pattern` / `rope_local_base_freq` (transformers 4)."""

@@ -1,7 +1,8 @@
 """Random weights for any architecture (vLLM's "dummy" load format).
 
 For benchmarking shapes without downloading weights: every matrix ~ N(0, std), every
-norm weight = 1 (so activations stay in range through many layers). Seeded, so two
+norm weight the one that scales by 1 (so activations stay in range through many layers): 1 for
+RMSNorm's w, 0 for a norm that multiplies by (1 + w) like Gemma's (its `identity_weight`). Seeded, so two
 engines with the same seed hold the same weights.
 """
 
@@ -19,7 +20,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = DUMMY_STD) 
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if param.dim() == 1 and name.endswith("norm.weight"):
-            param.fill_(1.0)
+            owner = model.get_submodule(name.rpartition(".")[0])
+            param.fill_(float(getattr(owner, "identity_weight", 1.0)))
             continue
         gen = generators.get(param.device)
         if gen is None:

@@ -42,6 +42,9 @@ from engine.model.llama import LlamaForCausalLM, LlamaModel
 class GemmaRMSNorm(nn.Module):
     """y = x / rms(x) * (1 + weight), in float32, rounded to x's dtype once (HF's Gemma3RMSNorm, op for op)."""
 
+    # The weight that leaves x / rms(x) unscaled: random (dummy) weights fill norms with it (engine/model/dummy.py).
+    identity_weight = 0.0
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size))
