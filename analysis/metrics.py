@@ -76,6 +76,9 @@ DEFINITIONS = {
     "sources": "where each figure came from: client (arrival of content chunks at the client; in-process and "
     "offline targets have no HTTP: their chunks are the engine's step outputs), chunks (client chunks spread "
     "per token), engine (engine timestamps), mixed (some requests had engine timestamps, others not)",
+    "client_reconnects": "requests sent again on a fresh connection because the kept-alive one they went out on "
+    "was closed before the server answered a byte (the server never saw the first attempt; TTFT and E2EL still "
+    "count from the first send). llama.cpp's llama-server closes idle kept-alive connections",
     "failed": "requests without a content chunk or with an error; excluded from latency statistics",
     "slo_miss_causes": "per SLO metric, requests missing it by dominant cause (analysis/attribution.py): queueing, "
     "prefill_interference, prefill, decode, preemption, batch_size, front_end, harness_lateness, unknown",
@@ -199,6 +202,7 @@ def _client_side(measured: list[RequestRecord]) -> dict[str, Any]:
         "p99_lateness_ms": p99,
         "max_lateness_ms": float(late.max()) if late.size else 0.0,
         "driver_bottleneck": p99 > DRIVER_LATE_P99_MS,
+        "client_reconnects": sum(r.reconnects for r in measured),
     }
 
 

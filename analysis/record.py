@@ -60,6 +60,9 @@ class TargetResult:
     engine_token_offsets: list[float] | None = None
     server_ttft_s: float | None = None
     server_e2el_s: float | None = None
+    # Times the request was sent again because a kept-alive connection turned out closed before the
+    # server answered anything (HTTP targets; the server never saw the earlier attempt).
+    reconnects: int = 0
 
 
 def gaps(times: list[float]) -> list[float]:
@@ -126,6 +129,7 @@ class RequestRecord:
     chunk_tokens: list[int] | None = None  # output tokens per content chunk (server counts); None: unknown
     server_ttft_s: float | None = None  # engine arrival -> first token
     server_e2el_s: float | None = None  # engine arrival -> last token
+    reconnects: int = 0  # sends repeated on a fresh connection (TargetResult.reconnects); start_s is the first's
 
     @property
     def ok(self) -> bool:

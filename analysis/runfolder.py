@@ -44,6 +44,8 @@ STEP_COLUMNS = [*(f for f in StepStats.__struct_fields__ if f != "members"), "kv
                 "spec_mean_accepted_length"]  # fmt: skip
 # Speculative decoding per request (in-process targets; empty for the others).
 REQUEST_COLUMNS += ["spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_rate"]
+# Sends repeated on a fresh connection after a kept-alive one was found closed (HTTP targets).
+REQUEST_COLUMNS += ["reconnects"]
 
 
 def _ms(v: float | None) -> float | None:
@@ -55,6 +57,7 @@ def request_row(r: RequestRecord) -> dict[str, Any]:
     return {
         "spec_draft_tokens": r.spec_draft_tokens, "spec_accepted_tokens": r.spec_accepted_tokens,
         "spec_acceptance_rate": _ratio(r.spec_accepted_tokens, r.spec_draft_tokens),
+        "reconnects": r.reconnects,
         "request_id": r.request_id, "is_warmup": r.is_warmup, "scheduled_s": r.scheduled_s,
         "start_s": r.start_s, "first_token_s": r.first_token_s, "end_s": r.end_s, "done_s": r.done_s,
         "client_queue_ms": r.client_queue_s * 1000.0, "lateness_ms": r.lateness_s * 1000.0,
@@ -153,6 +156,11 @@ def _opt(v: Any) -> float | None:
     return None if v is None or (isinstance(v, float) and np.isnan(v)) else float(v) / 1000.0
 
 
+def _count(v: Any) -> int:
+    """An integer cell; 0 when empty (a folder written before the column existed)."""
+    return 0 if v is None or (isinstance(v, float) and np.isnan(v)) else int(v)
+
+
 def _ms_list(cell: Any) -> list[float] | None:
     if not isinstance(cell, str) or not cell:
         return None
@@ -176,6 +184,7 @@ def records_from_frame(df: pd.DataFrame) -> list[RequestRecord]:
             server_ttft_s=_opt(row.get("server_ttft_ms")), server_e2el_s=_opt(row.get("server_e2el_ms")),
             chunk_itls_s=_ms_list(row.get("chunk_itls_ms")),
             chunk_tokens=json.loads(row["chunk_tokens"]) if isinstance(row.get("chunk_tokens"), str) and row["chunk_tokens"] else None,
+            reconnects=_count(row.get("reconnects")),
         ))
     return out
 

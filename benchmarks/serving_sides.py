@@ -322,6 +322,7 @@ def drive(server: Server, specs: list[RequestSpec], concurrency: int, sampling: 
     return {"work": work_counts(len(specs), s["completed"], s["total_output_tokens"], generated),
             "errors": s["errors"],
             "completed": s["completed"], "failed": s["failed"], "output_throughput": s["output_throughput"],
+            "client_reconnects": s["client_reconnects"],  # sends repeated after a closed kept-alive connection
             "median_ttft_ms": s["median_ttft_ms"], "median_tpot_ms": s["median_tpot_ms"],
             "median_itl_ms": s["median_itl_ms"], "duration_s": s["duration"],
             "api_cpu_ms_per_token": 1000 * (cpu1["api"] - cpu0["api"]) / out,

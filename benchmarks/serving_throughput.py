@@ -317,6 +317,9 @@ def work_differs(by_server: dict[str, list[Measured]]) -> list[str]:
                 errors = "; ".join(m.figures.get("errors") or [])[:200]
                 notes.append(f"round {m.round + 1}: {server} completed {w['completed']} of {w['requests']} "
                              f"requests{f' ({errors})' if errors else ''}")
+            if m.figures.get("client_reconnects"):
+                notes.append(f"round {m.round + 1}: {server}: {m.figures['client_reconnects']} requests sent again "
+                             "after their kept-alive connection was found closed (the server never saw the first send)")
             gen, got = w.get("server_generated_tokens"), w.get("client_output_tokens")
             if gen is not None and got is not None and gen > got:
                 notes.append(f"round {m.round + 1}: {server} generated {gen:.0f} tokens, its client received {got:.0f}")

@@ -44,7 +44,9 @@ def test_read_rates_are_measured_at_each_steps_bytes(monkeypatch: pytest.MonkeyP
 
 def test_read_bandwidth_reads_a_buffer_of_the_size_asked() -> None:
     rate = peers.read_bandwidth(2**20, min_s=0.02)
-    assert 1e8 < rate < 1e13  # bytes per second of some real read, not 0 or inf
+    # bytes per second of some real read, not 0 or inf; the floor is loose because a 2-core machine shared with
+    # compiles measured 94 MB/s once (a sanity bound, not a speed target)
+    assert 1e6 < rate < 1e13
 
 
 def test_peer_paths_follow_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -168,3 +168,71 @@ def test_sse_multi_line_events_comments_and_crlf_split_across_writes() -> None:
     (rec,) = asyncio.run(run()).records
     assert rec.ok, rec.error
     assert rec.output_text == "Hello" and rec.finish_reason == "length" and rec.output_tokens == 2
+
+
+async def _raw_sse_server(drop: str) -> tuple[asyncio.AbstractServer, int, list[int]]:
+    """A raw HTTP/1.1 server answering each POST with a whole SSE body on a kept-alive connection. `drop`:
+    "second" closes the first connection when its second request arrives (as a server closing an idle kept-alive
+    connection does, seen from the client), "all" closes every connection on its first request. The list counts
+    the requests each connection received."""
+    seen: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index = len(seen)
+        seen.append(0)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))  # fmt: skip
+                await reader.readexactly(length)
+                seen[index] += 1
+                if drop == "all" or (drop == "second" and index == 0 and seen[index] == 2):
+                    break
+                events = [{"choices": [{"index": 0, "text": t, "finish_reason": None}],
+                           "usage": {"prompt_tokens": 3, "completion_tokens": i + 1}}
+                          for i, t in enumerate(["a", "b"])]  # fmt: skip
+                body = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
+                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], seen
+
+
+def test_a_request_written_into_a_closed_kept_alive_connection_is_sent_again_once_and_counted() -> None:
+    """llama-server closed kept-alive connections under the workbench (issue 55: 1-4 of 64 requests a round
+    ended "Server disconnected" though the server never saw them). Such a request goes out again once on a fresh
+    connection, counted in `reconnects` / `client_reconnects`; a server that drops everything still fails it."""
+
+    async def main(drop: str) -> tuple[list, list[int]]:
+        server, port, seen = await _raw_sse_server(drop)
+        target = OpenAITarget(base_url=f"http://127.0.0.1:{port}", model="m")
+        await target.start()
+        try:
+            results = [await target.send(RequestSpec(f"r{i}", 0.0, "hi", None, 1, 2)) for i in range(3)]
+        finally:
+            await target.stop()
+            server.close()
+        return results, seen
+
+    results, seen = asyncio.run(main("second"))
+    assert [r.error for r in results] == ["", "", ""]
+    assert [r.reconnects for r in results] == [0, 1, 0]
+    assert seen == [2, 2]  # the dropped request reached the first connection, then the second served it
+    assert all(r.output_tokens == 2 for r in results)
+
+    failed, seen = asyncio.run(main("all"))
+    assert all("ServerDisconnected" in r.error and r.reconnects == 1 for r in failed)
+    assert seen == [1] * 6  # each request tried twice, never more
+
+    from workloads.record_builder import build_record
+
+    spec = RequestSpec("x", 0.0, "hi", None, 1, 2)
+    recs = [build_record(spec, scheduled_s=0.0, start_s=0.0, token_times=[0.1, 0.2], done_s=0.2, reconnects=n)
+            for n in (0, 1, 1)]  # fmt: skip
+    assert summarize(recs)["client_reconnects"] == 2

@@ -36,6 +36,7 @@ def build_record(
     chunk_tokens: list[int] | None = None,
     server_ttft_s: float | None = None,
     server_e2el_s: float | None = None,
+    reconnects: int = 0,
 ) -> RequestRecord:
     """The one builder of a run's records (driver, simulator, offline runs, scripted ideals).
 
@@ -77,6 +78,7 @@ def build_record(
         chunk_tokens=chunk_tokens,
         server_ttft_s=server_ttft_s,
         server_e2el_s=server_e2el_s,
+        reconnects=reconnects,
     )
 
 
@@ -132,4 +134,5 @@ def record_from_result(
         chunk_tokens=list(result.chunk_tokens) if tokens else None,
         server_ttft_s=result.server_ttft_s,
         server_e2el_s=result.server_e2el_s,
+        reconnects=result.reconnects,
     )

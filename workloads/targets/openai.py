@@ -242,16 +242,24 @@ class OpenAITarget:
     async def send(self, spec: RequestSpec, on_token: OnToken | None = None) -> TargetResult:
         if self._session is None:
             raise RuntimeError("OpenAITarget.send before start()")
-        stream = _Stream(self.endpoint == "chat", on_token)
-        try:
-            async with self._session.post(self.url, json=self.payload(spec)) as resp:
-                if resp.status != 200:
-                    stream.res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                else:
-                    await _read_sse(resp, stream)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            stream.res.error = f"{type(exc).__name__}: {exc}"
-        return stream.finish()
+        body = self.payload(spec)
+        for attempt in range(1 + _STALE_CONNECTION_RETRIES):
+            stream = _Stream(self.endpoint == "chat", on_token)
+            answered = False
+            try:
+                async with self._session.post(self.url, json=body) as resp:
+                    answered = True
+                    if resp.status != 200:
+                        stream.res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                    else:
+                        await _read_sse(resp, stream)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                if not answered and attempt < _STALE_CONNECTION_RETRIES and _stale_connection(exc):
+                    continue  # the server closed this kept-alive connection before reading the request
+                stream.res.error = f"{type(exc).__name__}: {exc}"
+            stream.res.reconnects = attempt
+            return stream.finish()
+        raise AssertionError("unreachable: the last attempt returns")
 
     async def scrape_metrics(self) -> dict[str, float] | None:
         """One row of server gauges and counters from GET /metrics (Prometheus text); None if
@@ -267,6 +275,19 @@ class OpenAITarget:
                 return parse_gauges(await resp.text())
         except (aiohttp.ClientError, ValueError):  # unreachable, or not Prometheus text this time
             return None
+
+
+# A kept-alive connection the server has closed (llama.cpp's llama-server closes idle ones) fails the next
+# request written into it before any answer: sent again once on a fresh connection, and counted.
+_STALE_CONNECTION_RETRIES = 1
+
+
+def _stale_connection(exc: BaseException) -> bool:
+    """The request died on a connection the server had closed: disconnected before any response, or the body
+    could not be written. A timeout or a refused connection is not this."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError)
 
 
 async def _read_sse(resp: aiohttp.ClientResponse, stream: _Stream) -> None:
