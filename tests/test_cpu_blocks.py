@@ -77,7 +77,7 @@ def test_this_build_runs_the_instruction_set_this_cpu_has() -> None:
     """AVX2 + FMA + F16C (x86-64-v3) -> the AVX2 path; a CPU without them gets the scalar reference."""
     assert cpu_blocks.isa() == ("avx2" if AVX2 else "scalar")
     assert cpu_blocks.max_rows("Q4_1") == (cpu_blocks.MAX_ROWS["Q4_1"] if AVX2 else 1)
-    assert cpu_blocks.max_rows("Q6_K") == 0  # not a kind this op reads
+    assert cpu_blocks.max_rows("Q2_K") == 0  # not a kind this op reads
 
 
 def test_bfloat16_rows_give_the_float32_result_rounded() -> None:
@@ -107,9 +107,9 @@ def test_zero_rows_and_zero_blocks() -> None:
 
 def test_refuses_what_it_does_not_take() -> None:
     blocks, _ = make_blocks("Q4_1", 8, 64)
-    with pytest.raises(RuntimeError, match="Q4_1, Q8_0 or Q5_0"):
-        ops.block_linear(torch.randn(1, 64), blocks, "Q4_K")  # type: ignore[union-attr]
-    with pytest.raises(RuntimeError, match=r"K \(48\) must be a multiple of 32"):
+    with pytest.raises(RuntimeError, match="Q4_1, Q8_0, Q5_0, Q4_K or Q6_K, got Q2_K"):
+        ops.block_linear(torch.randn(1, 64), blocks, "Q2_K")  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"K \(48\) must be a multiple of 32 for Q4_1"):
         ops.block_linear(torch.randn(1, 48), blocks, "Q4_1")  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match=r"packed columns uint8 \[N, 80\] \(block_pack of Q4_1 blocks of K = 96"):
         ops.block_linear(torch.randn(1, 96), blocks, "Q4_1")  # type: ignore[union-attr]

@@ -95,8 +95,8 @@ def step_weights(model: CausalLM) -> dict[str, str]:
         head = model.quant_lm_head
         return _describe(base, kinds, amx_linear.block_kind(head) if head is not None else None, amx_linear.QUANT_MAX_ROWS)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
-    attached = [m.__dict__.get("gguf_blocks") for m in linears]
-    kinds = {b[0] for b in attached if b is not None}
+    attached = [m.__dict__.get("gguf_parts") for m in linears]  # cpu_blocks.attach_parts: ((kind, packed), ...)
+    kinds = {kind for parts in attached if parts is not None for kind, _ in parts}
     if not kinds or any(b is None for b in attached):
         return {"all": base}  # cpu_blocks reads every dense layer's matrices or none (LlamaForCausalLM._attach_blocks)
     head_kind = model.block_lm_head[0] if model.block_lm_head is not None else None

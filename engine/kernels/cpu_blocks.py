@@ -35,13 +35,28 @@ from engine.kernels.cpu_extension import load_cpu_ops
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = "block_linear.cpp"  # engine/kernels/csrc
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q5_0": 22}  # a GGUF block's bytes (32 weights)
-QUANT_BYTES = {"Q4_1": 16, "Q8_0": 32, "Q5_0": 20}  # its bytes other than the fp16 scales
+_SOURCE = "block_linear.cpp"  # engine/kernels/csrc (the K-quants: kquant_blocks.h)
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}  # a GGUF block's bytes
+BLOCK_WEIGHTS = {"Q4_K": 256, "Q6_K": 256}  # weights a block holds where not 32 (the K-quants' super-blocks)
+QUANT_BYTES = {"Q4_1": 16, "Q8_0": 32, "Q5_0": 20}  # a 32-weight block's bytes other than the fp16 scales
+SUPER_BYTES = {"Q4_K": 148, "Q6_K": 210}  # a packed K-quant super-block's bytes (Q4_K's scales unpacked)
 # Up to how many rows a step reads a linear's blocks rather than its dense weight, by block kind
 # (module note). 2-core AMD EPYC (Zen 3, AVX2), SmolLM2's matrices, float32 dense weights
 # (oneDNN prepacked), weights out of cache: see docs/benchmarks.md ("Block linears on AVX2").
-MAX_ROWS = {"Q4_1": 8, "Q8_0": 8, "Q5_0": 8}
+MAX_ROWS = {"Q4_1": 8, "Q8_0": 8, "Q5_0": 8, "Q4_K": 8, "Q6_K": 8}
+
+
+def block_weights(kind: str) -> int:
+    """How many weights of a column one GGUF block of `kind` holds (32; 256 for Q4_K / Q6_K)."""
+    return BLOCK_WEIGHTS.get(kind, 32)
+
+
+def column_bytes(kind: str, k: int) -> int:
+    """A packed column's bytes for `k` inputs (engine/kernels/csrc/block_quant.h `column_bytes`)."""
+    if kind in SUPER_BYTES:
+        return k // 256 * SUPER_BYTES[kind]
+    kb = k // 32
+    return kb * QUANT_BYTES[kind] + -(-kb // 8) * 8 * 2 * (2 if kind == "Q4_1" else 1)
 
 
 def _register_fakes() -> None:
@@ -51,9 +66,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("servelab::block_pack")
     def _(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-        n, kb, _ = blocks.shape
-        scales = 2 if kind == "Q4_1" else 1
-        return blocks.new_empty((n, kb * QUANT_BYTES[kind] + -(-kb // 8) * 8 * 2 * scales))
+        n, nb, _ = blocks.shape
+        return blocks.new_empty((n, column_bytes(kind, nb * block_weights(kind))))
 
 
 @functools.cache
@@ -80,7 +94,7 @@ def max_rows(kind: str) -> int:
 
 
 def pack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """GGUF blocks uint8 [N, K / 32, block bytes] -> the layout `linear` reads (block_pack)."""
+    """GGUF blocks uint8 [N, K / block_weights, block bytes] -> the layout `linear` reads (block_pack)."""
     ops = block_ops()
     assert ops is not None, "block_linear unavailable"
     return ops.block_pack(blocks, kind)
@@ -104,22 +118,50 @@ def takes(x: torch.Tensor, kind: str) -> bool:
 
 
 def _blocks_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    kind, blocks = self.__dict__["gguf_blocks"]
-    if self.bias is None and not torch.compiler.is_compiling() and takes(x, kind):
-        return linear(x, blocks, kind)
+    parts: tuple[tuple[str, torch.Tensor], ...] = self.__dict__["gguf_parts"]
+    if self.bias is None and not torch.compiler.is_compiling() and all(takes(x, kind) for kind, _ in parts):
+        if len(parts) == 1:
+            return linear(x, parts[0][1], parts[0][0])
+        return torch.cat([linear(x, packed, kind) for kind, packed in parts], dim=-1)
     dense: Callable[[torch.Tensor], torch.Tensor] | None = self.__dict__["dense_forward"]
     return dense(x) if dense is not None else nn.Linear.forward(self, x)
 
 
+def describes(kind: str, blocks: torch.Tensor, rows: int, k: int) -> bool:
+    """Whether `blocks` are GGUF blocks of `kind` this op reads for a [rows, k] weight."""
+    bw = block_weights(kind)
+    return kind in BLOCK_BYTES and k % bw == 0 and tuple(blocks.shape) == (rows, k // bw, BLOCK_BYTES[kind])
+
+
 def attach(linear_layer: nn.Linear, kind: str, blocks: torch.Tensor) -> bool:
-    """Let `linear_layer` read `blocks` (GGUF uint8 [N, K / 32, bytes] of `kind`, packed here) at decode-sized steps,
-    its own forward (oneDNN's packed weight or the plain one) above that. False where the blocks do
-    not describe this layer's weight (shape) or the op cannot run them."""
+    """Let `linear_layer` read `blocks` (GGUF uint8 [N, K / block_weights, bytes] of `kind`, packed here) at
+    decode-sized steps, its own forward (oneDNN's packed weight or the plain one) above that. False
+    where the blocks do not describe this layer's weight (shape) or the op cannot run them."""
+    return attach_parts(linear_layer, [(kind, blocks)])
+
+
+def attach_parts(linear_layer: nn.Linear, parts: list[tuple[str, torch.Tensor]]) -> bool:
+    """`attach` for a fused weight whose row ranges are stored in different block kinds (Gemma 3's
+    q / k in Q5_0 and v in Q8_0): `parts` the (kind, GGUF blocks) of its rows in order; a step reads
+    each part's blocks and concatenates the outputs. A layer of one kind keeps `gguf_blocks`
+    (kind, packed), which the planned forward reads (forward_plan.py). False, and nothing attached,
+    where the parts do not describe the layer's weight or the op cannot run them."""
     n, k = linear_layer.weight.shape
-    if (kind not in BLOCK_BYTES or block_ops() is None or linear_layer.weight.device.type != "cpu"
-            or tuple(blocks.shape) != (n, k // 32, BLOCK_BYTES[kind]) or k % 32):  # fmt: skip
+    merged: list[tuple[str, torch.Tensor]] = []
+    for kind, blocks in parts:  # neighbours of one kind: one call
+        if merged and merged[-1][0] == kind and blocks.shape[1:] == merged[-1][1].shape[1:]:
+            merged[-1] = (kind, torch.cat([merged[-1][1], blocks]))
+        else:
+            merged.append((kind, blocks))
+    if (not merged or block_ops() is None or linear_layer.weight.device.type != "cpu"
+            or sum(b.shape[0] for _, b in merged) != n or not all(describes(kd, b, b.shape[0], k) for kd, b in merged)):  # fmt: skip
         return False
-    linear_layer.gguf_blocks = (kind, pack(blocks, kind))  # type: ignore[assignment]
+    packed = tuple((kind, pack(blocks, kind)) for kind, blocks in merged)
+    linear_layer.__dict__["gguf_parts"] = packed
+    if len(packed) == 1:
+        linear_layer.gguf_blocks = packed[0]  # type: ignore[assignment]
+    else:
+        linear_layer.__dict__.pop("gguf_blocks", None)
     if "dense_forward" not in linear_layer.__dict__:  # the forward set on the instance (cpu_linear's), or None
         linear_layer.__dict__["dense_forward"] = linear_layer.__dict__.get("forward")
     linear_layer.forward = types.MethodType(_blocks_forward, linear_layer)  # type: ignore[method-assign]
@@ -132,6 +174,7 @@ def detach(linear_layer: nn.Linear) -> None:
         return
     dense = linear_layer.__dict__.pop("dense_forward")
     linear_layer.__dict__.pop("gguf_blocks", None)
+    linear_layer.__dict__.pop("gguf_parts", None)
     if dense is None:
         linear_layer.__dict__.pop("forward", None)
     else:

@@ -20,9 +20,11 @@ the torch backend attends over just the last window's blocks). The KV cache stil
 position of every layer: the sliding-window allocator (KV cache groups) is not built yet.
 
 The layer has no planned CPU forward (engine/kernels/forward_plan.py computes the Llama layer):
-`LlamaModel.build_plan` finds it not `plannable` and the modules' forward runs. No kernel reads
-this checkpoint's blocks yet (Q5_0 / Q8_0 q-k-v in one matrix, Q4_K, Q6_K): every step multiplies
-the loader's dense weights, and start-up says so when `model.quantized_decode` asked otherwise.
+`LlamaModel.build_plan` finds it not `plannable` and the modules' forward runs. With
+`model.quantized_decode` its linears read the checkpoint's blocks as stored at decode-sized steps
+(engine/kernels/cpu_blocks.py: Q5_0 q / k / gate / up, Q8_0 or Q5_0 v, Q4_K o, Q6_K or Q4_K down, the
+Q8_0 embedding as the LM head), on AVX2 or the scalar reference whatever the CPU: the AVX-512 quant
+packs serve only the planned forward.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.kernels import cpu_blocks
 from engine.model.arch import ModelArch
 from engine.model.layers import GatedMLP, RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM, LlamaModel
@@ -158,10 +161,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _gguf_blocks(self, reader: str) -> None:
-        """None: no kernel reads this family's layers (module note), and the LM head alone reading
-        its Q8_0 blocks would make `step_weights` (every matrix or none) untrue."""
-        return None
+    def _block_reader(self, dtype: str) -> str:
+        """cpu_blocks (module note) wherever it is built and takes `dtype`; "none" elsewhere."""
+        return (cpu_blocks.isa() or "none") if dtype in ("float32", "bfloat16") else "none"
 
     def hf_weight_names(self) -> list[str]:
         names = ["model.embed_tokens.weight", "model.norm.weight"]

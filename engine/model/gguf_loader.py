@@ -157,6 +157,9 @@ def _dequantize_q4_1(raw: torch.Tensor) -> torch.Tensor:
 
 
 _TORCH_DEQUANTIZERS = {"Q8_0": (_dequantize_q8_0, 34), "Q4_1": (_dequantize_q4_1, 20)}
+# The block types `load_gguf_blocks` gives as stored: (weights, bytes) per block, as gguf's
+# GGML_QUANT_SIZES says (engine/kernels/cpu_blocks.py reads them all; the AVX-512 packs Q4_1 / Q8_0).
+GGUF_BLOCK_SIZES = {"Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
 def _as_torch(array: np.ndarray) -> torch.Tensor:
@@ -215,9 +218,10 @@ def load_gguf_state_dict(
 
 
 def load_gguf_blocks(path: str | Path, arch: ModelArch) -> dict[str, tuple[str, torch.Tensor]]:
-    """The file's Q4_1 and Q8_0 matrices as stored, for kernels that read them so
-    (engine/kernels/csrc/gguf_blocks.h): HF name -> (block type, uint8 [rows, in_features / 32, block
-    bytes]), the rows in the order `load_gguf_state_dict` gives the weight (Q/K un-permuted).
+    """The file's matrices of the block types in GGUF_BLOCK_SIZES as stored, for kernels that read them
+    so (engine/kernels/cpu_blocks.py, amx_linear.py): HF name -> (block type, uint8 [rows,
+    in_features / block weights, block bytes]: 32 weights a block, 256 for Q4_K / Q6_K), the rows in
+    the order `load_gguf_state_dict` gives the weight (Q/K un-permuted).
     Expert tensors and layers beyond `arch.num_layers` are left out."""
     reader = open_gguf(path)
     permuted = family(arch.family).gguf_rotary_permuted
@@ -225,14 +229,14 @@ def load_gguf_blocks(path: str | Path, arch: ModelArch) -> dict[str, tuple[str, 
     for tensor in reader.tensors:
         kind = getattr(tensor.tensor_type, "name", "")
         targets = hf_names(tensor.name, arch.num_experts, arch.family)
-        if kind not in _TORCH_DEQUANTIZERS or len(targets) != 1 or targets[0][1] is not None:
+        if kind not in GGUF_BLOCK_SIZES or len(targets) != 1 or targets[0][1] is not None:
             continue
         name = targets[0][0]
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        if _layer_index(name) >= arch.num_layers or len(shape) != 2 or shape[1] % 32:
+        block_weights, block_bytes = GGUF_BLOCK_SIZES[kind]
+        if _layer_index(name) >= arch.num_layers or len(shape) != 2 or shape[1] % block_weights:
             continue
-        block_bytes = _TORCH_DEQUANTIZERS[kind][1]
-        raw = _as_torch(np.asarray(tensor.data).view(np.uint8)).reshape(shape[0], shape[1] // 32, block_bytes)
+        raw = _as_torch(np.asarray(tensor.data).view(np.uint8)).reshape(shape[0], shape[1] // block_weights, block_bytes)
         if permuted and ".attn_q." in tensor.name:
             raw = unpermute_rotary_rows(raw, arch.num_heads).contiguous()
         elif permuted and ".attn_k." in tensor.name:

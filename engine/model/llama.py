@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,7 @@ NEAR_MAX_CANDIDATES = 8
 # A layer's fused linears (qkv, o, gate_up, down) as the checkpoint's HF-named matrices make them.
 _FUSED_PARTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
                 ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))  # fmt: skip
+_FUSED_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # (the same order)
 
 
 def layer_blocks(blocks: GgufBlocks | None, index: int) -> LayerBlocks | None:
@@ -77,6 +78,17 @@ def layer_blocks(blocks: GgufBlocks | None, index: int) -> LayerBlocks | None:
         tensors = [b[1] for b in found if b is not None]
         fused.append((kinds.pop(), tensors[0] if len(tensors) == 1 else torch.cat(tensors)))
     return tuple(fused)
+
+
+def layer_block_parts(blocks: GgufBlocks, index: int) -> tuple[list[GgufBlock] | None, ...]:
+    """Layer `index`'s qkv, o, gate_up and down as the (block type, blocks) of their parts in row order
+    (None for a matrix with a part missing): a fused matrix's parts may differ in type (Gemma 3's
+    q / k in Q5_0, v in Q8_0), which cpu_blocks.attach_parts reads part by part."""
+    out: list[list[GgufBlock] | None] = []
+    for parts in _FUSED_PARTS:
+        found = [blocks.get(f"model.layers.{index}.{part}.weight") for part in parts]
+        out.append(None if any(b is None for b in found) else [b for b in found if b is not None])
+    return tuple(out)
 
 
 class LlamaAttention(nn.Module):
@@ -402,7 +414,7 @@ class LlamaForCausalLM(nn.Module):
         the AVX-512 quant packs where they run, else cpu_blocks on AVX2 or its scalar reference);
         returns how many matrices were packed for oneDNN."""
         n = prepack_linears(self)
-        reader = block_linear_choice(str(self._lm_head_weight().dtype).removeprefix("torch."))
+        reader = self._block_reader(str(self._lm_head_weight().dtype).removeprefix("torch."))
         blocks = self._gguf_blocks(reader) if quantized_decode and not self.batch_invariant else None
         avx512_blocks = blocks is not None and reader == "avx512-vnni"
         if blocks is not None and not avx512_blocks:
@@ -436,25 +448,26 @@ class LlamaForCausalLM(nn.Module):
         """The dense layers' linears and the LM head read the checkpoint's blocks at decode-sized
         steps (cpu_blocks: AVX2, or the scalar reference); a layer whose matrices are not all in
         block kinds it reads keeps its dense weights."""
-        for index, module in enumerate(self.model.layers):
-            found = layer_blocks(blocks, index)
-            layer = module if isinstance(module, LlamaDecoderLayer) else None
-            if found is None or layer is None or layer.is_moe or any(b is None for b in found):
+        for index, layer in enumerate(self.model.layers):
+            if getattr(layer, "is_moe", True):  # (a dense layer of any family: qkv, o, gate_up, down)
                 continue
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(b is not None and cpu_blocks.attach(m, b[0], b[1]) for m, b in zip(linears, found, strict=True)):
+            found = layer_block_parts(blocks, index)
+            linears = tuple(cast(nn.Linear, layer.get_submodule(name)) for name in _FUSED_LINEARS)
+            if not all(p is not None and cpu_blocks.attach_parts(m, p) for m, p in zip(linears, found, strict=True)):
                 for m in linears:
                     cpu_blocks.detach(m)
         head = blocks.get(self._lm_head_name())
         weight = self._lm_head_weight()
-        if (head is not None and head[0] in cpu_blocks.BLOCK_BYTES
-                and tuple(head[1].shape) == (weight.shape[0], weight.shape[1] // 32, cpu_blocks.BLOCK_BYTES[head[0]])):
-            self.block_lm_head = (head[0], cpu_blocks.pack(head[1], head[0]))  # fmt: skip
+        if head is not None and cpu_blocks.describes(head[0], head[1], weight.shape[0], weight.shape[1]):
+            self.block_lm_head = (head[0], cpu_blocks.pack(head[1], head[0]))
 
     def step_weights(self) -> dict[str, str]:
         """Which weights the linears multiply, by step size (batch_invariance.step_weights)."""
         return batch_invariance.step_weights(self)
+
+    def _block_reader(self, dtype: str) -> str:
+        """What reads the checkpoint's blocks in `dtype` here (kernel_choices.block_linear_choice)."""
+        return block_linear_choice(dtype)
 
     def _gguf_blocks(self, reader: str) -> GgufBlocks | None:
         """The checkpoint's block matrices for the decode kernels that read them, where they can

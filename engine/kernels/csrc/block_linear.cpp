@@ -1,4 +1,5 @@
-// The decode linears on a GGUF checkpoint's blocks as stored (Q4_1, Q8_0, Q5_0), on any CPU: an
+// The decode linears on a GGUF checkpoint's blocks as stored (Q4_1, Q8_0, Q5_0 here; the K-quants
+// Q4_K and Q6_K in kquant_blocks.h), on any CPU: an
 // AVX2 path (with FMA and F16C: x86-64-v3, the hosted CI runners, AMD cloud machines, laptops) and a
 // scalar reference that builds with no x86 flags at all (an ARM machine gets a correct engine and a
 // place for NEON in the same dispatch). engine/model/cpu_blocks.py is the Python side.
@@ -29,106 +30,11 @@
 // order of the float32 sums. The one rounding beyond float32's is x's to 14 bits: at most s / 2 per
 // input, 2^-15 of its block's largest |x| (bfloat16 keeps 2^-9 of each value); tests/test_cpu_blocks.py
 // holds both paths against float64 with that bound.
-#include "kernel_header.h"
-#include <algorithm>
-#include <cmath>
-#include <string>
-#include <vector>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define SERVELAB_BLOCKS_AVX2 1
-#endif
+#include "block_quant.h"
+#include "kquant_blocks.h"
 
 namespace servelab {
 namespace blocks {
-
-enum class Kind : int { Q4_1 = 0, Q8_0 = 1, Q5_0 = 2 };
-
-static Kind kind_of(const std::string& name) {
-  if (name == "Q4_1") return Kind::Q4_1;
-  if (name == "Q8_0") return Kind::Q8_0;
-  if (name == "Q5_0") return Kind::Q5_0;
-  TORCH_CHECK(false, "block_linear: block kind Q4_1, Q8_0 or Q5_0, got ", name);
-}
-// GGUF bytes per block; quant bytes per block in the packed column; fp16 scales per block.
-static constexpr int64_t block_bytes(Kind k) { return k == Kind::Q4_1 ? 20 : k == Kind::Q8_0 ? 34 : 22; }
-static constexpr int64_t quant_bytes(Kind k) { return k == Kind::Q4_1 ? 16 : k == Kind::Q8_0 ? 32 : 20; }
-static constexpr int64_t scale_count(Kind k) { return k == Kind::Q4_1 ? 2 : 1; }
-static inline int64_t padded8(int64_t kb) { return (kb + 7) / 8 * 8; }
-// A packed column's bytes (module note).
-static inline int64_t column_bytes(Kind k, int64_t KB) { return KB * quant_bytes(k) + padded8(KB) * 2 * scale_count(k); }
-
-// IEEE half -> float, with no instruction-set flag (the F16C path converts in one instruction).
-static inline float half_to_float(const uint8_t* p) {
-  const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
-#if defined(SERVELAB_BLOCKS_AVX2)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);  // inf / NaN
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    exp = 113;
-    while (!(man & 0x400u)) {
-      man <<= 1;
-      --exp;
-    }
-    bits = sign | (exp << 23) | ((man & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
-
-// x's rows quantised per 32-input block (module note): hi / lo bytes [M, K], s and sx [M, KB8]
-// (zero past KB, so padded scales contribute nothing).
-struct QuantX {
-  std::vector<int8_t> hi, lo;
-  std::vector<float> s, sx;
-  int64_t KB = 0, KB8 = 0;
-};
-
-template <typename T>
-static void quantize_x(const T* x, int64_t M, int64_t K, QuantX& qx) {
-  const int64_t KB = K / 32, KB8 = padded8(KB);
-  qx.KB = KB;
-  qx.KB8 = KB8;
-  qx.hi.resize(M * K);
-  qx.lo.resize(M * K);
-  qx.s.assign(M * KB8, 0.f);
-  qx.sx.assign(M * KB8, 0.f);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t b = 0; b < KB; ++b) {
-      float v[32], amax = 0.f, sum = 0.f;
-      bool finite = true;
-      for (int k = 0; k < 32; ++k) {
-        v[k] = ld(x, r * K + b * 32 + k);
-        finite = finite && std::isfinite(v[k]);
-        amax = std::max(amax, std::fabs(v[k]));
-        sum += v[k];
-      }
-      const float s = amax / 16256.f;
-      const float inv = finite && s > 0.f ? 1.f / s : 0.f;
-      int8_t* hi = qx.hi.data() + r * K + b * 32;
-      int8_t* lo = qx.lo.data() + r * K + b * 32;
-      for (int k = 0; k < 32; ++k) {
-        // |v| <= 16256 (+ rounding): clamp so a division rounding up cannot leave the range
-        const int q = std::min(16256, std::max(-16256, static_cast<int>(std::nearbyint(v[k] * inv))));
-        const int h = (q >= 0 ? q + 64 : q - 63) / 128;  // round(q / 128), halves away from zero
-        hi[k] = static_cast<int8_t>(h);
-        lo[k] = static_cast<int8_t>(q - 128 * h);
-      }
-      // an inf or NaN in the block: s is not finite and the block's products become NaN
-      qx.s[r * KB8 + b] = finite ? s : std::numeric_limits<float>::quiet_NaN();
-      qx.sx[r * KB8 + b] = sum;
-    }
-}
 
 // The weight of input k (0..31) of a packed block (its quant bytes `q`), as the integer its scale
 // multiplies (Q4_1: 0..15, Q8_0: -128..127, Q5_0: 0..31 before the -16 that the sx term carries).
@@ -179,13 +85,6 @@ static void columns_scalar(const QuantX& qx, const uint8_t* w, T* y, int64_t M, 
 }
 
 #if defined(SERVELAB_BLOCKS_AVX2)
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
 // A packed block's 32 weights as bytes in input order: unsigned (Q4_1 0..15, Q5_0 0..31), or for
 // Q8_0 the signed bytes (the caller takes |q| and moves the sign onto x).
 template <Kind K>
@@ -209,7 +108,6 @@ static inline __m256i weight_bytes(const uint8_t* q) {
   }
 }
 
-static inline __m256 cvt8(const uint8_t* fp16) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(fp16))); }
 
 // C columns n .. n + C against M rows: C * M float accumulators of 8 lanes. Per eight blocks, their d
 // scales times x's s in one multiply (ds), Q4_1's m sx (Q5_0's -16 d sx) terms in one multiply-add
@@ -330,26 +228,35 @@ std::string block_linear_isa() {
 #endif
 }
 
-// GGUF blocks uint8 [N, KB, block bytes] -> the packed columns uint8 [N, column bytes] (module note).
+// GGUF blocks uint8 [N, K / block weights, block bytes] -> the packed columns uint8 [N, column bytes]
+// (module note; the K-quants' in kquant_blocks.h).
 torch::Tensor block_pack(torch::Tensor w, std::string kind) {
   using blocks::Kind;
   const Kind k = blocks::kind_of(kind);
-  const int64_t BB = blocks::block_bytes(k), QB = blocks::quant_bytes(k);
+  const int64_t BB = blocks::block_bytes(k), BW = blocks::block_weights(k);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 3 && w.size(2) == BB,
-              "block_pack: GGUF blocks uint8 [N, K / 32, ", BB, "] for ", kind);
+              "block_pack: GGUF blocks uint8 [N, K / ", BW, ", ", BB, "] for ", kind);
   auto src = w.contiguous();
-  const int64_t N = src.size(0), KB = src.size(1), KB8 = blocks::padded8(KB), CB = blocks::column_bytes(k, KB);
+  const int64_t N = src.size(0), NB = src.size(1), KB = NB * BW / 32, KB8 = blocks::padded8(KB);
+  const int64_t CB = blocks::column_bytes(k, KB);
   auto out = torch::zeros({N, CB}, src.options());
   const uint8_t* sp = src.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       uint8_t* col = op + n * CB;
-      for (int64_t b = 0; b < KB; ++b) {
-        const uint8_t* blk = sp + (n * KB + b) * BB;
-        std::memcpy(col + b * QB, blk + 2 * blocks::scale_count(k), QB);   // the quant bytes after the scales
-        std::memcpy(col + KB * QB + 2 * b, blk, 2);                          // d
-        if (k == Kind::Q4_1) std::memcpy(col + KB * QB + 2 * KB8 + 2 * b, blk + 2, 2);  // m
+      const uint8_t* blk = sp + n * NB * BB;
+      if (k == Kind::Q6_K) {
+        std::memcpy(col, blk, NB * BB);  // as stored
+      } else if (k == Kind::Q4_K) {
+        for (int64_t b = 0; b < NB; ++b) blocks::pack_q4k(blk + b * BB, col + b * blocks::super_bytes(k));
+      } else {
+        const int64_t QB = blocks::quant_bytes(k);
+        for (int64_t b = 0; b < KB; ++b, blk += BB) {
+          std::memcpy(col + b * QB, blk + 2 * blocks::scale_count(k), QB);   // the quant bytes after the scales
+          std::memcpy(col + KB * QB + 2 * b, blk, 2);                          // d
+          if (k == Kind::Q4_1) std::memcpy(col + KB * QB + 2 * KB8 + 2 * b, blk + 2, 2);  // m
+        }
       }
     }
   });
@@ -364,7 +271,8 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor w, std::string kind, b
   const Kind k = blocks::kind_of(kind);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "block_linear: x [M, K] contiguous");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0, "block_linear: K (", K, ") must be a multiple of 32");
+  const int64_t BW = blocks::block_weights(k);
+  TORCH_CHECK(K % BW == 0, "block_linear: K (", K, ") must be a multiple of ", BW, " for ", kind);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
                   w.size(1) == blocks::column_bytes(k, K / 32),
               "block_linear: packed columns uint8 [N, ", blocks::column_bytes(k, K / 32), "] (block_pack of ", kind,
@@ -389,6 +297,8 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor w, std::string kind, b
           case Kind::Q4_1: blocks::run_columns<Kind::Q4_1>(q, wp, yr, m, N, n0, n1, scalar); break;
           case Kind::Q8_0: blocks::run_columns<Kind::Q8_0>(q, wp, yr, m, N, n0, n1, scalar); break;
           case Kind::Q5_0: blocks::run_columns<Kind::Q5_0>(q, wp, yr, m, N, n0, n1, scalar); break;
+          case Kind::Q4_K: blocks::kquant_run_columns<Kind::Q4_K>(q, wp, yr, m, N, n0, n1, scalar); break;
+          case Kind::Q6_K: blocks::kquant_run_columns<Kind::Q6_K>(q, wp, yr, m, N, n0, n1, scalar); break;
         }
       });
     }
