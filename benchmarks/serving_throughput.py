@@ -46,6 +46,7 @@ servers did unequal work says so under it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -81,6 +82,7 @@ from serving_sides import (  # noqa: E402
     Server,
     llama_server,
     llamacpp_python_server,
+    model_gguf,
     random_prompts,
     run_round,
     servelab_server,
@@ -146,12 +148,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also a configuration where each server keeps its own defaults (labelled)")
     p.add_argument("--no-vllm-bench", dest="vllm_bench", action="store_false",
                    help="skip `vllm bench serve` (the second client) against both servers")
+    p.add_argument("--vllm-reserved-cpus", type=int, default=None,
+                   help="cores vLLM-CPU leaves to its framework (VLLM_CPU_NUM_OF_RESERVED_CPU; its OpenMP threads "
+                        "bound to the rest). Default: its CPU docs' count (1 on 2-15 cores); 0 runs OpenMP on every "
+                        "core, as a 2-core user may prefer")
+    p.add_argument("--model", default="smollm2",
+                   help="a packaged GGUF model both sides read: smollm2 (default) or gemma3-270m (llama.cpp peers and "
+                        "--peer none; vLLM's side folder holds smollm2 only)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--keep-logs", type=Path, default=None, help="copy the server logs to this folder")
     args, overrides = p.parse_known_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
-    args.overrides = overrides
+    if args.model not in ("smollm2", "default") and args.peer in ("vllm", "llamacpp-python"):
+        p.error(f"--model {args.model} with --peer {args.peer}: that peer's side reads the default model only "
+                "(use --peer llamacpp or none)")
+    args.overrides = [*([f"model.model={args.model}"] if args.model not in ("smollm2", "default") else []),
+                      *overrides]
     return args
 
 
@@ -178,12 +191,14 @@ def make_server(side: str, peer: str, settings: Settings | None, args: argparse.
         limits = settings.servelab_overrides() if settings else []
         return servelab_server(tmp, [*SAME_WEIGHTS.get(peer, []), *limits, *args.overrides], tag)
     if side == "vllm":
-        return vllm_server(tmp, peer_paths(), settings.vllm_args() if settings else ["--dtype", "bfloat16"], tag)
+        return vllm_server(tmp, peer_paths(), settings.vllm_args() if settings else ["--dtype", "bfloat16"], tag,
+                           reserved=args.vllm_reserved_cpus)
     if side == "llamacpp":
         slots = max(args.concurrency)
         if settings is None:  # its own defaults but the slots: -c and -b as llama-server sets them
-            return llama_server(tmp, slots, None, None, tag)
-        return llama_server(tmp, slots, settings.max_model_len, settings.max_num_batched_tokens, tag)
+            return llama_server(tmp, slots, None, None, tag, gguf=model_gguf(args.model))
+        return llama_server(tmp, slots, settings.max_model_len, settings.max_num_batched_tokens, tag,
+                            gguf=model_gguf(args.model))
     return llamacpp_python_server(tmp, settings.llamacpp_args() if settings else [], tag)
 
 
@@ -191,6 +206,16 @@ def concurrency_groups(args: argparse.Namespace) -> list[list[int]]:
     """The concurrencies one server serves in a round: all of them, except llama-server, whose slots
     are the concurrency (`-np`): a fresh pair of servers for each."""
     return [[c] for c in args.concurrency] if args.peer == "llamacpp" else [list(args.concurrency)]
+
+
+def save_measurements(path: Path | None, results: list[Measured]) -> None:
+    """Every measurement so far, written after each one to `--json` (replaced by the whole summary at the end):
+    a run stopped or failing past its rounds keeps what it measured."""
+    if path is not None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"partial": True, "measurements": [dataclasses.asdict(m) for m in results]},
+                                  indent=2, default=str))  # fmt: skip
+        tmp.replace(path)
 
 
 def run_all(args: argparse.Namespace) -> list[Measured]:
@@ -201,7 +226,7 @@ def run_all(args: argparse.Namespace) -> list[Measured]:
     if args.vllm_bench and not bench:
         print(f"[vllm bench serve] skipped: vLLM's side venv or model folder is missing ({peer_paths().venv}; "
               "`make peers` makes them)", flush=True)
-    vocab = _arch().vocab_size
+    vocab = _arch(args.model).vocab_size
 
     def prompts(seed: int, n: int) -> list[list[int]]:  # the same prompts for every server and round
         return random_prompts(n, args.input_len, vocab, seed)
@@ -218,6 +243,7 @@ def run_all(args: argparse.Namespace) -> list[Measured]:
                         server = make_server(side, args.peer, settings, group_args, tmp,
                                              f"{label[:3]}-c{'-'.join(map(str, group))}-r{rnd}")
                         results += run_round(server, side, label, rnd, prompts, group_args, bench)
+                        save_measurements(args.json, results)
     finally:
         if args.keep_logs is not None:
             args.keep_logs.mkdir(parents=True, exist_ok=True)
@@ -227,10 +253,10 @@ def run_all(args: argparse.Namespace) -> list[Measured]:
     return results
 
 
-def _arch():  # type: ignore[no-untyped-def]
+def _arch(model: str = "smollm2"):  # type: ignore[no-untyped-def]
     from engine.model.loader import resolve_model
 
-    return resolve_model(ModelConfig())[0]
+    return resolve_model(ModelConfig(model=model))[0]
 
 
 def measure_machine(arch: Any, batch: int) -> dict[str, Any]:
@@ -247,15 +273,14 @@ KEYS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms"
 
 def step_read_floors(args: argparse.Namespace, arch: Any, results: list[Measured]) -> dict[str, dict[str, Any]]:
     """Per server the bytes a batch-1 step reads and where the figure comes from (side_by_side)."""
-    from engine.model.source import embedded_gguf_path
-
+    gguf = model_gguf(args.model)
     logged = next((m.read_bytes for m in results if m.read_bytes), None)
     if args.peer == "none":
-        return {"servelab": step_read_bytes("servelab-blocks", matmul_params(arch), embedded_gguf_path(), logged)}
+        return {"servelab": step_read_bytes("servelab-blocks", matmul_params(arch), gguf, logged)}
     return {
         "servelab": step_read_bytes("servelab-blocks" if args.peer != "vllm" else "servelab-bf16",
-                                    matmul_params(arch), embedded_gguf_path(), logged),
-        args.peer: step_read_bytes(args.peer, matmul_params(arch), embedded_gguf_path()),
+                                    matmul_params(arch), gguf, logged),
+        args.peer: step_read_bytes(args.peer, matmul_params(arch), gguf),
     }
 
 
@@ -419,7 +444,7 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    arch = _arch()
+    arch = _arch(args.model)
     machine = measure_machine(arch, max(args.concurrency))
     results = run_all(args)
     machine["read_rates"] = read_rates(f["bytes"] for f in step_read_floors(args, arch, results).values())

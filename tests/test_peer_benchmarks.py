@@ -344,6 +344,23 @@ def test_vllm_is_served_bound_to_its_cores_with_one_kept_for_the_api_server(tmp_
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
     server = serving_sides.vllm_server(tmp_path, peer, [], "t")
     assert server.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == ("1" if len(os.sched_getaffinity(0)) > 1 else "0")
+    # --vllm-reserved-cpus: 0 binds OpenMP to every core; never all cores reserved
+    assert peers.vllm_cpu_binding([0, 1], reserved=0) == {"VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                                                          "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # fmt: skip
+    assert peers.vllm_cpu_binding([0, 1], reserved=5)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    server = serving_sides.vllm_server(tmp_path, peer, [], "t", reserved=0)
+    assert server.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+def test_serving_throughput_reads_the_same_gguf_model_on_both_sides() -> None:
+    """--model gemma3-270m: servelab gets model.model, llama-server the same GGUF; vLLM's side has smollm2 only."""
+    args = serving.parse_args(["--peer", "llamacpp", "--model", "gemma3-270m", "scheduler.x=1"])
+    assert args.overrides == ["model.model=gemma3-270m", "scheduler.x=1"]
+    assert serving_sides.model_gguf("smollm2").name.endswith(".gguf")
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--peer", "vllm", "--model", "gemma3-270m"])
+    with pytest.raises(SystemExit, match="not a packaged GGUF model"):
+        serving_sides.model_gguf("llama-3-8b")
 
 
 def test_llama_server_gets_a_slot_per_request_and_the_same_context_per_slot(tmp_path: Path) -> None:
