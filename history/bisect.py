@@ -8,7 +8,9 @@ with the paired gate as its test.
    same paired measurement, its baseline trees reused) and the commit is classified by where the
    interval of its change lies against the threshold (default Δ / 2): wholly above, bad; wholly
    below, good; across it, or the gate failed to give a figure, inconclusive. An inconclusive
-   commit is measured again (`--retries`), then `git bisect skip`ped: never guessed.
+   commit is measured again (`--retries`), then `git bisect skip`ped: never guessed. A retry
+   does not replace the run before it: the commit is judged on the pairs of all its runs together
+   (`pooled_change`: twice the generations, a narrower interval).
 3. git names the first bad commit; `servelab-explain` runs on it against its parent (which
    operators, which phases) and its answer is printed after the verdict. bisect.json holds
    every gate run (commit, change, interval, class, seconds) and git's bisect log.
@@ -22,16 +24,19 @@ commit left was skipped; git lists the candidates).
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import IO
 
 from history.machine import git
 
@@ -88,6 +93,34 @@ def _format(template: str, **values: str) -> list[str]:
                                        python=shlex.quote(sys.executable), **quoted))  # fmt: skip
 
 
+def _run_group(cmd: list[str], cwd: Path, log: IO[str]) -> int:
+    """Runs the gate in a process group of its own and waits; its exit code. Stopped from outside
+    (Ctrl-C, or SIGTERM under `sigterm_stops`), the whole group is killed: the gate and the
+    workers it started, which would otherwise go on measuring on the machine's cores."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+
+
+@contextmanager
+def sigterm_stops() -> Iterator[None]:
+    """Inside, SIGTERM ends the bisection as Ctrl-C does: the gate's group killed, `git bisect reset`
+    run and the worktree removed on the way out (the `finally` blocks), exit status 143. The previous
+    handler is put back after."""
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def read_change(gate_json: Path, metric: str) -> tuple[float, tuple[float, float] | None]:
     """The metric's change and interval from a gate.json, turned so that worse is positive."""
     data = json.loads(gate_json.read_text())
@@ -98,6 +131,37 @@ def read_change(gate_json: Path, metric: str) -> tuple[float, tuple[float, float
             interval = None if not iv else tuple(sorted((sign * float(iv[0]), sign * float(iv[1]))))
             return sign * float(c["change"]), interval  # type: ignore[return-value]
     raise KeyError(f"{gate_json}: no check for metric {metric!r}")
+
+
+def pooled_change(gate_jsons: Sequence[Path], metric: str,
+                  ) -> tuple[float, tuple[float, float], int] | None:  # fmt: skip
+    """(change, interval, generations) of the metric over the pairs of several gate runs of one commit
+    against GOOD, turned so that worse is positive: every run's generations kept apart (each run
+    started fresh workers) and resampled together as the gate resamples one run's
+    (workloads.gate_stats.paired_change). None where a gate.json lacks its pairs (`baseline_reps`,
+    `candidate_reps`, `generation_of_pair`: a stand-in gate, or a gate from before them)."""
+    base: list[float] = []
+    cand: list[float] = []
+    gens: list[int] = []
+    sign = 1.0
+    for path in gate_jsons:
+        data = json.loads(path.read_text())
+        a, b, g = data.get("baseline_reps"), data.get("candidate_reps"), data.get("generation_of_pair")
+        check = next((c for c in data.get("checks", []) if c.get("metric") == metric), None)
+        if check is None or not a or not b or g is None or not len(a) == len(b) == len(g):
+            return None
+        if any(r.get(metric) is None for r in [*a, *b]):
+            return None
+        sign = -1.0 if (check.get("rule") or {}).get("direction") == "higher" else 1.0
+        offset = max(gens) + 1 if gens else 0
+        base += [float(r[metric]) for r in a]
+        cand += [float(r[metric]) for r in b]
+        gens += [offset + int(x) for x in g]
+    from workloads.gate_stats import paired_change
+
+    est, _ = paired_change(base, cand, generations=gens)
+    low, high = sorted((sign * est.low, sign * est.high))
+    return sign * est.point, (low, high), len(set(gens))
 
 
 def classify(worse: float | None, interval: tuple[float, float] | None, threshold: float) -> str:
@@ -125,14 +189,17 @@ class Bisector:
             raise ValueError(f"GOOD {good} is not an ancestor of BAD {bad}")
         self.result = BisectResult(self.good, self.bad, settings.metric)
 
-    def gate(self, tree: Path, commit: str, attempt: int) -> Step:
+    def gate(self, tree: Path, commit: str, attempt: int, earlier: list[Path] | None = None) -> Step:
+        """One gate run of `commit`. `earlier`: the gate.json files of its previous runs; the commit
+        is then classified on all their pairs together (`pooled_change`) where every file has them,
+        else on this run's own figure. The file of this run is appended to `earlier`."""
         step_dir = self.out / f"gate-{len(self.result.steps):02d}-{commit[:10]}"
         shutil.rmtree(step_dir, ignore_errors=True)
         step_dir.mkdir(parents=True)
         cmd = _format(self.settings.gate_cmd, good=self.good, repo=str(tree), out=str(step_dir))
         t0 = time.perf_counter()
         with open(step_dir / "gate.log", "w") as logf:
-            code = subprocess.run(cmd, cwd=tree, stdout=logf, stderr=subprocess.STDOUT).returncode
+            code = _run_group(cmd, tree, logf)
         seconds = time.perf_counter() - t0
         gate_json = step_dir / "gate.json"
         if code not in (0, 1) or not gate_json.is_file():
@@ -140,17 +207,27 @@ class Bisector:
         if self.on_gate is not None:
             self.on_gate(gate_json, tree)
         worse, interval = read_change(gate_json, self.settings.metric)
+        note = ""
+        if earlier:  # a retry: this run's pairs join those of the runs before it
+            pooled = pooled_change([*earlier, gate_json], self.settings.metric)
+            if pooled is not None:
+                worse, interval, generations = pooled
+                note = f"pooled over {len(earlier) + 1} gate runs ({generations} generations)"
+        if earlier is not None:
+            earlier.append(gate_json)
         threshold = self.result.threshold if self.result.threshold is not None else 0.0
-        return Step(commit, attempt, worse, interval, classify(worse, interval, threshold), seconds)
+        return Step(commit, attempt, worse, interval, classify(worse, interval, threshold), seconds, note)
 
     def measure(self, tree: Path, commit: str) -> Step:
-        """The commit's class, retried while inconclusive; every gate run is kept in the result."""
-        step = self.gate(tree, commit, 0)
+        """The commit's class, retried while inconclusive (each retry classified on the pairs of all
+        its runs so far); every gate run is kept in the result."""
+        runs: list[Path] = []
+        step = self.gate(tree, commit, 0, runs)
         self._keep(step)
         for attempt in range(1, self.settings.retries + 1):
             if step.verdict != "inconclusive":
                 break
-            step = self.gate(tree, commit, attempt)
+            step = self.gate(tree, commit, attempt, runs)
             self._keep(step)
         return step
 

@@ -16,8 +16,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from history.bisect import pooled_change
 from history.cli import bisect_main
 
 STAND_IN_GATE = textwrap.dedent("""
@@ -45,8 +47,16 @@ STAND_IN_GATE = textwrap.dedent("""
              "interval": [change - 0.025, change + 0.025], "verdict": "REGRESSION" if change - 0.025 > 0.05 else "ok",
              "rule": {"direction": "lower", "tolerance": 0.05, "kind": "time", "gate": True}}
     verdict = "fail" if check["verdict"] == "REGRESSION" else "pass"
-    Path(a.out, "gate.json").write_text(json.dumps({"verdict": verdict, "baseline_commit": a.against, "pairs": 8,
-                                                    "checks": [check], "elapsed_s": 0.1}))
+    doc = {"verdict": verdict, "baseline_commit": a.against, "pairs": 8, "checks": [check], "elapsed_s": 0.1}
+    if Path(__file__).with_name("with_pairs").exists():  # the pairs too, as the paired gate writes them:
+        # 4 generations of 2 pairs; a first run at a commit is wide (+-8%: inconclusive), a retry narrow
+        first = tries.read_text() == "1"
+        spread = [-0.08, 0.08, -0.03, 0.03] if first else [-0.02, 0.02, -0.01, 0.01]
+        gens = [g for g in range(4) for _ in range(2)]
+        doc |= {"generation_of_pair": gens, "baseline_reps": [{"cpu_ms_per_token": base} for _ in gens],
+                "candidate_reps": [{"cpu_ms_per_token": base * (1 + change + spread[g])} for g in gens]}
+        check["interval"] = [change - 0.08, change + 0.08] if first else [change - 0.02, change + 0.02]
+    Path(a.out, "gate.json").write_text(json.dumps(doc))
     sys.exit(1 if verdict == "fail" else 0)
 """)
 
@@ -159,3 +169,113 @@ def test_good_must_be_an_ancestor_of_bad(tmp_path: Path, capsys: pytest.CaptureF
     repo, shas = make_repo(tmp_path, [2.0, 2.0, 2.2])
     code, _ = _bisect(tmp_path, repo, shas[-1], shas[0])
     assert code == 2 and "is not an ancestor" in capsys.readouterr().err
+
+
+def test_a_retry_is_judged_on_the_pairs_of_every_run_of_the_commit(tmp_path: Path) -> None:
+    """Each commit's first gate run is too wide to call (+-8%); its retry is classified on both runs'
+    pairs together, not on the retry alone, and the culprit is still named."""
+    repo, shas = make_repo(tmp_path, [2.0 if i < 11 else 2.2 for i in range(16)])
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "with_pairs").write_text("")
+    code, data = _bisect(tmp_path, repo, shas[0], shas[-1])
+    assert code == 0 and data["first_bad"] == shas[11]
+    out = tmp_path / "bisect"
+    for i, step in enumerate(data["steps"]):
+        if step["attempt"] == 0:  # the step GOOD -> BAD (run 1) is judged against 0, so it is called
+            assert step["note"] == "" and (i == 0 or step["verdict"] == "inconclusive")
+            continue
+        runs = [out / f"gate-{j:02d}-{step['commit'][:10]}" / "gate.json" for j in (i - 1, i)]
+        worse, interval, generations = pooled_change(runs, "cpu_ms_per_token")
+        assert generations == 8 and step["note"] == "pooled over 2 gate runs (8 generations)"
+        assert step["worse"] == pytest.approx(worse) and step["interval"] == pytest.approx(list(interval))
+        assert step["verdict"] in ("good", "bad")
+
+
+def _gate_json(path: Path, ratios: list[float], gens: list[int], direction: str = "lower", pairs: bool = True) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc: dict = {"checks": [{"metric": "m", "change": 0.0, "interval": [0, 0], "rule": {"direction": direction}}]}
+    if pairs:
+        doc |= {"baseline_reps": [{"m": 1.0} for _ in ratios], "candidate_reps": [{"m": r} for r in ratios],
+                "generation_of_pair": gens}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_pooled_change_keeps_each_runs_generations_apart_and_narrows_the_interval(tmp_path: Path) -> None:
+    from workloads.gate_stats import paired_change
+
+    rng = np.random.default_rng(0)
+    widths_one, widths_two, called_one, called_two = [], [], 0, 0
+    for trial in range(40):  # generation effects at the gate's spread (sd ~3%), pairs within them (sd 1%)
+        runs = []
+        for r in range(2):
+            effects = rng.normal(0.10, 0.03, 4)
+            ratios = [1 + e + rng.normal(0, 0.01) for e in effects for _ in range(2)]
+            runs.append(_gate_json(tmp_path / f"{trial}-{r}" / "gate.json", ratios, [g for g in range(4) for _ in range(2)]))
+        one = pooled_change(runs[:1], "m")
+        two = pooled_change(runs, "m")
+        assert one is not None and two is not None and one[2] == 4 and two[2] == 8
+        widths_one.append(one[1][1] - one[1][0])
+        widths_two.append(two[1][1] - two[1][0])
+        called_one += one[1][0] > 0.05  # wholly above a threshold of half the +10% step: "bad"
+        called_two += two[1][0] > 0.05
+    # narrower (seed 0: 14% on average; a percentile bootstrap over 4 generations is narrow already)
+    assert np.mean(widths_two) < 0.9 * np.mean(widths_one)
+    assert called_two > called_one  # seed 0: 39 of 40 against 37
+    # the same as the gate's own statistic on the pairs laid end to end, generations numbered apart
+    ratios = [1.1, 1.12, 1.05, 1.07]
+    a = _gate_json(tmp_path / "a" / "gate.json", ratios[:2], [0, 0])
+    b = _gate_json(tmp_path / "b" / "gate.json", ratios[2:], [0, 0])
+    est, _ = paired_change([1.0] * 4, ratios, generations=[0, 0, 1, 1])
+    assert pooled_change([a, b], "m") == (pytest.approx(est.point), (pytest.approx(est.low), pytest.approx(est.high)), 2)
+
+
+def test_pooled_change_turns_a_higher_is_better_metric_and_needs_every_runs_pairs(tmp_path: Path) -> None:
+    gens = [0, 0, 1, 1, 2, 2, 3, 3]
+    lower = pooled_change([_gate_json(tmp_path / "l.json", [0.9] * 8, gens)], "m")
+    higher = pooled_change([_gate_json(tmp_path / "h.json", [0.9] * 8, gens, "higher")], "m")
+    assert lower is not None and higher is not None
+    assert lower[0] == pytest.approx(-0.1) and higher[0] == pytest.approx(0.1)  # 10% less throughput: worse
+    assert higher[1][0] <= higher[1][1]
+    bare = _gate_json(tmp_path / "bare.json", [0.9] * 8, gens, pairs=False)
+    assert pooled_change([_gate_json(tmp_path / "l2.json", [0.9] * 8, gens), bare], "m") is None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"  # a zombie has ended, its parent has not reaped it yet
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux) to see the gate's children")
+def test_sigterm_kills_the_gate_and_its_workers_and_leaves_the_checkout_clean(tmp_path: Path) -> None:
+    """A bisection stopped from outside (a CI job cancelled) takes the gate's whole process group with it."""
+    import os
+    import signal
+    import time
+
+    repo, shas = make_repo(tmp_path, [2.0, 2.0, 2.2])
+    out = tmp_path / "bisect"
+    gate = "bash -c 'sleep 300 & echo $! > {out}/worker.pid; wait'"  # a gate with a worker that never ends
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from history.cli import bisect_main; "
+                             "sys.exit(bisect_main(sys.argv[1:]))", shas[0], shas[-1], "--repo", str(repo),
+                             "--out", str(out), "--gate-cmd", gate, "--explain-cmd", ""])  # fmt: skip
+    pid_files: list[Path] = []
+    deadline = time.monotonic() + 60
+    while not pid_files and time.monotonic() < deadline:
+        pid_files = [p for p in out.glob("gate-*/worker.pid") if p.read_text().strip()]
+        time.sleep(0.1)
+    assert pid_files, "the stand-in gate never started"
+    worker = int(pid_files[0].read_text())
+    assert _alive(worker)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker)
+    assert len(_git(repo, "worktree", "list").splitlines()) == 1 and _git(repo, "rev-parse", "HEAD") == shas[-1]
+    worktrees = repo / ".git" / "worktrees"
+    assert not worktrees.exists() or os.listdir(worktrees) == []
