@@ -15,11 +15,16 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from history.schema import SchemaTooNew
 from history.store import DEFAULT_URL, Store
+
+if TYPE_CHECKING:
+    from history.bisect import Bisector
+    from history.ingest import Record
 
 USAGE_ERRORS = (FileNotFoundError, NotADirectoryError, ValueError, KeyError, subprocess.CalledProcessError,
                 SQLAlchemyError, SchemaTooNew)  # fmt: skip
@@ -55,7 +60,21 @@ def _record(args: argparse.Namespace) -> int:
             else:
                 print(f"history: recorded {path} as run {run_id}: {what}, {len(rec.measurements)} values, "
                       f"machine {rec.machine.fingerprint} ({rec.machine.cpu_model})")  # fmt: skip
+            if rec.kind == "run" and not args.no_link:
+                _link(store, args.history, rec)
     return 0
+
+
+def _link(store: Store, url: str, rec: Record) -> None:
+    """The run folder's history page and its report's link (history/run_link.py); a failure is one
+    line on stderr: the record is stored whatever the page does."""
+    from history.run_link import link_run_history
+
+    try:
+        link_run_history(store, url, rec, Path(rec.source_path))
+    except Exception as exc:
+        print(f"history: {rec.source_path}: recorded, but its history page was not written: "
+              f"{type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)  # fmt: skip
 
 
 def record_after_run(url: str, run_dirs: list[str], repo: Path = Path(".")) -> None:
@@ -66,8 +85,10 @@ def record_after_run(url: str, run_dirs: list[str], repo: Path = Path(".")) -> N
 
         with Store(url) as store:
             for run_dir in run_dirs:
-                stored = store.add(load_record(Path(run_dir), repo))
+                rec = load_record(Path(run_dir), repo)
+                stored = store.add(rec)
                 print(f"history: {run_dir}: {'recorded' if stored is not None else 'already recorded'} in {url}")
+                _link(store, url, rec)
     except Exception as exc:  # the run's results stand whatever the store says
         print(f"servelab-run: run.history: not recorded: {type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)
 
@@ -185,6 +206,8 @@ def history_parser() -> argparse.ArgumentParser:
     rec.add_argument("paths", nargs="+", help="run folders and/or gate.json files")
     rec.add_argument("--commit", default="HEAD", help="the commit they measured (default: the checkout's HEAD)")
     rec.add_argument("--gate-config", help="the gate config they ran under (default: REPO/conf/gate/paired.yaml)")
+    rec.add_argument("--no-link", action="store_true", help="leave run folders as they are (default: write each "
+                     "one's history.html and link its report.html to it)")  # fmt: skip
     _common(rec)
     rec.set_defaults(func=_record)
     ch = sub.add_parser("changes", help="change points per metric and machine")
@@ -218,7 +241,7 @@ def history_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _bisect(args: argparse.Namespace) -> int:
-    from history.bisect import Bisector, BisectSettings
+    from history.bisect import Bisector, BisectSettings, sigterm_stops
 
     settings = BisectSettings(args.metric, args.gate_cmd, args.explain_cmd or None, args.retries, args.threshold,
                               args.in_place)  # fmt: skip
@@ -232,7 +255,13 @@ def _bisect(args: argparse.Namespace) -> int:
 
             store.add(load_record(gate_json, tree, "HEAD", None))
 
-    b = Bisector(Path(args.repo), args.good, args.bad, settings, out, on_gate=on_gate)
+    b = Bisector(Path(args.repo), args.good, args.bad, settings, out, log=lambda s: print(s, flush=True),
+                 on_gate=on_gate)  # fmt: skip
+    with sigterm_stops():
+        return _bisect_run(b, args, out)
+
+
+def _bisect_run(b: Bisector, args: argparse.Namespace, out: Path) -> int:
     result = b.run()
     code = 1
     if result.first_bad:

@@ -68,6 +68,10 @@ def build_history_report(result: Scan, out: Path, title: str = "Performance hist
         overview.tables.append(html_table(changes_table(everything)))
     else:
         overview.notes.append("No significant change point in any series.")
+    single = sorted(s.key.label() for s in result.series if len(s.points) < 2)
+    if single:  # a first record: nothing to draw yet, but the series exists
+        overview.notes.append(f"{len(single)} series with one commit so far (drawn from the second on): "
+                              + ", ".join(single))  # fmt: skip
     sections = [overview]
     for s in result.series:
         if len(s.points) >= 2:

@@ -81,15 +81,27 @@ def guarded(builder: Callable[..., Section], section_id: str, title: str) -> Cal
     return run
 
 
-def render_page(title: str, subtitle: str, sections: list[Section], path: Path, banners: list[str] | None = None) -> Path:
+@dataclass(frozen=True)
+class Link:
+    """A link in the page's header: `text` then the anchor `label` to `href` (e.g. a page beside it)."""
+
+    text: str
+    label: str
+    href: str
+
+
+def render_page(title: str, subtitle: str, sections: list[Section], path: Path, banners: list[str] | None = None,
+                links: list[Link] | None = None) -> Path:  # fmt: skip
     """Writes the HTML page with its table of contents and returns the path. `banners`: alerts shown
-    above every section, on the first screen (a saturated run, no request within its SLOs)."""
+    above every section, on the first screen (a saturated run, no request within its SLOs); `links`:
+    lines in the header under the subtitle (a run report's history page)."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
     html = env.get_template("page.html.j2").render(
         title=title,
         subtitle=subtitle,
         sections=sections,
         banners=banners or [],
+        links=links or [],
         generated=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
     )
     path.write_text(html, encoding="utf-8")

@@ -5,6 +5,7 @@ Section ids are stable (tests and links rely on them): see `SECTION_IDS`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from reports import sections_kv as kv
 from reports import sections_load as load
 from reports import sections_requests as rq
 from reports import sections_slo as slo
-from reports.page import Section, guarded, render_page
+from reports.page import Link, Section, guarded, render_page
 from reports.run_data import RunData, load_run
 
 SECTIONS = (
@@ -55,8 +56,28 @@ def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if machine:
         subtitle += " · " + machine
     path = Path(out) if out else run.path / "report.html"
+    link = history_link(run.path)
     return render_page(f"servelab run report: {run.name}", subtitle, build_sections(run), path,
-                       first_screen_alerts(run.summary or {}))
+                       first_screen_alerts(run.summary or {}), [link] if link else [])
+
+
+def history_link(run_dir: Path) -> Link | None:
+    """The header's link to the run's history page, where the run was recorded in a history store
+    (history/run_link.py writes history.html and history.json into the folder); None otherwise, or
+    when either file is missing or unreadable."""
+    try:
+        meta = json.loads((run_dir / "history.json").read_text())
+        page = str(meta["report"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (run_dir / page).is_file():
+        return None
+    regressions = f", {meta.get('regressions')} of them regressions" if meta.get("regressions") else ""
+    dirty = "; this run's checkout had uncommitted changes, so it is not in the series" if meta.get("dirty") else ""
+    text = (f"Recorded in the history store {meta.get('store', '?')}: {meta.get('series', '?')} series of this "
+            f"config on this machine over {meta.get('commits', '?')} commit(s), {meta.get('change_points', '?')} "
+            f"change point(s){regressions} as of {meta.get('written_at', '?')}{dirty}.")  # fmt: skip
+    return Link(text, "Performance history", page)
 
 
 def machine_line(summary: dict[str, Any]) -> str:
