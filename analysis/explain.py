@@ -13,7 +13,8 @@ The work terms of all components add up to one contributor, "composition", named
 changed in the steps (preemptions, prefix hits, batching); each component's speed term is a
 contributor of its own; time outside steps (idle) is one more. The contributors add up to the
 measured change exactly. Forward is not a contributor itself: its operator groups are (module
-ranges of workloads/explain_probe.py), plus "forward › host", the forward time outside every op.
+ranges of workloads/explain_probe.py, and the CPU forward plan's part ranges, which carry the same
+group names), plus "forward › host", the forward time outside every op.
 
 Intervals: the repeats are run in pairs, alternating which side goes first; one pair is one
 independent unit. The change's interval is Student's t over the per-pair differences of the total

@@ -10,11 +10,17 @@ and torch module hooks on the model.
   the `inner` hooks: the gate worker's or a test's; their work runs inside the range);
 - a range around every module call of the model (`module_ranges`), named by its group:
   attention (LlamaAttention's own ops: rotary, the attention backend), linears (nn.Linear),
-  mlp (the MLP's own ops: activation and anything hooked on it), norm, embedding. The CPU
-  forward's plan (engine/kernels/forward_plan.py: the same ops without module calls) is set aside
-  for the rep, since it calls no module; it is restored afterwards.
-Each op's self time goes to the innermost module range around it; ops in the forward phase
-outside any module are "lm head / logits" (compute_logits runs there).
+  mlp (the MLP's own ops: activation and anything hooked on it), norm, embedding.
+The CPU forward's plan (engine/kernels/forward_plan.py and the C++ loop of planned_layers.cpp: the
+same ops without module calls) runs as it runs unprofiled: its parts are ranges of their own,
+`servelab::plan:<part>` with the same group names (norm, linears, attention, mlp), so a kernel of
+engine/kernels/csrc that got slower is named by the part that calls it. The attention wrapper that
+`EngineCore.set_hooks` installs (engine/hooks.observe_attention) is taken off for the rep, since a
+wrapped backend keeps the plan from its one-call decode path. An engine whose plan names no parts
+(a baseline tree older than them, no `PLAN_RANGE_PREFIX` in its forward_plan) has its plan set
+aside for the rep instead, as before: its modules then run and name the same groups.
+Each op's self time goes to the innermost module or plan-part range around it; ops in the forward
+phase outside any are "lm head / logits" (compute_logits runs there).
 
 Returned (JSON-ready): `{"wall_s", "output_tokens", "steps": [row, ...]}`, one row per step:
 its composition (tokens, prefill tokens, requests, preemptions, prefix hits), its phase seconds
@@ -27,6 +33,7 @@ analysis/explain.py decomposes the reps; it keeps its own copy of the phase name
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +43,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 PHASE_PREFIX = "explain::phase:"
 MODULE_PREFIX = "explain::module:"
+PLAN_PREFIX = "servelab::plan:"  # engine/kernels/forward_plan.py PLAN_RANGE_PREFIX (the plan's part ranges)
 # Engine phase name -> StepStats field and the name explain reports it under.
 PHASE_FIELDS = {"schedule": "schedule_time", "prepare": "prepare_time", "forward": "forward_time",
                 "sample": "sample_time", "update": "update_time"}  # fmt: skip
@@ -114,15 +122,36 @@ def module_ranges(model: torch.nn.Module) -> Iterator[None]:
             handles.append(module.register_forward_hook(leave))
     inner = getattr(model, "model", None)
     plan = getattr(inner, "plan", None)
-    if plan is not None:
+    set_aside = plan is not None and not plan_names_parts()
+    if set_aside:  # an engine older than the plan's part ranges: its modules run instead
         inner.plan = None  # type: ignore[union-attr]
     try:
         yield
     finally:
         for h in handles:
             h.remove()
-        if plan is not None:
+        if set_aside:
             inner.plan = plan  # type: ignore[union-attr]
+
+
+def plan_names_parts() -> bool:
+    """Whether this process's engine runs its CPU forward plan in named part ranges (PLAN_PREFIX)."""
+    forward_plan = sys.modules.get("engine.kernels.forward_plan")
+    return getattr(forward_plan, "PLAN_RANGE_PREFIX", None) == PLAN_PREFIX
+
+
+@contextlib.contextmanager
+def unobserved_attention(llm: Any) -> Iterator[None]:
+    """The attention backend without the phase wrapper that `EngineCore.set_hooks` gave it
+    (engine/hooks.observe_attention, an instance attribute `forward`), put back on exit; with it
+    the plan's decode step would call every layer from Python rather than in one C++ call."""
+    backend = getattr(getattr(getattr(llm, "engine_core", None), "_runner", None), "attn_backend", None)
+    wrapper = vars(backend).pop("forward", None) if backend is not None else None
+    try:
+        yield
+    finally:
+        if wrapper is not None:
+            backend.forward = wrapper  # type: ignore[union-attr]
 
 
 def find_model(llm: Any) -> torch.nn.Module | None:
@@ -137,18 +166,20 @@ def _op_rows(prof: profile) -> dict[int, dict[str, list[float]]]:
     out: dict[int, dict[str, list[float]]] = {}
     gpu = torch.cuda.is_available()
     for e in prof.events():
-        if e.name.startswith("explain::"):
+        if e.name.startswith(("explain::", PLAN_PREFIX)):
             continue
         group, step, parent = None, None, e.cpu_parent
-        while parent is not None:
+        while parent is not None:  # up to the step's forward phase (other phases inside it: passed through)
             name = parent.name
             if group is None and name.startswith(MODULE_PREFIX):
                 group = name[len(MODULE_PREFIX):]
+            elif group is None and name.startswith(PLAN_PREFIX):
+                group = name[len(PLAN_PREFIX):]
             elif name.startswith(PHASE_PREFIX):
                 phase, _, n = name[len(PHASE_PREFIX):].partition("#")
                 if phase == "forward":
                     step = int(n)
-                break
+                    break
             parent = parent.cpu_parent
         if step is None:
             continue
@@ -175,7 +206,7 @@ def profiled_rep(llm: Any, requests: list[dict[str, Any]], inner: Any = None) ->
     core.set_hooks(ExplainHooks(inner))
     try:
         ranges = module_ranges(model) if model is not None else contextlib.nullcontext()
-        with ranges, profile(activities=activities) as prof:
+        with ranges, unobserved_attention(llm), profile(activities=activities) as prof:
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - t0

@@ -13,10 +13,17 @@ row count instead (engine/kernels/batch_invariance.py).
 `LlamaModel.build_plan` makes one after the weights are packed; `LlamaModel.forward` runs it
 for CPU inference in the plan's dtype; `on_huge_pages` moves the decode kernels' matrices into
 one buffer of huge pages.
+
+Under torch.profiler each part of a layer runs inside a `record_function` range named
+`servelab::plan:<part>` (`PLAN_PARTS`: norm, linears, attention, mlp; the names of the module
+groups servelab-explain reports for a model without a plan, workloads/explain_probe.py), as in
+planned_layers.cpp's loop, so a profile of what runs says which part of the layers took the time.
+Unprofiled, each part pays one `with` on a shared null context.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -26,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from engine.hugepages import copies_on_huge_pages
 from engine.kernels import amx_linear, cpu_blocks, cpu_gemv
@@ -104,6 +112,22 @@ class PlanRotary(Protocol):
     def cos_table(self) -> torch.Tensor: ...
     @property
     def sin_table(self) -> torch.Tensor: ...
+
+
+# The profiler ranges of the planned layers' parts (module note); planned_layers.cpp names its own
+# ranges the same. workloads/explain_probe.py keeps a copy of the prefix (tests/test_explain_stats.py).
+PLAN_RANGE_PREFIX = "servelab::plan:"
+PLAN_PARTS = ("norm", "linears", "attention", "mlp")
+_NO_RANGES = (contextlib.nullcontext(),) * len(PLAN_PARTS)  # unprofiled: one shared null context per part
+
+
+def part_ranges() -> tuple[contextlib.AbstractContextManager[Any], ...]:
+    """A context per `PLAN_PARTS` entry, in that order: a `record_function` range while torch's
+    profiler is on (each object entered again for every call of its part: they never nest), else
+    shared null contexts (asked once per forward: ~0.1 us)."""
+    if not torch.autograd._profiler_enabled():
+        return _NO_RANGES
+    return tuple(record_function(PLAN_RANGE_PREFIX + part) for part in PLAN_PARTS)
 
 
 QuantPacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -307,44 +331,66 @@ def planned_forward(
     residual = x
     n_qkv, hidden, inter = plan.sizes
     last = len(plan.layers) - 1
+    in_norm, in_linears, in_attention, in_mlp = part_ranges()  # profiler ranges (module note)
     for i, (lp, kv_cache) in enumerate(zip(plan.layers, kv_caches, strict=True)):
-        if i == 0:
-            x = ops.rms_norm(residual, lp.in_norm, eps)
-        else:
-            ops.add_rms_norm_(x, residual, lp.in_norm, eps)
+        with in_norm:
+            if i == 0:
+                x = ops.rms_norm(residual, lp.in_norm, eps)
+            else:
+                ops.add_rms_norm_(x, residual, lp.in_norm, eps)
         a = lp.attn
         hq, hkv = a.num_heads, a.num_kv_heads
         packs = lp.amx
         plain = lp.plain or _NO_PLAIN
+        with in_linears:
+            if amx is not None and packs is not None:
+                # each call names the next one's weight: its threads prefetch their first blocks of it
+                w_qkv, w_o, w_gate_up, w_down = packs.matrices(quant)
+                qkv = amx.amx_linear(x, w_qkv, n_qkv, w_o).view(t, hq + 2 * hkv, a.head_dim)
+            elif blocks and lp.blocks is not None:
+                qkv = cpu_blocks.linear(x, lp.blocks[0][1], lp.blocks[0][0]).view(t, hq + 2 * hkv, a.head_dim)
+            else:
+                qkv = packed_linear(x, lp.qkv, plain=plain[0]).view(rows, hq + 2 * hkv, a.head_dim)
+        with in_attention:
+            ops.rope_(qkv, cos, sin, hq + hkv)
+            q_rows = qkv[:t] if rows != t else qkv
+            o = a.attn_backend.forward(q_rows[:, :hq], q_rows[:, hq : hq + hkv], q_rows[:, hq + hkv :], kv_cache,
+                                       metadata, a.scale)  # fmt: skip
         if amx is not None and packs is not None:
-            # each call names the next one's weight: its threads prefetch their first blocks of it
-            w_qkv, w_o, w_gate_up, w_down = packs.matrices(quant)
-            qkv = amx.amx_linear(x, w_qkv, n_qkv, w_o).view(t, hq + 2 * hkv, a.head_dim)
-        elif blocks and lp.blocks is not None:
-            qkv = cpu_blocks.linear(x, lp.blocks[0][1], lp.blocks[0][0]).view(t, hq + 2 * hkv, a.head_dim)
-        else:
-            qkv = packed_linear(x, lp.qkv, plain=plain[0]).view(rows, hq + 2 * hkv, a.head_dim)
-        ops.rope_(qkv, cos, sin, hq + hkv)
-        q_rows = qkv[:t] if rows != t else qkv
-        o = a.attn_backend.forward(q_rows[:, :hq], q_rows[:, hq : hq + hkv], q_rows[:, hq + hkv :], kv_cache,
-                                   metadata, a.scale)  # fmt: skip
-        if amx is not None and packs is not None:
-            x = amx.amx_linear(o.reshape(t, a.q_size), w_o, hidden, w_gate_up)
-            ops.add_rms_norm_(x, residual, lp.post_norm, eps)
+            with in_linears:
+                x = amx.amx_linear(o.reshape(t, a.q_size), w_o, hidden, w_gate_up)
+            with in_norm:
+                ops.add_rms_norm_(x, residual, lp.post_norm, eps)
             following = plan.layers[i + 1].amx if i < last else None  # the next layer's qkv comes next
-            x = amx.amx_linear(amx.amx_linear_silu_mul(x, w_gate_up, inter, w_down), w_down, hidden,
-                               following.matrices(quant)[0] if following is not None else None)
+            with in_linears:  # gate_up with the silu * up fused, then down
+                x = amx.amx_linear(amx.amx_linear_silu_mul(x, w_gate_up, inter, w_down), w_down, hidden,
+                                   following.matrices(quant)[0] if following is not None else None)
         elif blocks and lp.blocks is not None:
             (k_o, b_o), (k_gu, b_gu), (k_d, b_d) = lp.blocks[1:]
-            x = cpu_blocks.linear(o.reshape(t, a.q_size), b_o, k_o)
-            ops.add_rms_norm_(x, residual, lp.post_norm, eps)
-            x = cpu_blocks.linear(ops.silu_mul(cpu_blocks.linear(x, b_gu, k_gu)), b_d, k_d)
+            with in_linears:
+                x = cpu_blocks.linear(o.reshape(t, a.q_size), b_o, k_o)
+            with in_norm:
+                ops.add_rms_norm_(x, residual, lp.post_norm, eps)
+            with in_linears:
+                gate_up = cpu_blocks.linear(x, b_gu, k_gu)
+            with in_mlp:
+                x = ops.silu_mul(gate_up)
+            with in_linears:
+                x = cpu_blocks.linear(x, b_d, k_d)
         else:
             o = o.reshape(t, a.q_size)
-            x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o, plain=plain[1])
-            ops.add_rms_norm_(x, residual, lp.post_norm, eps)
-            x = packed_linear(ops.silu_mul(packed_linear(x, lp.gate_up, plain=plain[2])), lp.down, plain=plain[3])
-    ops.add_rms_norm_(x, residual, plan.final_norm, eps)
+            with in_linears:
+                x = packed_linear(F.pad(o, (0, 0, 0, rows - t)) if rows != t else o, lp.o, plain=plain[1])
+            with in_norm:
+                ops.add_rms_norm_(x, residual, lp.post_norm, eps)
+            with in_linears:
+                gate_up = packed_linear(x, lp.gate_up, plain=plain[2])
+            with in_mlp:
+                x = ops.silu_mul(gate_up)
+            with in_linears:
+                x = packed_linear(x, lp.down, plain=plain[3])
+    with in_norm:
+        ops.add_rms_norm_(x, residual, plan.final_norm, eps)
     return x[:t] if rows != t else x
 
 

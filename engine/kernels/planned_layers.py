@@ -24,7 +24,9 @@ intermediate size). Returns the final norm's output [T, H].
 Where hooks observe the attention calls (engine/hooks.observe_attention: a profiled run's
 "attention" phase ranges) the loop runs instead, so that every layer's attention stays inside its
 range: a profiled batch-1 decode step pays the per-layer Python calls that an unprofiled one does
-not (servelab-explain sets the plan aside altogether: workloads/explain_probe.py).
+not (servelab-explain takes that wrapper off and profiles this op: workloads/explain_probe.py).
+Under torch.profiler the op's loop opens the plan's part ranges (`servelab::plan:<part>`,
+forward_plan.PLAN_PARTS) around the kernels it calls.
 
 The team step: where every matrix is the checkpoint's own blocks (`model.quantized_decode`, a
 CPU with AVX512-VNNI) and the step has fewer rows than the attention op's AMX threshold (8), the

@@ -48,6 +48,11 @@ struct LayerOps {
       op<Tensor(Tensor, Tensor, int64_t)>("servelab::amx_linear_argmax");
 };
 
+// The profiler ranges of the loop's parts (engine/kernels/forward_plan.py PLAN_RANGE_PREFIX, PLAN_PARTS).
+constexpr const char* kPlanNorm = "servelab::plan:norm";
+constexpr const char* kPlanLinears = "servelab::plan:linears";
+constexpr const char* kPlanAttention = "servelab::plan:attention";
+
 const LayerOps& layer_ops() {
   static const LayerOps ops;  // looked up once (thread-safe static initialisation)
   return ops;
@@ -276,25 +281,48 @@ Tensor planned_layers(Tensor x, Tensor cos, Tensor sin, at::TensorList kv_caches
 #endif
   const LayerOps& k = layer_ops();
   Tensor residual = x;
+  // Under the profiler each part runs in a range named as forward_plan.planned_forward names its own
+  // (`servelab::plan:<part>`, PLAN_PARTS there): servelab-explain attributes the kernels by part.
+  // Unprofiled a range costs a check of the thread's callbacks.
   for (int64_t i = 0; i < L; ++i) {
     const Tensor* w = packs.data() + 4 * i;
-    if (i == 0) {
-      x = k.rms_norm.call(residual, norms[0], eps);
-    } else {
-      k.add_rms_norm.call(x, residual, norms[2 * i], eps);
+    {
+      RECORD_USER_SCOPE(kPlanNorm);
+      if (i == 0)
+        x = k.rms_norm.call(residual, norms[0], eps);
+      else
+        k.add_rms_norm.call(x, residual, norms[2 * i], eps);
     }
-    // each linear names the next one's weight, as the Python loop does (amx_linear: `next`)
-    const Tensor qkv = k.linear.call(x, w[0], n_qkv, Next(w[1])).view({T_, hq + 2 * hkv, D});
-    k.rope.call(qkv, cos, sin, hq + hkv);
-    k.write_kv.call(kv_caches[i], qkv.narrow(1, hq, hkv), qkv.narrow(1, hq + hkv, hkv), slot_mapping);
-    const Tensor o = k.attention.call(qkv.narrow(1, 0, hq), kv_caches[i], block_table, query_start_loc, seq_lens,
-                                      scale, false);
-    x = k.linear.call(o.view({T_, hq * D}), w[1], hidden, Next(w[2]));
-    k.add_rms_norm.call(x, residual, norms[2 * i + 1], eps);
-    const Next following = i + 1 < L ? Next(packs[4 * (i + 1)]) : Next();
-    x = k.linear.call(k.linear_silu_mul.call(x, w[2], inter, Next(w[3])), w[3], hidden, following);
+    Tensor qkv, o;
+    {
+      RECORD_USER_SCOPE(kPlanLinears);
+      // each linear names the next one's weight, as the Python loop does (amx_linear: `next`)
+      qkv = k.linear.call(x, w[0], n_qkv, Next(w[1])).view({T_, hq + 2 * hkv, D});
+    }
+    {
+      RECORD_USER_SCOPE(kPlanAttention);
+      k.rope.call(qkv, cos, sin, hq + hkv);
+      k.write_kv.call(kv_caches[i], qkv.narrow(1, hq, hkv), qkv.narrow(1, hq + hkv, hkv), slot_mapping);
+      o = k.attention.call(qkv.narrow(1, 0, hq), kv_caches[i], block_table, query_start_loc, seq_lens, scale, false);
+    }
+    {
+      RECORD_USER_SCOPE(kPlanLinears);
+      x = k.linear.call(o.view({T_, hq * D}), w[1], hidden, Next(w[2]));
+    }
+    {
+      RECORD_USER_SCOPE(kPlanNorm);
+      k.add_rms_norm.call(x, residual, norms[2 * i + 1], eps);
+    }
+    {
+      RECORD_USER_SCOPE(kPlanLinears);  // gate_up with the silu * up fused, then down
+      const Next following = i + 1 < L ? Next(packs[4 * (i + 1)]) : Next();
+      x = k.linear.call(k.linear_silu_mul.call(x, w[2], inter, Next(w[3])), w[3], hidden, following);
+    }
   }
-  k.add_rms_norm.call(x, residual, final_norm, eps);
+  {
+    RECORD_USER_SCOPE(kPlanNorm);
+    k.add_rms_norm.call(x, residual, final_norm, eps);
+  }
   if (head) *ids = k.argmax.call(x, *head, vocab);
   return x;
 }
