@@ -59,6 +59,9 @@ class ServerSettings:
     # Output tokens per SSE content chunk, at least (1: a chunk per engine step). Larger values
     # imitate servers that coalesce tokens; the workbench tests per-token timing with it.
     stream_chunk_tokens: int = 1
+    # A folder: trace the server process's memory with tracemalloc and write a sample every
+    # 30 s there (memtrace.py; slows the server, for finding leaks only). None: off.
+    tracemalloc_dir: str | None = None
 
 
 @dataclass

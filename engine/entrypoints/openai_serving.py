@@ -5,7 +5,8 @@ index = prompt_index * n + child index. Input is validated and tokenized here, o
 (`InputProcessor.process`), before any request reaches the engine, so a bad prompt in
 a batch queues nothing; `AsyncLLM` takes the resulting `ProcessedRequest` as is. Streams are SSE
 (`data: {json}\\n\\n`, ending with `data: [DONE]`); an error after the stream started is
-sent as an error event, then `[DONE]`.
+sent as an error event, then `[DONE]`. A client that leaves mid-stream ends it quietly: its
+requests are aborted, nothing is logged.
 """
 
 from __future__ import annotations
@@ -222,7 +223,12 @@ class OpenAIServing:
             head = await _first_output(call, merged)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
-            return await self._stream_events(call, resp, head, merged)
+            try:
+                return await self._stream_events(call, resp, head, merged)
+            except ConnectionResetError:  # the client left mid-stream (aiohttp's ClientConnectionResetError)
+                # Nobody to answer: end quietly (aiohttp would log a traceback per dropped stream
+                # and count a 500); leaving `aclosing` aborts the request in the engine.
+                return resp
 
     async def _stream_events(
         self, call: _Call, resp: web.StreamResponse, head: list[tuple[int, Any]], merged: Any

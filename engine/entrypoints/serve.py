@@ -200,8 +200,15 @@ def serving_defaults(engine: EngineConfig, explicit: Collection[str] = (), reque
 
 async def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     """Run until SIGTERM/SIGINT, or until the engine dies and the server is told to stop."""
+    from engine.entrypoints.memtrace import MemoryTracer
     from engine.frontend.async_llm import AsyncLLM
 
+    tracer = None
+    if settings.tracemalloc_dir:  # before the model loads: a folder it cannot write stops start-up at once
+        try:
+            tracer = MemoryTracer(settings.tracemalloc_dir)
+        except ValueError as exc:
+            raise SystemExit(f"servelab-serve: {exc}") from None
     llm = AsyncLLM.from_config(engine_config, multiprocess=settings.multiprocess,
                                ready_timeout_s=settings.ready_timeout_s)
     model_name = settings.served_model_name or engine_config.model.model
@@ -216,11 +223,15 @@ async def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
         logger.info("serving %s on http://%s:%d", model_name, settings.host, settings.port)
+        if tracer is not None:
+            tracer.start()
         await stop.wait()
         logger.info("shutting down")
     finally:
         llm.shutdown()  # in-flight streams end with an error event first
         await runner.cleanup()
+        if tracer is not None:
+            tracer.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -70,15 +70,16 @@ class EngineTarget:
         if self.llm is None:
             # The hooks are built in the engine's thread (torch.profiler records per thread).
             self.llm = AsyncLLM.from_config(self.engine_config, multiprocess=False, hooks_factory=self.hooks_factory)
+            self.llm.step_listeners.append(self._steps.append)  # the engine keeps no steps itself
         return self.llm
 
     async def start(self) -> None:
         self.load()
         self._offset = time.perf_counter() - time.time()
-        self.llm.step_stats()  # type: ignore[union-attr]  # drop steps from before the run
+        self._steps.clear()  # drop steps from before the run (the model's warm-up)
 
     async def stop(self) -> None:
-        self._steps.extend(self.llm.step_stats() if self.llm else [])
+        return None
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -134,8 +135,6 @@ class EngineTarget:
             res.error = "engine error"
 
     def step_stats(self) -> list[StepStats] | None:
-        if self.llm is not None:
-            self._steps.extend(self.llm.step_stats())
         return list(self._steps)
 
     async def scrape_metrics(self) -> dict[str, float] | None:
