@@ -5,7 +5,7 @@ CPUs with AVX512-BF16 and VNNI, in a bfloat16 engine. Everywhere else (an AVX2-o
 hosted CI runners, most AMD cloud machines, most laptops; a float32 engine) this op reads them:
 
     torch.ops.servelab.block_pack(Tensor blocks, str kind) -> Tensor
-        blocks uint8 [N, K / 32, block bytes] (the GGUF bytes of each output column, as
+        blocks uint8 [N, K / 32 (256 for Q4_K / Q6_K), block bytes] (the GGUF bytes of each output column, as
         gguf_loader.load_gguf_blocks gives them) -> uint8 [N, column bytes]: each column's quant
         bytes, then its blocks' fp16 scales as arrays (the same bytes, laid out once at load time)
     torch.ops.servelab.block_linear(Tensor x, Tensor packed, str kind, bool scalar=False) -> Tensor
@@ -13,9 +13,10 @@ hosted CI runners, most AMD cloud machines, most laptops; a float32 engine) this
     torch.ops.servelab.block_linear_isa() -> str      "avx2" | "scalar": what this build multiplies with
 
 x is written per 32-input block in about 14 bits (engine/kernels/csrc/block_linear.cpp), and each block's
-32 products summed in integers: a step reads 5 (Q4_1), 5.5 (Q5_0) or 8.5 (Q8_0) bits a weight where
-the float32 engine read 32. Past a few rows the products' cost, not the read, sets the pace and the
-dense kernels (oneDNN, the BLAS) win: `MAX_ROWS` by block kind, measured with
+32 products summed in integers: a step reads 5 (Q4_1), 5.5 (Q5_0), 8.5 (Q8_0), 4.6 (Q4_K, its scales
+unpacked to bytes) or 6.6 (Q6_K) bits a weight where the float32 engine read 32 (the K-quants'
+256-weight super-blocks: engine/kernels/csrc/kquant_blocks.h). Past a few rows the products' cost,
+not the read, sets the pace and the dense kernels (oneDNN, the BLAS) win: `MAX_ROWS` by block kind, measured with
 benchmarks/quant_linears.py --blocks on a 2-core AMD EPYC (AVX2). `attach` gives the model's
 linears (and the LM head) their blocks; a step of at most that many rows reads them.
 """
@@ -43,6 +44,7 @@ SUPER_BYTES = {"Q4_K": 148, "Q6_K": 210}  # a packed K-quant super-block's bytes
 # Up to how many rows a step reads a linear's blocks rather than its dense weight, by block kind
 # (module note). 2-core AMD EPYC (Zen 3, AVX2), SmolLM2's matrices, float32 dense weights
 # (oneDNN prepacked), weights out of cache: see docs/benchmarks.md ("Block linears on AVX2").
+# Q4_K / Q6_K: the others' limit, not yet measured on their own (benchmarks/quant_linears.py has no K-quant case).
 MAX_ROWS = {"Q4_1": 8, "Q8_0": 8, "Q5_0": 8, "Q4_K": 8, "Q6_K": 8}
 
 
