@@ -95,7 +95,8 @@ class ModelConfig:
     for `servelab-serve` (and the server target), off for the offline `LLM`. No effect in float32 or on a
     GPU."""
     quantized_decode: bool = True
-    """A GGUF checkpoint whose matrices are Q4_1 / Q8_0 (or Q5_0) blocks, on a CPU: decode-sized steps run their
+    """A GGUF checkpoint whose matrices are Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K blocks (docs/kernels.md lists what
+    reads each), on a CPU: decode-sized steps run their
     linears and LM head on the checkpoint's own blocks, the sums in integers and float32, where larger steps
     multiply the loader's dense weights. With bfloat16 on AVX512-BF16 + VNNI (or AMX): steps of up to 10 rows for
     Q4_1 matrices and 6 for Q8_0 ones (`amx_linear.QUANT_MAX_ROWS`, engine/kernels/csrc/gguf_blocks.h). Elsewhere (an
