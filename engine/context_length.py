@@ -19,12 +19,13 @@ logger = logging.getLogger(__name__)
 
 
 def kv_context_limit(max_model_len: int, requested: int | None, num_blocks: int, block_size: int, *,
-                     sized_by: str, raise_what: str) -> int:  # fmt: skip
+                     sized_by: str, raise_what: str, holds: int | None = None) -> int:  # fmt: skip
     """The context length `num_blocks` blocks of `block_size` tokens serve: `max_model_len`
     when they hold one request that long. `requested` is ModelConfig.max_model_len (None: the
     model's own context); `sized_by` names what sized the cache ("cache.num_blocks=16") and
-    `raise_what` the setting to raise."""
-    holds = num_blocks * block_size
+    `raise_what` the setting to raise. `holds`: the tokens one request may have in them, where
+    several KV cache groups share the blocks (engine/kv_cache_spec.py `tokens_alone`)."""
+    holds = num_blocks * block_size if holds is None else holds
     if max_model_len <= holds:
         return max_model_len
     if requested is not None:

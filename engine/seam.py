@@ -80,6 +80,7 @@ class EngineStats(msgspec.Struct):
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    kv_blocks_used_per_group: list[int] = []  # several KV cache groups: blocks each holds
 
     @property
     def kv_usage(self) -> float:
@@ -152,6 +153,10 @@ class StepStats(msgspec.Struct, omit_defaults=False):
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    # With several KV cache groups (engine/kv_cache_spec.py: a model with sliding-window layers),
+    # the blocks each group holds, group 0 (full attention) first; their sum is kv_blocks_used.
+    # Empty with one group.
+    kv_blocks_used_per_group: list[int] = []
     prefix_cache_queries: int = 0  # tokens queried this step
     prefix_cache_hits: int = 0  # tokens hit this step
     num_preemptions: int = 0  # this step

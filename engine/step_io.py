@@ -55,6 +55,8 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens already in KV (prefix-cache hit).
     num_computed_tokens: int
+    # KV cache groups past the first (engine/kv_cache_spec.py), each its own block table; [] with one.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -65,6 +67,9 @@ class CachedRequestData:
     # Tokens in KV before this step, per request. The runner keeps each request's
     # tokens itself (the prompt from `NewRequestData`, then what it sampled).
     num_computed_tokens: list[int] = field(default_factory=list)
+    # With several KV cache groups, per request the blocks appended to each group past the first
+    # (an empty list: none); empty with one group.
+    new_group_block_ids: list[list[list[int]]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

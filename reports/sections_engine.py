@@ -7,6 +7,8 @@ num_waiting, kv_usage and whatever else). Sections use what is there.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 
@@ -21,6 +23,19 @@ def _kv_usage(steps: pd.DataFrame) -> pd.Series | None:
     if {"kv_blocks_used", "kv_blocks_total"} <= set(steps):
         return steps["kv_blocks_used"] / steps["kv_blocks_total"].replace(0, np.nan)
     return None
+
+
+def _group_blocks(steps: pd.DataFrame) -> pd.DataFrame | None:
+    """Blocks held per KV cache group after each step (a column per group), from steps.csv's
+    `kv_blocks_used_per_group` (a JSON list per row; engine/kv_cache_spec.py); None with one group."""
+    if "kv_blocks_used_per_group" not in steps:
+        return None
+    rows = [json.loads(v) if isinstance(v, str) and v else (list(v) if isinstance(v, list) else [])
+            for v in steps["kv_blocks_used_per_group"]]  # fmt: skip
+    width = max((len(r) for r in rows), default=0)
+    if width < 2:
+        return None
+    return pd.DataFrame([r + [0] * (width - len(r)) for r in rows], columns=[f"group {g}" for g in range(width)])
 
 
 def kv_and_batch(run: RunData) -> Section:
@@ -43,6 +58,18 @@ def kv_and_batch(run: RunData) -> Section:
         s.figures.append(
             render(fig, "KV-cache utilization", "Share of KV-cache blocks in use after each step.")
         )
+    groups = _group_blocks(steps)
+    if groups is not None:
+        fig, (ax,) = new_figure(7, 2.4)
+        for name in groups:
+            ax.step(t, groups[name], where="post", label=name + (" (full attention)" if name == "group 0" else ""))
+        ax.set_ylabel("KV blocks held")
+        ax.set_xlabel("time (s)")
+        ax.legend()
+        s.figures.append(render(
+            fig, "KV-cache blocks per group",
+            "Blocks held in each KV cache group after each step (one shared pool): group 0 holds every position "
+            "of a request, a sliding-window group only the window's blocks."))  # fmt: skip
     if {"num_prefill_tokens", "num_decode_tokens"} <= set(steps):
         fig, (ax,) = new_figure(7, 2.6)
         ax.fill_between(t, 0, steps["num_decode_tokens"], step="post", label="decode tokens", alpha=0.7)

@@ -165,8 +165,10 @@ def _engine_greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]
     from engine.sampling_params import SamplingParams
 
     longest = max(len(p) for p in prompts) + max_tokens
-    llm = LLM(model="gemma3-270m", dtype="float32", max_num_seqs=8, num_blocks=-(-longest // 16) * len(prompts) + 8,
-              block_size=16, max_model_len=2048, quantized_decode=False)  # fmt: skip
+    # 6 KV cache groups (engine/kv_cache_spec.py: 1 global, 5 local, 3 layers each): a block is 3 layers' worth
+    num_blocks = 6 * (-(-longest // 16) * len(prompts) + 8)
+    llm = LLM(model="gemma3-270m", dtype="float32", max_num_seqs=8, num_blocks=num_blocks, block_size=16,
+              max_model_len=2048, quantized_decode=False)  # fmt: skip
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.engine_core.scheduler.assert_idle()

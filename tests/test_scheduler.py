@@ -466,7 +466,7 @@ def test_outputs_timestamps_and_stats_snapshot() -> None:
     out, outs = step(sched)
     stats = sched.make_stats()
     assert stats.as_dict() == {
-        "num_running": 1, "num_waiting": 0, "kv_blocks_used": 2, "kv_blocks_total": 8,
+        "num_running": 1, "num_waiting": 0, "kv_blocks_used": 2, "kv_blocks_total": 8, "kv_blocks_used_per_group": [],
         "num_prefill_tokens": 20, "num_decode_tokens": 0, "num_prefill_reqs": 1, "num_decode_reqs": 0,
         "prefix_cache_queries": 20, "prefix_cache_hits": 0, "num_preemptions": 0, "num_finished": 0, "num_kv_tokens_read": 0,
         "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [],

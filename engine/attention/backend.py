@@ -18,13 +18,20 @@ Packed batch layout (one step):
     chunks or earlier decode steps). Query token j of request i sits at position
     context_len_i + j and attends causally to positions 0 .. context_len_i + j; in a layer with a
     sliding window w (Gemma 3's local layers) only to positions context_len_i + j - w + 1 ..
-    context_len_i + j (the cache still holds every position: no sliding-window allocator yet).
+    context_len_i + j.
+
+KV cache groups (engine/kv_cache_spec.py): a model whose layers form several groups gets one
+metadata per group: the step's metadata is group 0's, `group_metadata[g - 1]` group g's (the same
+requests, rows and lengths; the group's own `slot_mapping` and `block_table`), and each layer
+passes its group's to `forward` (`for_group`). In a sliding group a position wholly outside the
+window may have been given back: its table entry is stale and must not be read (the torch backend
+reads only the window's blocks where a window hides a position; the others refuse such steps).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +60,12 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     block_size: int
     one_row_each: OneRowEach | None = None  # set by the runner's persistent decode inputs (CPU)
+    # KV cache groups past the first: their metadata (module note); empty with one group.
+    group_metadata: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV cache group `group` (this one for group 0, or with one group)."""
+        return self.group_metadata[group - 1] if group and self.group_metadata else self
 
     @property
     def is_pure_decode(self) -> bool:

@@ -42,6 +42,9 @@ attends, so a layer costs a handful of torch ops whatever the batch holds):
   holding their last w positions, gathered, with a causal-and-window mask, one SDPA call per
   request (planned once per step and window, `_WindowRows`). Correct first: the C++ paged op
   has no window. A step whose sequences all fit in the window runs the paths above unchanged.
+- KV cache groups (`AttentionMetadata.group_metadata`): `begin_step` plans every group's
+  metadata; a layer's `forward` with another group's metadata than the last one switches to
+  that group's plan (five attribute stores).
 
 This backend is the correctness oracle for the Triton and FlashAttention backends.
 """
@@ -152,6 +155,10 @@ def _plan_window(metadata: AttentionMetadata, window: int) -> list[_WindowRows]:
     return plans
 
 
+# One step's plan for one metadata (KV cache groups: `begin_step` keeps one per group).
+_PlanState = tuple[_DecodeGroup | None, list[_PrefillGroup], _PrefillRows | None, _StepRows | None,
+                   dict[int, list[_WindowRows]]]  # fmt: skip
+
 # head dims of the paged op's vector paths (others run its scalar loop: SDPA is faster there)
 _OP_VECTOR_HEAD_DIMS = (64, 128)
 
@@ -209,9 +216,36 @@ class TorchAttentionBackend(AttentionBackend):
         self._step_rows: _StepRows | None = None
         self.batch_invariant = False  # module note; engine/kernels/batch_invariance.py sets it
         self._windows: dict[int, list[_WindowRows]] = {}  # this step's plans by window (`_attend_window`)
+        # KV cache groups: each group's metadata and plan, and the metadata whose plan is active
+        self._group_plans: list[tuple[AttentionMetadata, _PlanState]] = []
+        self._active: AttentionMetadata | None = None
 
     # ---- per-step plan -----------------------------------------------------------------
     def begin_step(self, metadata: AttentionMetadata) -> None:
+        self._active = metadata
+        if not metadata.group_metadata:
+            self._group_plans = []
+            self._begin(metadata)
+            return
+        plans = []
+        for md in (*metadata.group_metadata, metadata):  # group 0's plan planned last: active
+            self._begin(md)
+            plans.append((md, self._plan_state()))
+        self._group_plans = plans
+
+    def _plan_state(self) -> _PlanState:
+        return self._decode, self._prefills, self._prefill_rows, self._step_rows, self._windows
+
+    def _switch_to(self, metadata: AttentionMetadata) -> None:
+        """Make the plan of `metadata` (one of this step's groups) the active one."""
+        for md, state in self._group_plans:
+            if md is metadata:
+                self._decode, self._prefills, self._prefill_rows, self._step_rows, self._windows = state
+                self._active = metadata
+                return
+        raise RuntimeError("attention metadata of no group of this step (begin_step plans every group)")
+
+    def _begin(self, metadata: AttentionMetadata) -> None:
         self._windows = {}
         one = metadata.one_row_each
         if one is not None and not self.batch_invariant:  # decode rows in request order, inputs as the op reads them
@@ -329,6 +363,8 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
+        if metadata is not self._active and self._group_plans:
+            self._switch_to(metadata)
         write_kv(k, v, kv_cache, metadata.slot_mapping)
         if window_excludes(metadata, window):
             assert window is not None

@@ -65,6 +65,7 @@ def engine_stats(engine: Any) -> msg.EngineStats:
         num_waiting=int(sched.num_waiting),
         kv_blocks_used=int(kv.num_used_blocks),
         kv_blocks_total=int(engine.num_blocks),
+        kv_blocks_used_per_group=kv.num_used_blocks_per_group() if kv.other_groups else [],
     )
 
 

@@ -32,6 +32,7 @@ from engine.core.step_stats import async_step_stats, step_members, step_stats
 from engine.executor import make_executor
 from engine.executor.base import Executor
 from engine.hooks import NULL_HOOKS, StepHooks, observe_attention
+from engine.kv_cache_spec import KVCacheGroupSpec
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
 from engine.request import Request, RequestStatus
@@ -68,11 +69,13 @@ class EngineCore:
         self.executor = executor
         self.num_blocks = executor.initialize()
         self.max_model_len = executor.max_model_len
+        # (an executor made outside engine/executor/ may not say: one group)
+        self.kv_cache_groups: tuple[KVCacheGroupSpec, ...] = getattr(executor, "kv_cache_groups", ())
         self.eos_token_id = executor.eos_token_id
         self.kv_connector = self._make_kv_connector(config, executor)
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, self.max_model_len, clock=executor.clock,
-            kv_connector=self.kv_connector,
+            kv_connector=self.kv_connector, kv_cache_groups=self.kv_cache_groups,
         )
         self.hooks: StepHooks = NULL_HOOKS
         self.step_index = 0
@@ -325,7 +328,7 @@ class EngineCore:
             # SchedulerOutput: hand them over with an empty step before the scheduler goes.
             self.step()
         self.scheduler = Scheduler(sched, cache, num_blocks or self.num_blocks, self.max_model_len, clock=self.clock,
-                                   kv_connector=self.kv_connector)  # fmt: skip
+                                   kv_connector=self.kv_connector, kv_cache_groups=self.kv_cache_groups)  # fmt: skip
         self.batch_queue = deque() if sched.async_scheduling else None
 
     def run_until_idle(self, max_steps: int | None = None) -> list[EngineCoreOutputs]:

@@ -20,7 +20,7 @@ from engine.seam import FinishReason, StepMember, StepStats
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 # The scheduler's state columns: after the update that a row reports.
-STATE_COLUMNS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total")
+STATE_COLUMNS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_blocks_used_per_group")
 
 
 def comm_stats(runner_out: ModelRunnerOutput) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.kv_cache_spec import KVCacheGroupSpec
     from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 
@@ -36,6 +37,9 @@ class ExecutorDiedError(RuntimeError):
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # The KV cache groups the scheduler allocates by (engine/kv_cache_spec.py), set by
+        # `initialize`; () keeps one group whose blocks hold every position.
+        self.kv_cache_groups: tuple[KVCacheGroupSpec, ...] = ()
 
     @abstractmethod
     def initialize(self) -> int:

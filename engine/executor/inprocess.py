@@ -30,6 +30,7 @@ class InProcessExecutor(Executor):
         self.vocab_size = self.worker.arch.vocab_size
         self.compile_time = self.worker.compile_time
         self.kv_bytes_per_block = self.worker.kv_bytes_per_block
+        self.kv_cache_groups = self.worker.kv_cache_groups
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -63,6 +63,10 @@ class PrometheusMetrics:
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100 percent).")
+        # KV cache groups (engine/kv_cache_spec.py); absent for a model with one group
+        self.kv_group_blocks = Gauge("servelab:kv_cache_group_blocks_used",
+                                     "KV blocks held in each KV cache group (group 0: full attention).",
+                                     [*labels, "group"], registry=r)  # fmt: skip
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions.")
@@ -104,6 +108,7 @@ class PrometheusMetrics:
         self._l(self.running).set(stats.num_running)
         self._l(self.waiting).set(stats.num_waiting)
         self._l(self.kv_usage).set(stats.kv_usage)
+        self._set_groups(stats.kv_blocks_used_per_group)
         self._l(self.prefix_queries).inc(stats.prefix_cache_queries)
         self._l(self.prefix_hits).inc(stats.prefix_cache_hits)
         self._l(self.preemptions).inc(stats.num_preemptions)
@@ -126,6 +131,11 @@ class PrometheusMetrics:
         self._l(self.running).set(stats.num_running)
         self._l(self.waiting).set(stats.num_waiting)
         self._l(self.kv_usage).set(stats.kv_usage)
+        self._set_groups(stats.kv_blocks_used_per_group)
+
+    def _set_groups(self, per_group: list[int]) -> None:
+        for group, n in enumerate(per_group):
+            self.kv_group_blocks.labels(model_name=self.model_name, group=str(group)).set(n)
 
     def on_finished(self, out: RequestOutput) -> None:
         """Record one finished request (a child of an n > 1 request counts on its own)."""

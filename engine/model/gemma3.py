@@ -16,8 +16,10 @@ oracle: tests/test_gemma3.py, greedy tokens equal on the same GGUF):
 - the LM head is the embedding (tied); logits are soft-capped where the config says so.
 
 The sliding window goes to the attention backend per call (`AttentionBackend.forward`'s `window`;
-the torch backend attends over just the last window's blocks). The KV cache still keeps every
-position of every layer: the sliding-window allocator (KV cache groups) is not built yet.
+the torch backend attends over just the last window's blocks). The layers form KV cache groups
+(engine/kv_cache_spec.py: one of the global layers, the local ones in groups of as many): each layer
+reads and writes through its group's metadata (`AttentionMetadata.for_group`), so a local layer's
+blocks outside the window can be given back while the request runs.
 
 The layer has no planned CPU forward (engine/kernels/forward_plan.py computes the Llama layer):
 `LlamaModel.build_plan` finds it not `plannable` and the modules' forward runs. With
@@ -37,6 +39,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.kernels import cpu_blocks
+from engine.kv_cache_spec import kv_cache_groups, layer_placement
 from engine.model.arch import ModelArch
 from engine.model.layers import GatedMLP, RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM, LlamaModel
@@ -132,6 +135,8 @@ class Gemma3Model(LlamaModel):
         self.rotary_local = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_local_theta or arch.rope_theta)
         self.embed_scale = arch.hidden_size**0.5
         self.plan = None
+        windows = [arch.window(i) for i in range(arch.num_layers)]
+        self.kv_group = [g for g, _ in layer_placement(kv_cache_groups(windows), arch.num_layers)]
 
     def forward(
         self,
@@ -143,10 +148,10 @@ class Gemma3Model(LlamaModel):
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale).to(x.dtype)  # the factor rounded to the dtype first, as HF does
         rotaries = {False: self.rotary_emb.cos_sin(positions), True: self.rotary_local.cos_sin(positions)}
-        for module, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for module, kv_cache, group in zip(self.layers, kv_caches, self.kv_group, strict=True):
             layer = cast(Gemma3DecoderLayer, module)
             cos, sin = rotaries[layer.self_attn.window is not None]
-            x = layer(x, cos, sin, kv_cache, metadata)
+            x = layer(x, cos, sin, kv_cache, metadata.for_group(group))
         return self.norm(x)  # type: ignore[no-any-return]
 
 

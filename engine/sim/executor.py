@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING
 from engine.context_length import kv_context_limit
 from engine.dtypes import canonical_dtype
 from engine.executor.base import Executor
+from engine.kv_cache_spec import tokens_alone
 from engine.model.arch import ModelArch
 from engine.sim.calibrated import CalibratedStepModel
 from engine.sim.hardware import HardwareProfile
-from engine.sim.kv_capacity import kv_capacity
+from engine.sim.kv_capacity import arch_kv_groups, kv_capacity
 from engine.sim.model_counts import load_arch
 from engine.sim.roofline import RooflineStepModel
 from engine.sim.step_batch import StepBatch, StepModel
@@ -138,8 +139,11 @@ class SimulatedExecutor(Executor):
             sized_by = f"gpu_memory_utilization={self.gpu_memory_utilization:g} of {self.hardware.name} at tp={self.tp}"
             raise_what = "gpu_memory_utilization (sim.gpu_memory_utilization in a run)"
         own = self.arch.max_model_len(model.max_model_len, model.allow_long_max_model_len)
+        # the scheduler allocates by the model's KV cache groups, as on a real worker
+        groups = self.kv_cache_groups = arch_kv_groups(self.arch)
+        holds = tokens_alone(groups, num_blocks, cache.block_size, self.config.scheduler.max_num_batched_tokens)
         self.max_model_len = kv_context_limit(own, model.max_model_len, num_blocks, cache.block_size,
-                                              sized_by=sized_by, raise_what=raise_what)  # fmt: skip
+                                              sized_by=sized_by, raise_what=raise_what, holds=holds)  # fmt: skip
         return num_blocks
 
     def _num_blocks(self) -> int:

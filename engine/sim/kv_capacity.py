@@ -5,7 +5,10 @@
     kv bytes per token per rank = 2 * layers * ceil(kv_heads / tp) * head_dim * kv dtype bytes
 
 Every rank holds the same block count (each stores its share of the KV heads), so the
-rank's count is the engine's count.
+rank's count is the engine's count. `layers` is the layers of one KV cache group, as the engine
+counts a block (engine/kv_cache_spec.py): every layer for a model of one attention type, fewer
+for one with sliding-window layers (Gemma 3: 3 of 18 for the 270M, 10 of 62 for the 27B), whose
+requests then hold a block per group, and in a sliding group only the window's.
 """
 
 from __future__ import annotations
@@ -13,14 +16,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.dtypes import DTYPE_BYTES, canonical_dtype
+from engine.kv_cache_spec import KVCacheGroupSpec, group_size, kv_cache_groups
 from engine.model.arch import ModelArch
 from engine.sim.hardware import HardwareProfile
 
 
+def arch_kv_groups(arch: ModelArch) -> tuple[KVCacheGroupSpec, ...]:
+    """The model's KV cache groups, as the engine's worker forms them."""
+    return kv_cache_groups([arch.window(i) for i in range(arch.num_layers)])
+
+
 def kv_bytes_per_token(arch: ModelArch, tp: int, kv_dtype: str) -> float:
-    """K and V bytes one token occupies on one rank, over all layers."""
+    """K and V bytes one token of a block occupies on one rank: over the layers of one KV cache
+    group (all layers for a model of one attention type; module note)."""
     kv_heads_rank = -(-arch.num_kv_heads // tp)
-    return 2 * arch.num_layers * kv_heads_rank * arch.head_dim * DTYPE_BYTES[canonical_dtype(kv_dtype)]
+    layers = group_size(arch_kv_groups(arch))
+    return 2 * layers * kv_heads_rank * arch.head_dim * DTYPE_BYTES[canonical_dtype(kv_dtype)]
 
 
 def weight_bytes_per_rank(arch: ModelArch, tp: int, dtype: str) -> float:

@@ -17,7 +17,9 @@ from engine.sampling_params import SamplingParams
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, num_other_groups: int = 0) -> None:
+        """`num_other_groups`: KV cache groups past the first (engine/kv_cache_spec.py), each with a
+        block table of its own (`group_tables`)."""
         self.max_model_len = max_model_len
         # +1: a request may hold max_model_len tokens plus nothing more; keep one spare column.
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
@@ -26,6 +28,8 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)  # tokens whose KV is in the cache
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.group_tables = [np.zeros_like(self.block_table) for _ in range(num_other_groups)]
+        self.group_num_blocks = [np.zeros_like(self.num_blocks) for _ in range(num_other_groups)]
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
@@ -44,6 +48,7 @@ class InputBatch:
         params: SamplingParams,
         block_ids: list[int],
         num_computed: int,
+        group_block_ids: list[list[int]] | None = None,
     ) -> int:
         if req_id in self.row_of:
             self.remove(req_id)
@@ -60,6 +65,9 @@ class InputBatch:
         self.num_computed[row] = num_computed
         self.num_blocks[row] = 0
         self.append_blocks(row, block_ids)
+        for g, ids in enumerate(group_block_ids or ()):
+            self.group_num_blocks[g][row] = 0
+            self.append_group_blocks(row, g, ids)
         self.params[row] = params
         gen = None
         if params.seed is not None and not params.greedy:
@@ -84,6 +92,17 @@ class InputBatch:
             raise RuntimeError(f"block table row overflow: {end} blocks > {self.block_table.shape[1]}")
         self.block_table[row, start:end] = block_ids
         self.num_blocks[row] = end
+
+    def append_group_blocks(self, row: int, group: int, block_ids: list[int]) -> None:
+        """Blocks appended to the request's table in group `group + 1` (the first past group 0)."""
+        if not block_ids:
+            return
+        start = int(self.group_num_blocks[group][row])
+        end = start + len(block_ids)
+        if end > self.block_table.shape[1]:
+            raise RuntimeError(f"block table row overflow: {end} blocks > {self.block_table.shape[1]}")
+        self.group_tables[group][row, start:end] = block_ids
+        self.group_num_blocks[group][row] = end
 
     def append_token(self, row: int, token_id: int) -> None:
         n = int(self.num_tokens[row])

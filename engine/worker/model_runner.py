@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, cast
 
 import numpy as np
@@ -84,14 +84,21 @@ class ModelRunner:
         max_num_seqs: int,
         device: torch.device,
         enforce_eager: bool = True,
+        num_kv_cache_groups: int = 1,
     ) -> None:
+        """`kv_caches`: one tensor per layer (layers of different KV cache groups may share one);
+        `num_kv_cache_groups`: the model's groups (engine/kv_cache_spec.py), each with its own
+        block tables and its own attention metadata."""
+        if num_kv_cache_groups > 1 and not enforce_eager:
+            raise ValueError("model.enforce_eager=false (a compiled forward) with several KV cache groups (a model "
+                             "with sliding-window layers) is not supported yet")
         self.model = cast(CausalLM, model)
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         max_blocks = -(-max_model_len // block_size)
-        self.batch = InputBatch(max_num_seqs, max_model_len, max_blocks)
+        self.batch = InputBatch(max_num_seqs, max_model_len, max_blocks, num_kv_cache_groups - 1)
         self.sampler = Sampler()
         self.hooks: StepHooks = NULL_HOOKS
         # enforce_eager=False: pure-decode steps run a compiled forward (engine/worker/compiled.py).
@@ -105,7 +112,8 @@ class ModelRunner:
         self._prev_sample_idx: dict[str, int] = {}
         self._last_sampled: list[int] | None = None  # [S] sampled ids of the last step run
         # a CPU decode step of the batch's first rows: inputs in persistent tensors (decode_inputs.py)
-        self._leading = LeadingDecodeInputs(max_num_seqs, max_blocks, block_size) if device.type == "cpu" else None
+        self._leading = (LeadingDecodeInputs(max_num_seqs, max_blocks, block_size)
+                         if device.type == "cpu" and num_kv_cache_groups == 1 else None)  # fmt: skip
 
     def warm_up(self) -> float:
         """Compile / capture the forward's shapes before serving; seconds taken (0 when eager)."""
@@ -128,6 +136,7 @@ class ModelRunner:
                 new.sampling_params,
                 new.block_ids,
                 new.num_computed_tokens,
+                new.group_block_ids,
             )
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
@@ -136,6 +145,10 @@ class ModelRunner:
             row = self.batch.row_of[req_id]
             self.batch.append_blocks(row, block_ids)
             self.batch.num_computed[row] = num_computed
+        for req_id, group_ids in zip(cached.req_ids, cached.new_group_block_ids, strict=False):
+            row = self.batch.row_of[req_id]
+            for g, ids in enumerate(group_ids):
+                self.batch.append_group_blocks(row, g, ids)
         for req_id, drafts in so.scheduled_spec_decode_tokens.items():
             # Drafts sit after the known tokens (not counted in num_tokens) so that the
             # packed input_ids pick them up; verified tokens overwrite them in _collect.
@@ -174,6 +187,8 @@ class ModelRunner:
         qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
         qsl[1:] = cu
         metadata = self._attention_metadata(rows, qsl, seq_lens, slots, int(n.max()))
+        if b.group_tables:
+            self._add_group_metadata(metadata, rows, row_rep, positions)
         sample_idx = np.nonzero(samples)[0]
         sample_rows = rows[sample_idx]
         self._prev_sample_idx = {}
@@ -230,6 +245,17 @@ class ModelRunner:
             block_size=bs,
         )
 
+    def _add_group_metadata(self, metadata: AttentionMetadata, rows: np.ndarray, row_rep: np.ndarray,
+                            positions: np.ndarray) -> None:  # fmt: skip
+        """Each further KV cache group's metadata: its slots for the step's tokens (token k of the
+        packed batch is request row `row_rep[k]` at `positions[k]`) and its block tables."""
+        bs, nblk = self.block_size, metadata.block_table.shape[1]
+        for table in self.batch.group_tables:
+            slots = table[row_rep, positions // bs].astype(np.int64) * bs + positions % bs
+            metadata.group_metadata.append(replace(
+                metadata, slot_mapping=self._on_device(slots), group_metadata=[],
+                block_table=self._on_device(np.ascontiguousarray(table[rows, :nblk]))))  # fmt: skip
+
     def _prepare_decode(self, so: SchedulerOutput) -> StepInputs:
         """`_prepare_inputs` for a step of one token per request, with no tokens of an earlier step
         still to fill in, no drafts and no grammar: each request's token sits at its computed count
@@ -258,6 +284,8 @@ class ModelRunner:
         slots = b.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = positions + 1
         metadata = self._attention_metadata(rows, np.arange(r + 1, dtype=np.int64), seq_lens, slots, 1)
+        if b.group_tables:
+            self._add_group_metadata(metadata, rows, rows, positions)
         sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
         sample_rows = rows[sample_idx].tolist()
         pending, prev = self._num_pending, {}

@@ -12,6 +12,7 @@ from engine.dtypes import torch_dtype
 from engine.hugepages import zeros_huge_in_background
 from engine.kernels import options as kernel_options
 from engine.kernels.kernel_choices import quantized_decode_fallback
+from engine.kv_cache_spec import KVCacheGroupSpec, group_size, kv_cache_groups, layer_placement, tokens_alone
 from engine.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer.factory import create_kv_connector
 from engine.kv_transfer.worker_step import execute_with_connector
@@ -28,13 +29,15 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
-def check_kv_capacity(max_model_len: int, requested: int | None, num_blocks: int, cache: CacheConfig) -> int:
+def check_kv_capacity(max_model_len: int, requested: int | None, num_blocks: int, cache: CacheConfig,
+                      holds: int | None = None) -> int:
     """The context length the KV cache can serve: `max_model_len` when `num_blocks` blocks hold
-    one request of that length. A `requested` (ModelConfig.max_model_len) the cache cannot hold
+    one request of that length (`holds` tokens: `num_blocks * block_size` unless given, as
+    `kv_cache_spec.tokens_alone` counts it for several KV cache groups). A `requested` (ModelConfig.max_model_len) the cache cannot hold
     is a ConfigLimitError naming both numbers and the settings to change (vLLM refuses it at
     start-up too); with none requested, the model's own context is lowered to the cache's, with
     a warning, so that longer prompts are refused at the door instead of failing in the scheduler."""
-    holds = num_blocks * cache.block_size
+    holds = num_blocks * cache.block_size if holds is None else holds
     if max_model_len <= holds:
         return max_model_len
     sized_by = f"cache.num_blocks={num_blocks}" if cache.num_blocks else f"cache.kv_cache_memory_gb={cache.kv_cache_memory_gb:g}"
@@ -71,6 +74,8 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.compile_time = 0.0  # seconds of compile + warm-up at start-up (enforce_eager=False)
         self.kv_bytes_per_block = 0
+        # The model's KV cache groups (engine/kv_cache_spec.py): one of every layer for most models.
+        self.kv_cache_groups: tuple[KVCacheGroupSpec, ...] = ()
         self.kv_connector: KVConnectorBase | None = None  # the worker half (engine/kv_transfer/)
 
     def load_and_allocate(self) -> int:
@@ -89,12 +94,16 @@ class Worker:
         model_cfg = self.config.model
         self.max_model_len = arch.max_model_len(model_cfg.max_model_len, model_cfg.allow_long_max_model_len)
         cache = self.config.cache
-        per_block = kv_bytes_per_block(arch.num_layers, cache.block_size, arch.num_kv_heads, arch.head_dim, self.kv_dtype)
+        # one tensor per layer of a group, shared by the groups' layers (engine/kv_cache_spec.py)
+        groups = self.kv_cache_groups = kv_cache_groups([arch.window(i) for i in range(arch.num_layers)])
+        num_tensors = group_size(groups)
+        per_block = kv_bytes_per_block(num_tensors, cache.block_size, arch.num_kv_heads, arch.head_dim, self.kv_dtype)
         self.kv_bytes_per_block = per_block
         num_blocks = cache.num_blocks or max(2, int(cache.kv_cache_memory_gb * (1 << 30) // per_block))
-        self.max_model_len = check_kv_capacity(self.max_model_len, model_cfg.max_model_len, num_blocks, cache)
+        holds = tokens_alone(groups, num_blocks, cache.block_size, self.config.scheduler.max_num_batched_tokens)
+        self.max_model_len = check_kv_capacity(self.max_model_len, model_cfg.max_model_len, num_blocks, cache, holds)
         shape = (2, num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim)
-        pending_kv = zeros_huge_in_background(shape, self.kv_dtype, arch.num_layers, self.device)
+        pending_kv = zeros_huge_in_background(shape, self.kv_dtype, num_tensors, self.device)
         self.model = load_model(self.config.model, backend, self.device, resolved)
         cover_positions(self.model, self.max_model_len)
         if self.config.model.prepack_weights and hasattr(self.model, "prepack"):
@@ -105,9 +114,14 @@ class Worker:
                                                       self.config.model.batch_invariant,
                                                       gguf_layer_kinds)) is not None:
                 logger.warning(fallback)
-        kv_caches = pending_kv.result()
+        tensors = pending_kv.result()
+        kv_caches = [tensors[j] for _, j in layer_placement(groups, arch.num_layers)]  # one per layer
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size,
                     num_blocks * per_block / (1 << 20))
+        if len(groups) > 1:
+            logger.info("KV cache groups: %s (%d layers each, one shared block pool)",
+                        ", ".join(f"{g.kind}{'' if g.sliding_window is None else f'({g.sliding_window})'}" for g in groups),
+                        num_tensors)  # fmt: skip
         self.model_runner = ModelRunner(
             self.model,
             backend,
@@ -117,6 +131,7 @@ class Worker:
             self.config.scheduler.max_num_seqs,
             self.device,
             enforce_eager=self.config.model.enforce_eager,
+            num_kv_cache_groups=len(groups),
         )
         self.compile_time = self.model_runner.warm_up()
         warm_up_linears = getattr(getattr(self.model, "model", None), "warm_up_linears", None)

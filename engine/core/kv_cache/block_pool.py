@@ -176,21 +176,24 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference per block; blocks reaching 0 join the free queue.
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> int:
+        """Drop one reference per block; blocks reaching 0 join the free queue. Returns how many did.
 
         `ordered_blocks` is in eviction order (first = evicted first among them).
         Unhashed blocks go to the head of the queue, hashed ones to the tail.
         """
+        freed = 0
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                freed += 1
                 if block.block_hash is None:
                     self.free_block_queue.appendleft(block)
                 else:
                     self.free_block_queue.append(block)
+        return freed
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; only when no block is in use (False otherwise)."""

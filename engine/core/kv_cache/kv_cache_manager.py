@@ -11,13 +11,25 @@ Registering ahead of the write is a promise the step must keep: the manager jour
 every block it registers for a step (`take_registered`), and a step that never ran
 takes its registrations back (`evict_unwritten`), so no later hit reads KV that was
 never written.
+
+KV cache groups (engine/kv_cache_spec.py): a model with sliding-window layers has several groups
+over ONE block pool. Group 0 (full attention) is the request's list here; every further group is a
+`GroupBlocks` (group_blocks.py) with a positional list of its own, as long as group 0's, whose
+blocks wholly outside the window are given back as the request advances. An allocation counts and
+takes the blocks of every group at once, or none; a prefix hit is the longest prefix group 0 holds
+whose last window every sliding group holds too (vLLM's HybridKVCacheCoordinator); registering,
+the unwritten-block journal, preemption and `free` cover every group. One group (every layer full
+attention): the code paths of before, with nothing added.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from engine.core.kv_cache.group_blocks import Entry, GroupBlocks
+from engine.kv_cache_spec import KVCacheGroupSpec
 from engine.request import BlockHash, Request
 
 # A block registered in the prefix cache and the hash it got.
@@ -26,12 +38,19 @@ Registration = tuple[KVCacheBlock, BlockHash]
 
 @dataclass(frozen=True, slots=True)
 class KVCacheBlocks:
-    """An immutable group of blocks handed to the scheduler (it never sees the lists)."""
+    """An immutable group of blocks handed to the scheduler (it never sees the lists): group 0's,
+    and per further KV cache group its entries (None: a position outside a sliding window)."""
 
     blocks: tuple[KVCacheBlock, ...] = ()
+    groups: tuple[tuple[Entry, ...], ...] = ()
 
     def get_block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks] if self.blocks else []
+
+    def get_group_block_ids(self) -> list[list[int]]:
+        """Per group past the first, its block ids (a position given back reads block 0); [] with
+        one group or no blocks."""
+        return [[b.block_id if b is not None else 0 for b in g] for g in self.groups] if self.groups else []
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -41,10 +60,16 @@ _NO_BLOCKS = KVCacheBlocks()
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 groups: Sequence[KVCacheGroupSpec] = ()) -> None:  # fmt: skip
+        """`groups`: the model's KV cache groups (engine/kv_cache_spec.py); () or one: a single
+        group whose blocks hold every position."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.groups = tuple(groups) or (KVCacheGroupSpec(()),)
+        self.other_groups = [GroupBlocks(i, spec, self.block_pool, block_size)
+                             for i, spec in enumerate(self.groups[1:], 1)]  # fmt: skip
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Leading blocks of each request already offered to the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -71,6 +96,15 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
+    def num_used_blocks_per_group(self) -> list[int]:
+        """Distinct blocks requests hold in each group (the sum is `num_used_blocks`)."""
+        others = [g.num_used_blocks for g in self.other_groups]
+        return [self.num_used_blocks - sum(others), *others]
+
+    def blocks_held(self, request_id: str) -> list[int]:
+        """Blocks the request holds in each group (positions given back not counted)."""
+        return [len(self.req_to_blocks.get(request_id, ())), *(g.num_held(request_id) for g in self.other_groups)]
+
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest verified prefix hit: (blocks, number of tokens they hold).
 
@@ -88,7 +122,19 @@ class KVCacheManager:
             if block is None or block.token_ids != tuple(request.all_token_ids[i * bs : (i + 1) * bs]):
                 break
             hits.append(block)
-        return KVCacheBlocks(tuple(hits)), len(hits) * bs
+        if not self.other_groups or not hits:
+            return KVCacheBlocks(tuple(hits)), len(hits) * bs
+        num_hit = len(hits)
+        while True:  # every group's hit no longer than the others' (a fixed point)
+            before = num_hit
+            for g in self.other_groups:
+                num_hit = g.longest_hit(request, num_hit)
+            if num_hit == before:
+                break
+        if num_hit == 0:
+            return KVCacheBlocks(), 0
+        entries = tuple(g.hit_entries(request, num_hit) for g in self.other_groups)
+        return KVCacheBlocks(tuple(hits[:num_hit]), entries), num_hit * bs
 
     def allocate_slots(
         self,
@@ -119,6 +165,10 @@ class KVCacheManager:
             # Fast path (most decode steps): the request's blocks already hold the tokens.
             if self.enable_caching and total_tokens // bs > self._num_cached_blocks[rid]:
                 self._cache_full_blocks(request, req_blocks, total_tokens)
+                for g in self.other_groups:
+                    g.cache_full_blocks(request, total_tokens, self._registered)
+            for g in self.other_groups:
+                g.remove_skipped(rid, request.num_computed_tokens)
             return _NO_BLOCKS
         return self._allocate(request, req_blocks, total_tokens, num_required, new_computed_blocks,
                               num_new_computed_tokens, delay_cache_blocks)  # fmt: skip
@@ -139,7 +189,20 @@ class KVCacheManager:
         num_new_blocks = max(0, num_required - (len(req_blocks) if req_blocks is not None else 0) - len(computed))
         # Hit blocks that are free now leave the free queue when touched.
         num_free_hits = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
-        if num_new_blocks > self.block_pool.free_block_queue.num_free_blocks - num_free_hits:
+        others = self.other_groups
+        if others:
+            rid, num_computed = request.request_id, request.num_computed_tokens + num_new_computed_tokens
+            group_hits = new_computed_blocks.groups if new_computed_blocks else ()
+            group_hits = group_hits or ((),) * len(others)
+            if not is_admission:
+                for g in others:
+                    g.remove_skipped(rid, request.num_computed_tokens)
+            num_free_hits += sum(1 for hit in group_hits for b in hit if b is not None and b.ref_cnt == 0)
+            num_group_blocks = sum(g.num_new_blocks(rid, num_required, num_computed, hit)
+                                   for g, hit in zip(others, group_hits, strict=True))  # fmt: skip
+            if num_new_blocks + num_group_blocks > self.block_pool.free_block_queue.num_free_blocks - num_free_hits:
+                return None
+        elif num_new_blocks > self.block_pool.free_block_queue.num_free_blocks - num_free_hits:
             return None
 
         if is_admission:
@@ -153,6 +216,9 @@ class KVCacheManager:
             self.block_pool.touch(computed)
             req_blocks.extend(computed)
         cached_tokens = request.num_computed_tokens + num_new_computed_tokens if delay_cache_blocks else total_tokens
+        if others:
+            return self._allocate_groups(request, req_blocks, num_new_blocks, num_required, num_computed, group_hits,
+                                         cached_tokens)  # fmt: skip
         if num_new_blocks == 0:
             self._cache_full_blocks(request, req_blocks, cached_tokens)
             return _NO_BLOCKS
@@ -160,6 +226,26 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
         self._cache_full_blocks(request, req_blocks, cached_tokens)
         return KVCacheBlocks(tuple(new_blocks))
+
+    def _allocate_groups(self, request: Request, req_blocks: list[KVCacheBlock], num_new_blocks: int,
+                         num_required: int, num_computed: int, group_hits: tuple[tuple[Entry, ...], ...],
+                         cached_tokens: int) -> KVCacheBlocks:  # fmt: skip
+        """`_allocate`'s end with several groups (the pool was checked to hold every group's blocks).
+        Every hit is taken before any group takes new blocks (a free hit block could be popped)."""
+        rid = request.request_id
+        for g, hit in zip(self.other_groups, group_hits, strict=True):
+            g.take_hit(rid, hit)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        req_blocks.extend(new_blocks)
+        self._cache_full_blocks(request, req_blocks, cached_tokens)
+        news = []
+        for g in self.other_groups:
+            news.append(tuple(g.allocate(rid, num_required, num_computed)))
+            if self.enable_caching:
+                g.cache_full_blocks(request, cached_tokens, self._registered)
+        if not new_blocks and not any(news):
+            return _NO_BLOCKS
+        return KVCacheBlocks(tuple(new_blocks), tuple(news))
 
     def take_prefix_counts(self) -> tuple[int, int]:
         """Prefix-cache (queries, hits), in tokens, counted since the last call."""
@@ -180,6 +266,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is not None:
             self._cache_full_blocks(request, blocks, num_tokens, journal=False)  # written already
+            for g in self.other_groups:
+                g.cache_full_blocks(request, num_tokens, None)
 
     def _cache_full_blocks(
         self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int, journal: bool = True
@@ -217,7 +305,9 @@ class KVCacheManager:
                 unwritten.add(block.block_id)
         if not unwritten:
             return set()
-        return {rid for rid, blocks in self.req_to_blocks.items() if any(b.block_id in unwritten for b in blocks)}
+        return {rid for rid, blocks in self.req_to_blocks.items()
+                if any(b.block_id in unwritten for b in blocks)
+                or any(g.holds_any(rid, unwritten) for g in self.other_groups)}  # fmt: skip
 
     def shares_unwritten(self, request: Request) -> bool:
         """True when another request holds one of the blocks `request` registered for the step
@@ -226,6 +316,8 @@ class KVCacheManager:
         if not self._registered:
             return False
         held = {b.block_id for b in self.req_to_blocks.get(request.request_id, ())}
+        for g in self.other_groups:
+            held.update(b.block_id for b in g.req_to_blocks.get(request.request_id, ()) if b is not None)
         return any(b.block_id in held and b.block_hash == h and b.ref_cnt > 1 for b, h in self._registered)
 
     def free(self, request: Request) -> None:
@@ -241,9 +333,16 @@ class KVCacheManager:
             if block.ref_cnt == 1:
                 self.block_pool.evict_hash(block)
         self.block_pool.free_blocks(reversed(blocks))
+        for g in self.other_groups:
+            g.free(request)
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """Group 0's block ids of the request (its whole length)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """Per group past the first, the request's block table; [] with one group."""
+        return [g.block_ids(request_id) for g in self.other_groups]
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; only possible when no request holds a block."""
@@ -252,6 +351,9 @@ class KVCacheManager:
     def assert_idle(self) -> None:
         """AssertionError unless no request holds blocks, every block is free, every ref count 0."""
         assert not self.req_to_blocks, f"requests still hold blocks: {sorted(self.req_to_blocks)}"
+        for g in self.other_groups:
+            assert not g.req_to_blocks, f"requests still hold blocks of group {g.index}: {sorted(g.req_to_blocks)}"
+            assert g.num_used_blocks == 0, f"group {g.index} counts {g.num_used_blocks} blocks used"
         pool = self.block_pool
         busy = [b for b in pool.blocks if b.ref_cnt != 0]
         assert not busy, f"blocks with ref_cnt != 0: {busy[:8]}"

@@ -56,6 +56,7 @@ from engine.core.sched.request_queue import create_request_queue
 from engine.core.sched.results import StepResults
 from engine.core.sched.stats import SchedulerStats
 from engine.core.sched.step_plan import StepPlan
+from engine.kv_cache_spec import KVCacheGroupSpec, tokens_alone
 from engine.request import Request, RequestStatus, is_finished
 from engine.seam import EngineCoreOutput
 from engine.step_io import SchedulerOutput
@@ -73,17 +74,25 @@ class Scheduler(StepResults):
         max_model_len: int,
         clock: Callable[[], float] = time.time,
         kv_connector: KVConnectorBase | None = None,
+        kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (),
     ) -> None:
         """`clock` stamps first-scheduled / first-token / finished times (the
         EngineCore passes `executor.clock` so simulated runs get simulated times).
-        `kv_connector`: the scheduler half of an external KV store, or None."""
+        `kv_connector`: the scheduler half of an external KV store, or None.
+        `kv_cache_groups`: the model's KV cache groups (engine/kv_cache_spec.py; the executor's
+        `kv_cache_groups`); () for one group whose blocks hold every position."""
         self.config = scheduler_config
         self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
-        self.max_model_len = min(max_model_len, num_blocks * self.block_size)
+        if len(kv_cache_groups) > 1 and kv_connector is not None:
+            raise ValueError("kv_transfer: a KV connector with several KV cache groups (a model with "
+                             "sliding-window layers) is not supported yet")
+        groups = kv_cache_groups or (KVCacheGroupSpec(()),)
+        self.max_model_len = min(max_model_len, tokens_alone(groups, num_blocks, self.block_size,
+                                                             scheduler_config.max_num_batched_tokens))
         self.clock = clock
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, cache_config.enable_prefix_caching
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, kv_cache_groups
         )
         self._block_hasher = (
             make_block_hasher(self.block_size) if self.kv_cache_manager.enable_caching else None
@@ -240,7 +249,7 @@ class Scheduler(StepResults):
                 # Drafts the budget left room for (num_tokens_with_spec); their KV slots are
                 # allocated now and rolled back in update_from_output if rejected.
                 spec = request.spec_token_ids[: max(0, n - wanted)]
-                plan.add_cached(request, n, new_blocks.get_block_ids(), spec)
+                plan.add_cached(request, n, new_blocks.get_block_ids(), spec, new_blocks.get_group_block_ids())
                 budget.spend(n)
             request.spec_token_ids = []
 
@@ -377,7 +386,8 @@ class Scheduler(StepResults):
     def make_stats(self) -> SchedulerStats:
         """State now plus the counters of the last schedule() and its update."""
         kv = self.kv_cache_manager
-        return self._step.with_state(self.num_running, self.num_waiting, kv.num_used_blocks, kv.num_blocks)
+        per_group = kv.num_used_blocks_per_group() if kv.other_groups else None
+        return self._step.with_state(self.num_running, self.num_waiting, kv.num_used_blocks, kv.num_blocks, per_group)
 
     def assert_idle(self) -> None:
         """AssertionError unless no request is left anywhere and every KV block is free."""

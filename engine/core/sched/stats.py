@@ -20,6 +20,9 @@ class SchedulerStats:
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    # With several KV cache groups (engine/kv_cache_spec.py), the blocks each holds (sum:
+    # kv_blocks_used); empty with one group.
+    kv_blocks_used_per_group: list[int] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_prefill_reqs: int = 0
@@ -49,10 +52,11 @@ class SchedulerStats:
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _FIELDS}
 
-    def with_state(self, num_running: int, num_waiting: int, kv_blocks_used: int, kv_blocks_total: int) -> SchedulerStats:
+    def with_state(self, num_running: int, num_waiting: int, kv_blocks_used: int, kv_blocks_total: int,
+                   kv_blocks_used_per_group: list[int] | None = None) -> SchedulerStats:
         """A copy of these counters with the scheduler's state columns set (its own list)."""
         return replace(self, num_running=num_running, num_waiting=num_waiting, kv_blocks_used=kv_blocks_used,
-                       kv_blocks_total=kv_blocks_total,
+                       kv_blocks_total=kv_blocks_total, kv_blocks_used_per_group=kv_blocks_used_per_group or [],
                        num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
 
     def add_step_output(self, out: SchedulerOutput) -> None:
@@ -88,5 +92,5 @@ class SchedulerStats:
 
 
 _FIELDS = tuple(f.name for f in fields(SchedulerStats))
-KV_CONNECTOR_STATS = tuple(name for name in _FIELDS if name.startswith("kv_") and name != "kv_blocks_used"
-                           and name != "kv_blocks_total")  # fmt: skip
+KV_CONNECTOR_STATS = tuple(name for name in _FIELDS if name.startswith("kv_")
+                           and name not in ("kv_blocks_used", "kv_blocks_total", "kv_blocks_used_per_group"))

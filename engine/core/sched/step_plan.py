@@ -20,6 +20,8 @@ class StepPlan:
     new_reqs: list[Request] = field(default_factory=list)
     cached_reqs: dict[str, Request] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> blocks appended to each KV cache group past the first (several groups only).
+    new_group_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     # req_id -> draft tokens scheduled after its last known token (speculative decoding).
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
@@ -29,19 +31,23 @@ class StepPlan:
         self.new_reqs.append(request)
 
     def add_cached(
-        self, request: Request, num_tokens: int, new_block_ids: list[int], spec_tokens: list[int] | None = None
+        self, request: Request, num_tokens: int, new_block_ids: list[int], spec_tokens: list[int] | None = None,
+        new_group_block_ids: list[list[int]] | None = None,
     ) -> None:
         self.num_scheduled[request.request_id] = num_tokens
         if spec_tokens:
             self.spec_tokens[request.request_id] = spec_tokens
         self.cached_reqs[request.request_id] = request
         self.new_block_ids[request.request_id] = new_block_ids
+        if new_group_block_ids:
+            self.new_group_block_ids[request.request_id] = new_group_block_ids
 
     def unschedule(self, request: Request) -> int:
         """Forget a running request scheduled earlier this step; returns its tokens."""
         rid = request.request_id
         self.cached_reqs.pop(rid, None)
         self.new_block_ids.pop(rid, None)
+        self.new_group_block_ids.pop(rid, None)
         self.spec_tokens.pop(rid, None)
         return self.num_scheduled.pop(rid, 0)
 
@@ -55,6 +61,7 @@ class StepPlan:
                 sampling_params=r.sampling_params,
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
+                group_block_ids=kv.get_group_block_ids(r.request_id),
             )
             for r in self.new_reqs
         ]
@@ -65,6 +72,10 @@ class StepPlan:
             req_ids.append(rid)
             block_ids.append(new_block_ids[rid])
             computed.append(r.num_computed_tokens)
+        if kv.other_groups:
+            no_new: list[list[int]] = [[] for _ in kv.other_groups]
+            group_ids = self.new_group_block_ids
+            cached.new_group_block_ids = [group_ids.get(rid, no_new) for rid in self.cached_reqs]
         out = SchedulerOutput(
             scheduled_new_reqs=new,
             scheduled_cached_reqs=cached,
