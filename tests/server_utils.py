@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.core_client import EngineCoreClient
@@ -41,6 +42,10 @@ class _EchoKV:
     @property
     def num_total_blocks(self) -> int:
         return EchoEngineCore.num_blocks
+
+    @property
+    def other_groups(self) -> list[Any]:  # one KV cache group, as for a model with one attention type
+        return []
 
 
 @dataclass
