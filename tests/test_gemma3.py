@@ -186,6 +186,7 @@ def _oracle(gemma_gguf, prompts: list[list[int]], max_tokens: int) -> None:  # t
     assert not differ, [(len(prompts[i]), got[i], expected[i]) for i in differ]
 
 
+@pytest.mark.serial  # a real Gemma 3 model (and HF's copy): GBs of memory, run alone (issue 58)
 def test_greedy_tokens_equal_hf(gemma_gguf) -> None:  # type: ignore[no-untyped-def]
     from engine.tokenizer import get_tokenizer
 
@@ -207,6 +208,7 @@ MORE = [
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("SERVELAB_ORACLE_FULL") != "1",
                     reason="the full Gemma 3 oracle table takes ~4 min on 2 cores: SERVELAB_ORACLE_FULL=1 runs it")
+@pytest.mark.serial  # a real Gemma 3 model (and HF's copy): GBs of memory, run alone (issue 58)
 def test_greedy_tokens_equal_hf_full_table(gemma_gguf) -> None:  # type: ignore[no-untyped-def]
     """The issue's table: 24 prompts (18 short, 6 of 600-1,500 tokens), 24 tokens each, past the window."""
     from engine.tokenizer import get_tokenizer

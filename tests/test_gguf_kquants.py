@@ -193,6 +193,7 @@ def gemma_reader():  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.0.attn_output.weight",
                                   "blk.0.ffn_down.weight", "blk.1.ffn_down.weight"])  # fmt: skip
+@pytest.mark.serial  # a real Gemma 3 model (and HF's copy): GBs of memory, run alone (issue 58)
 def test_gemma3_checkpoint_matrices(gemma_reader, name: str) -> None:  # type: ignore[no-untyped-def]
     """The checkpoint's own blocks (real scales and quants, not random bytes), 1 and 3 rows."""
     tensor = next(t for t in gemma_reader.tensors if t.name == name)
@@ -207,6 +208,7 @@ def test_gemma3_checkpoint_matrices(gemma_reader, name: str) -> None:  # type: i
         check(kind, as_blocks(raw, n, k, cpu_blocks.block_weights(kind)), dequantized(kind, raw, n, k), part, x)
 
 
+@pytest.mark.serial  # a real Gemma 3 model (and HF's copy): GBs of memory, run alone (issue 58)
 def test_gemma3_decodes_on_its_blocks(gemma_reader) -> None:  # type: ignore[no-untyped-def]
     """`model=gemma3-270m` with `model.quantized_decode` (the default): every layer matrix and the LM
     head read the checkpoint's blocks at steps of up to 8 rows (q / k / v as Q5_0 + Q8_0 parts where v

@@ -102,6 +102,7 @@ def gemma_model() -> str:
     return "gemma3-270m"
 
 
+@pytest.mark.serial  # a real Gemma 3 model (and HF's copy): GBs of memory, run alone (issue 58)
 @pytest.mark.slow
 def test_the_gemma_engine_reports_blocks_per_group(gemma_model: str) -> None:
     """The real Gemma 3 270M engine, one 4,096-token prompt: its StepStats (steps.csv's columns)
