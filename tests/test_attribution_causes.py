@@ -75,8 +75,11 @@ def _run(engine: _Engine, specs: list[RequestSpec], wrap=None, num_blocks: int =
     core = shared.llm.client._thread_core.engine  # type: ignore[union-attr]  # idle between runs
     core.reconfigure(dataclasses.replace(shared.engine_config.scheduler, **sched), None, num_blocks)
     target = EngineTarget(shared.engine_config)
-    target.llm = shared.llm
-    return engine.loop.run_until_complete(run_workload(specs, wrap(target) if wrap else target))
+    target.adopt(shared.llm)
+    try:
+        return engine.loop.run_until_complete(run_workload(specs, wrap(target) if wrap else target))
+    finally:
+        target.release()
 
 
 def _causes(res: RunResult, metric: str, margin_ms: float) -> tuple[dict[str, str], list[Attribution]]:

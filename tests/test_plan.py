@@ -179,7 +179,7 @@ def test_hydra_overrides_plan_the_same_as_the_old_flags(tmp_path) -> None:
     ("argv", "message"),
     [
         (["plan.ratez=[1]"], "unknown key 'plan.ratez': plan (PlanSection) has max_num_batched_tokens"),
-        (["model=llama3", "plan.rates=[1]"], "unknown model 'llama3' (known: llama-3-70b"),
+        (["model=llama3", "plan.rates=[1]"], "unknown model 'llama3' (known: gemma-3-27b, gemma3-270m, llama-3-70b"),
         (["model=smollm2", "workload=default", "plan.rates=[1]"], "workload.prompt_len.dist: the planner's synthetic traffic"),
     ],
 )

@@ -69,9 +69,20 @@ class EngineTarget:
         """Start the engine (blocks while the model loads); idempotent."""
         if self.llm is None:
             # The hooks are built in the engine's thread (torch.profiler records per thread).
-            self.llm = AsyncLLM.from_config(self.engine_config, multiprocess=False, hooks_factory=self.hooks_factory)
-            self.llm.step_listeners.append(self._steps.append)  # the engine keeps no steps itself
-        return self.llm
+            self.adopt(AsyncLLM.from_config(self.engine_config, multiprocess=False, hooks_factory=self.hooks_factory))
+        return self.llm  # type: ignore[return-value]
+
+    def adopt(self, llm: AsyncLLM) -> None:
+        """Drive an engine that is already running (another target's), recording its steps from now on:
+        the engine keeps no steps itself, so a target that is handed `llm` without this sees none."""
+        self.llm = llm
+        llm.step_listeners.append(self._steps.append)
+
+    def release(self) -> None:
+        """Stop recording the adopted engine's steps (it goes on running for its owner)."""
+        if self.llm is not None and self._steps.append in self.llm.step_listeners:
+            self.llm.step_listeners.remove(self._steps.append)
+        self.llm = None
 
     async def start(self) -> None:
         self.load()
