@@ -41,7 +41,7 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.kernels import cpu_blocks
 from engine.kv_cache_spec import kv_cache_groups, layer_placement
 from engine.model.arch import ModelArch
-from engine.model.layers import GatedMLP, RotaryEmbedding
+from engine.model.layers import GatedMLP, RotaryEmbedding, fused_ops, norm_heads_
 from engine.model.llama import LlamaForCausalLM, LlamaModel
 
 
@@ -57,9 +57,25 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            fused = fused_ops(x, self.weight)
+            if fused is not None:  # one pass instead of ~8 ops: a decode step runs 6 norms a layer
+                return fused.rms_norm(x, self._scale(), self.eps)  # type: ignore[no-any-return]
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+    def _scale(self) -> torch.Tensor:
+        """1 + weight in float32, kept until the weight changes (a load writes it in place; its
+        version counter moves). The fused norm multiplies x / rms(x) by it in float32, as above:
+        in float32 storage that is this module's arithmetic with the sum of squares in another order.
+        (bfloat16 storage keeps the ops above: the kernel would round 1 + weight to bfloat16.)"""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self.__dict__.get("_scale_key") != key:
+            with torch.no_grad():
+                self.__dict__["_scale_t"] = (1.0 + self.weight.detach().float()).contiguous()
+            self.__dict__["_scale_key"] = key
+        return self.__dict__["_scale_t"]  # type: ignore[no-any-return]
 
 
 class Gemma3MLP(GatedMLP):
@@ -93,10 +109,13 @@ class Gemma3Attention(nn.Module):
     ) -> torch.Tensor:
         t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
-        q = self.q_norm(qkv[:, :hq])  # [T, Hq, D], each head normed over its D values
-        k = self.k_norm(qkv[:, hq : hq + hkv])  # [T, Hkv, D]
-        q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
-        o = self.attn_backend.forward(q, k, qkv[:, hq + hkv :], kv_cache, metadata, self.scale, window=self.window)
+        # In place on qkv, as the Llama layer does: each query and key head normed over its D values,
+        # then one rotary pass over them (the fused ops where they apply); q, k and v are views of qkv.
+        norm_heads_(qkv, 0, hq, self.q_norm)
+        norm_heads_(qkv, hq, hkv, self.k_norm)
+        RotaryEmbedding.rotate_heads_(qkv, hq + hkv, cos, sin)
+        q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+        o = self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale, window=self.window)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

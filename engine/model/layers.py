@@ -22,7 +22,7 @@ from engine.model.rope_scaling import RopeScaling
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _fused(*ts: torch.Tensor) -> Any | None:
+def fused_ops(*ts: torch.Tensor) -> Any | None:
     """The fused C++ ops where they apply (contiguous CPU tensors of one dtype, float32 or
     bfloat16, no autograd), else None."""
     dtype = ts[0].dtype
@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        fused = _fused(x, self.weight) if residual is None else None
+        fused = fused_ops(x, self.weight) if residual is None else None
         if fused is not None:
             return fused.rms_norm(x, self.weight, self.eps)
         if residual is not None:
@@ -64,7 +64,7 @@ class RMSNorm(nn.Module):
 
     def add_norm_(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """In place: residual += x, x = norm(residual); returns (x, residual). Both are overwritten."""
-        fused = _fused(x, residual, self.weight) if x.shape == residual.shape else None
+        fused = fused_ops(x, residual, self.weight) if x.shape == residual.shape else None
         if fused is not None:
             fused.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
@@ -123,12 +123,21 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def rotate_heads_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate the first `heads` heads of qkv [T, H, D] in place; returns qkv (cos, sin: [T, 1, D])."""
-        fused = _fused(qkv, cos, sin)
+        fused = fused_ops(qkv, cos, sin)
         if fused is not None:
             fused.rope_(qkv, cos, sin, heads)
         else:
             qkv[:, :heads] = RotaryEmbedding.rotate(qkv[:, :heads], cos, sin)
         return qkv
+
+
+def norm_heads_(qkv: torch.Tensor, first: int, count: int, norm: nn.Module) -> None:
+    """RMS-norm heads first .. first + count - 1 of qkv [T, heads, D] in place, each over its D values
+    (`norm`: a head_dim norm module, Llama's RMSNorm or Gemma's: Qwen3's and Gemma 3's QK-norm)."""
+    heads = qkv[:, first : first + count]  # [T, count, D], a strided view
+    normed = norm(heads.reshape(-1, heads.shape[-1]))  # [T * count, D], contiguous (the fused kernel's rows)
+    assert isinstance(normed, torch.Tensor)  # (no residual: one tensor)
+    heads.copy_(normed.view(heads.shape))
 
 
 class GatedMLP(nn.Module):
@@ -145,7 +154,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        fused = _fused(gate_up)
+        fused = fused_ops(gate_up)
         if fused is not None:  # one pass, float32 inside, rounded once: 1.6-2x torch's silu + mul
             return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

@@ -45,7 +45,7 @@ from engine.kernels.forward_plan import (
 from engine.kernels.kernel_choices import block_linear_choice
 from engine.model.arch import ModelArch
 from engine.model.gguf_loader import load_gguf_blocks
-from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, norm_heads_
 from engine.model.moe import MoEBlock
 
 logger = logging.getLogger(__name__)
@@ -116,21 +116,13 @@ class LlamaAttention(nn.Module):
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            _norm_heads_(qkv, 0, hq, self.q_norm)
-            _norm_heads_(qkv, hq, hkv, self.k_norm)
+            norm_heads_(qkv, 0, hq, self.q_norm)
+            norm_heads_(qkv, hq, hkv, self.k_norm)
         # One in-place rotary pass over the query and key heads; q, k and v are strided views of qkv.
         RotaryEmbedding.rotate_heads_(qkv, hq + hkv, cos, sin)
         q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]  # [T, Hq|Hkv|Hkv, D]
         o = self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
-
-
-def _norm_heads_(qkv: torch.Tensor, first: int, count: int, norm: RMSNorm) -> None:
-    """RMS-norm heads first .. first + count - 1 of qkv [T, heads, D] in place, each over its D values."""
-    heads = qkv[:, first : first + count]  # [T, count, D], a strided view
-    normed = norm(heads.reshape(-1, heads.shape[-1]))  # [T * count, D], contiguous (the fused kernel's rows)
-    assert isinstance(normed, torch.Tensor)  # (no residual: one tensor)
-    heads.copy_(normed.view(heads.shape))
 
 
 class LlamaDecoderLayer(nn.Module):
