@@ -159,7 +159,9 @@ def model_gguf(model: str) -> Path:
 
 def servelab_server(tmp: Path, overrides: list[str], tag: str) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "engine.entrypoints.serve", "--port", str(port), *overrides]
+    # served as MODEL_NAME whatever the model, as every peer is (the clients ask for that name)
+    cmd = [sys.executable, "-m", "engine.entrypoints.serve", "--port", str(port),
+           f"server.served_model_name={MODEL_NAME}", *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return Server("servelab", cmd, env, tmp / f"servelab-{tag}.log", port)
 
@@ -414,6 +416,9 @@ def run_round(server: Server, side: str, config: str, rnd: int, prompts: Callabl
                 fig = drive(server, specs_for(prompts(seed, n), args.output_len, f"r{rnd}c{c}", as_text), c, sampling)
             out.append(Measured(side, config, sampling, c, "workbench", rnd, fig,
                                 float(read.group(1)) * 1e6 if read else None, _measured(cond, runnable)))
+            if not fig["completed"]:
+                raise SystemExit(f"[{side}] round {rnd + 1}: none of {n} requests completed ({fig['errors']}); "
+                                 f"its log: {server.log_path}")
             print(f"  {sampling:<12} c={c:<3} workbench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
                   f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms  "
                   f"{format_work(fig['work'])}; {format_threads(runnable)}", flush=True)

@@ -352,10 +352,13 @@ def test_vllm_is_served_bound_to_its_cores_with_one_kept_for_the_api_server(tmp_
     assert server.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
 
 
-def test_serving_throughput_reads_the_same_gguf_model_on_both_sides() -> None:
-    """--model gemma3-270m: servelab gets model.model, llama-server the same GGUF; vLLM's side has smollm2 only."""
+def test_serving_throughput_reads_the_same_gguf_model_on_both_sides(tmp_path: Path) -> None:
+    """--model gemma3-270m: servelab gets model.model, llama-server the same GGUF; vLLM's side has smollm2 only.
+    servelab serves it under the name the clients ask every side for (its own name answered 404 to them)."""
     args = serving.parse_args(["--peer", "llamacpp", "--model", "gemma3-270m", "scheduler.x=1"])
     assert args.overrides == ["model.model=gemma3-270m", "scheduler.x=1"]
+    server = serving.make_server("servelab", "llamacpp", None, args, tmp_path, "t")
+    assert f"server.served_model_name={serving_sides.MODEL_NAME}" in server.cmd and "model.model=gemma3-270m" in server.cmd
     assert serving_sides.model_gguf("smollm2").name.endswith(".gguf")
     with pytest.raises(SystemExit):
         serving.parse_args(["--peer", "vllm", "--model", "gemma3-270m"])
