@@ -317,7 +317,7 @@ def summarize_all(args: argparse.Namespace, arch: Any, machine: dict, results: l
         "workload": {"num_requests": args.num_requests, "num_requests_c1": args.num_requests_c1,
                      "input_len": args.input_len, "output_len": args.output_len, "concurrency": args.concurrency,
                      "repeats": args.repeats, "order": "ABBA"},
-        "peer": args.peer, "weights": WEIGHTS_LABEL.get(args.peer, "servelab's defaults"),
+        "peer": args.peer, "weights": weights_label(args.peer, args.model),
         "peer_label": peer_label(args.peer),
         "settings": {label: (s.as_dict() if s else "each server's own defaults") for label, s in configurations(args)},
         "sampling": {k: SAMPLING_LABEL[k] for k in args.sampling}, "servelab_overrides": args.overrides,
@@ -377,6 +377,17 @@ def format_runnable(servers: dict[str, dict[str, Any]]) -> str:
         return ""
     line = f"runnable threads while measured (median of the rounds' means, {cores} cores): " + ", ".join(parts)
     return line + ("; CPU steal (median, range of the rounds): " + ", ".join(steal) if steal else "")
+
+
+def weights_label(peer: str, model: str) -> str:
+    """What both sides multiply, for the report: with the GGUF's blocks, the block types the file stores."""
+    label = WEIGHTS_LABEL.get(peer, "servelab's defaults")
+    if peer.startswith("llamacpp"):
+        from engine.model.gguf_loader import gguf_tensor_types
+
+        kinds = sorted({t for t in gguf_tensor_types(model_gguf(model)).values() if t not in ("F32", "F16", "BF16")})
+        label += f" ({model}: {' / '.join(kinds)})"
+    return label
 
 
 def peer_label(peer: str) -> str | None:

@@ -26,13 +26,13 @@ from typing import Any
 # servelab's decode weights that match each peer's, as Hydra overrides.
 SAME_WEIGHTS = {
     "vllm": ["model.quantized_decode=false"],  # both multiply the bfloat16 weights the GGUF dequantizes to
-    "llamacpp": ["model.quantized_decode=true"],  # both read the GGUF's own Q4_1 / Q8_0 blocks
+    "llamacpp": ["model.quantized_decode=true"],  # both read the GGUF's own blocks (SmolLM2: Q4_1 / Q8_0)
     "llamacpp-python": ["model.quantized_decode=true"],
 }
 WEIGHTS_LABEL = {
     "vllm": "bfloat16 weights dequantized from the same GGUF on both sides",
-    "llamacpp": "the same GGUF file's Q4_1 / Q8_0 blocks on both sides",
-    "llamacpp-python": "the same GGUF file's Q4_1 / Q8_0 blocks on both sides",
+    "llamacpp": "the same GGUF file's blocks as stored on both sides",
+    "llamacpp-python": "the same GGUF file's blocks as stored on both sides",
 }
 # What each peer is, in the report's words.
 PEER_LABEL = {

@@ -359,6 +359,9 @@ def test_serving_throughput_reads_the_same_gguf_model_on_both_sides(tmp_path: Pa
     assert args.overrides == ["model.model=gemma3-270m", "scheduler.x=1"]
     server = serving.make_server("servelab", "llamacpp", None, args, tmp_path, "t")
     assert f"server.served_model_name={serving_sides.MODEL_NAME}" in server.cmd and "model.model=gemma3-270m" in server.cmd
+    # the report names the block types the file stores, not SmolLM2's
+    assert serving.weights_label("llamacpp", "gemma3-270m").endswith("(gemma3-270m: Q4_K / Q5_0 / Q6_K / Q8_0)")
+    assert serving.weights_label("llamacpp", "smollm2").endswith("(smollm2: Q4_1 / Q8_0)")
     assert serving_sides.model_gguf("smollm2").name.endswith(".gguf")
     with pytest.raises(SystemExit):
         serving.parse_args(["--peer", "vllm", "--model", "gemma3-270m"])
