@@ -416,8 +416,8 @@ def run_round(server: Server, side: str, config: str, rnd: int, prompts: Callabl
                 fig = drive(server, specs_for(prompts(seed, n), args.output_len, f"r{rnd}c{c}", as_text), c, sampling)
             out.append(Measured(side, config, sampling, c, "workbench", rnd, fig,
                                 float(read.group(1)) * 1e6 if read else None, _measured(cond, runnable)))
-            if not fig["completed"]:
-                raise SystemExit(f"[{side}] round {rnd + 1}: none of {n} requests completed ({fig['errors']}); "
+            if not fig["work"]["completed"]:
+                raise SystemExit(f"[{side}] round {rnd + 1}: none of {n} requests completed ({fig.get('errors')}); "
                                  f"its log: {server.log_path}")
             print(f"  {sampling:<12} c={c:<3} workbench: {fig['output_throughput']:7.1f} out tok/s  TTFT p50 "
                   f"{fig['median_ttft_ms']:8.1f} ms  TPOT p50 {fig['median_tpot_ms']:7.2f} ms  "

@@ -469,3 +469,32 @@ def test_the_sampler_counts_a_process_groups_own_runnable_threads() -> None:
         spin.kill()
         spin.wait()
     assert rc.runnable_threads([]) == 0
+
+
+def test_a_measurement_with_no_completed_request_stops_the_run_with_its_errors(monkeypatch: pytest.MonkeyPatch,
+                                                                               tmp_path: Path) -> None:
+    """A server that answers every request with an error (a wrong model name: HTTP 404) ends the run
+    saying so, not with a format error on the missing figures."""
+
+    class FakeServer:
+        start_s, url, proc, name = 0.0, "http://127.0.0.1:1", None, "servelab"
+
+        def __init__(self) -> None:
+            self.log_path = tmp_path / "servelab.log"
+            self.log_path.write_text("")
+
+        def start(self) -> None: ...
+
+        def stop(self) -> None: ...
+
+    def failing_drive(server: FakeServer, specs: list, concurrency: int, sampling: str) -> dict:
+        return {"output_throughput": 0.0, "median_ttft_ms": None, "median_tpot_ms": None,
+                "errors": ["HTTP 404: The model `smollm2` does not exist."],
+                "work": serving_sides.work_counts(len(specs), 0, 0.0, None)}  # fmt: skip
+
+    monkeypatch.setattr(serving_sides, "drive", failing_drive)
+    args = argparse.Namespace(sampling=["greedy"], concurrency=[16], num_requests=8, num_requests_c1=3, output_len=4,
+                              peer="llamacpp")  # fmt: skip
+    with pytest.raises(SystemExit, match=r"none of 8 requests completed .*does not exist"):
+        serving_sides.run_round(FakeServer(), "servelab", "equal settings", 0,  # type: ignore[arg-type]
+                                lambda seed, n: serving.random_prompts(n, 32, 49152, seed), args, bench=False)
