@@ -27,9 +27,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from abba import abba_rounds, rank_compare  # noqa: E402
 from peers import peer_paths  # noqa: E402
 
 NUM_PROMPTS, CONCURRENCY, ROUNDS = 32, 4, 5
@@ -178,18 +179,12 @@ def same_requests_mismatches(result: dict) -> dict[str, tuple[float, float]]:
 def disagreements(ours: list[dict], theirs: list[dict]) -> dict[str, str]:
     """Keys whose medians differ by more than TOLERANCE while the two clients' rounds are told apart
     (Mann-Whitney U, two-sided, p < ALPHA); each with the line that says so."""
-    from scipy.stats import mannwhitneyu
-
     off = {}
     for key in KEYS:
-        a, b = [s[key] for s in ours], [r[key] for r in theirs]
-        ratio = statistics.median(a) / statistics.median(b)
-        p = float(mannwhitneyu(a, b, alternative="two-sided").pvalue)
-        line = (f"{key}: workbench {statistics.median(a):.3f} vs vllm bench {statistics.median(b):.3f} "
-                f"({ratio - 1:+.1%}, Mann-Whitney p={p:.3f}) rounds {[round(x, 3) for x in a]} / "
-                f"{[round(x, 3) for x in b]}")  # fmt: skip
+        cmp = rank_compare(key, [s[key] for s in ours], [r[key] for r in theirs])
+        line = cmp.line("workbench", "vllm bench")
         print(line)
-        if abs(ratio - 1) > TOLERANCE and p < ALPHA:
+        if cmp.flagged(TOLERANCE, ALPHA):
             off[key] = line
     return off
 
@@ -199,18 +194,12 @@ def compare(base_url: str, rounds: int, out_dir: Path) -> tuple[list[dict], list
     vLLM result JSONs)."""
     model = served_model(base_url)
     dataset = write_dataset(out_dir / "prompts.json")
+    tags = itertools.count()
     bench = VllmBench()
-    ours: list[dict] = []
-    theirs: list[dict] = []
     try:
         workbench_summary(base_url, model)  # warm-up: the first requests pay allocation
-        for k in range(rounds):  # ABBA order, so drift of a shared machine falls on both
-            for side in ("vllm", "workbench") if k % 2 == 0 else ("workbench", "vllm"):
-                if side == "vllm":
-                    theirs.append(bench.run(base_url, model, dataset, out_dir, f"vllm{k}"))
-                else:
-                    ours.append(workbench_summary(base_url, model))
-                print(f"  round {k + 1}/{rounds}: {side} done", file=sys.stderr, flush=True)
+        theirs, ours = abba_rounds(("vllm", lambda: bench.run(base_url, model, dataset, out_dir, f"vllm{next(tags)}")),
+                                   ("workbench", lambda: workbench_summary(base_url, model)), rounds)
     finally:
         bench.close()
     return ours, theirs

@@ -7,10 +7,14 @@ with the paired gate as its test.
 2. `git bisect start BAD GOOD`; at each commit git checks out, the gate runs against GOOD (the
    same paired measurement, its baseline trees reused) and the commit is classified by where the
    interval of its change lies against the threshold (default Δ / 2): wholly above, bad; wholly
-   below, good; across it, or the gate failed to give a figure, inconclusive. An inconclusive
-   commit is measured again (`--retries`), then `git bisect skip`ped: never guessed. A retry
-   does not replace the run before it: the commit is judged on the pairs of all its runs together
-   (`pooled_change`: twice the generations, a narrower interval).
+   below, good. An interval across the threshold is weighed by the likelihood of its change under
+   the two answers a commit can have, no change (GOOD's 0) or the whole step (Δ), as a normal
+   error whose spread the interval gives: bad where the step is `--odds` (default 10) times as
+   likely as no change, good where no change is that much likelier, else inconclusive; so is a
+   gate that gave no figure. An inconclusive commit is measured again (`--retries`), then `git
+   bisect skip`ped: never guessed. A retry does not replace the run before it: the commit is
+   judged on the pairs of all its runs together (`pooled_change`: twice the generations, a
+   narrower interval).
 3. git names the first bad commit; `servelab-explain` runs on it against its parent (which
    operators, which phases) and its answer is printed after the verdict. bisect.json holds
    every gate run (commit, change, interval, class, seconds) and git's bisect log.
@@ -24,6 +28,7 @@ commit left was skipped; git lists the candidates).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import shutil
@@ -42,6 +47,12 @@ from history.machine import git
 
 DEFAULT_GATE_CMD = "{bin}/servelab-gate --against {good} --repo {repo} --out {out} --explain-repeats 0"
 DEFAULT_EXPLAIN_CMD = "{bin}/servelab-explain {parent} {commit} --repo {repo} --out {out}"
+# The likelihood ratio that decides a commit whose interval straddles the threshold. At 10, with a
+# gate whose 95% interval is +-10 points (the 2-core machine's, 2026-12-07) and a +12% step, a
+# commit without the change is called bad, or one with it good, about 2% of the time, and 6 in 10
+# are decided by one gate run where the interval rule alone decides 2 in 10.
+DEFAULT_ODDS = 10.0
+CONFIDENCE = 0.95  # the paired gate's bootstrap interval (workloads/paired_gate.py, `bootstrap`)
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,7 @@ class BisectSettings:
     retries: int = 1  # further gate runs of an inconclusive commit before it is skipped
     threshold: float | None = None  # a worsening beyond this is bad; None: half the step GOOD -> BAD
     in_place: bool = False
+    odds: float = DEFAULT_ODDS  # the likelihood ratio step : no change that decides; 0: the interval rule alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +75,7 @@ class Step:
     verdict: str  # "bad" | "good" | "inconclusive" | "step" (the GOOD -> BAD measurement)
     seconds: float
     note: str = ""
+    odds: float | None = None  # the likelihood ratio, the step against no change, where it decided or was weighed
 
 
 @dataclass
@@ -164,14 +177,44 @@ def pooled_change(gate_jsons: Sequence[Path], metric: str,
     return sign * est.point, (low, high), len(set(gens))
 
 
-def classify(worse: float | None, interval: tuple[float, float] | None, threshold: float) -> str:
+def step_odds(worse: float, interval: tuple[float, float], step: float, confidence: float = CONFIDENCE) -> float:
+    """How many times likelier the change `worse` is if the commit carries the whole step than if it
+    carries none: the ratio of two normal densities at `worse`, centred on `step` and on 0, with the
+    spread the interval gives (its width over 2 z)."""
+    from scipy.stats import norm
+
+    sd = (interval[1] - interval[0]) / (2 * float(norm.ppf(0.5 + confidence / 2)))
+    if sd <= 0:
+        return math.inf if abs(worse - step) < abs(worse) else 0.0
+    log_ratio = (worse**2 - (worse - step) ** 2) / (2 * sd**2)
+    return math.exp(min(max(log_ratio, -700.0), 700.0))
+
+
+def classify(worse: float | None, interval: tuple[float, float] | None, threshold: float,
+             step: float | None = None, odds: float = DEFAULT_ODDS) -> tuple[str, float | None]:  # fmt: skip
+    """(verdict, the likelihood ratio where it was weighed): the interval against the threshold
+    first; an interval across it by `step_odds` against `odds` (where a step and odds are given)."""
     if worse is None or interval is None:
-        return "inconclusive"
+        return "inconclusive", None
     if interval[0] > threshold:
-        return "bad"
+        return "bad", None
     if interval[1] < threshold:
-        return "good"
-    return "inconclusive"
+        return "good", None
+    if step is None or step <= 0 or odds <= 1:
+        return "inconclusive", None
+    ratio = step_odds(worse, interval, step)
+    if ratio >= odds:
+        return "bad", ratio
+    if ratio <= 1 / odds:
+        return "good", ratio
+    return "inconclusive", ratio
+
+
+def _odds_note(ratio: float | None) -> str:
+    if ratio is None:
+        return ""
+    return f"the step {ratio:.3g} times as likely as no change" if ratio >= 1 else \
+        f"no change {1 / ratio:.3g} times as likely as the step"
 
 
 class Bisector:
@@ -216,7 +259,9 @@ class Bisector:
         if earlier is not None:
             earlier.append(gate_json)
         threshold = self.result.threshold if self.result.threshold is not None else 0.0
-        return Step(commit, attempt, worse, interval, classify(worse, interval, threshold), seconds, note)
+        step = self.result.step.worse if self.result.step is not None else None  # None while measuring the step
+        verdict, ratio = classify(worse, interval, threshold, step, self.settings.odds)
+        return Step(commit, attempt, worse, interval, verdict, seconds, note, ratio)
 
     def measure(self, tree: Path, commit: str) -> Step:
         """The commit's class, retried while inconclusive (each retry classified on the pairs of all
@@ -235,8 +280,9 @@ class Bisector:
         self.result.steps.append(step)
         fig = "no figure" if step.worse is None else f"{step.worse:+.1%}"
         iv = "" if step.interval is None else f" ({step.interval[0]:+.1%} .. {step.interval[1]:+.1%})"
+        notes = [n for n in (_odds_note(step.odds), step.note) if n]
         self.log(f"bisect: gate run {len(self.result.steps)}: {step.commit[:10]} {fig}{iv} -> {step.verdict} "
-                 f"in {step.seconds:.1f} s{'; ' + step.note if step.note else ''}")  # fmt: skip
+                 f"in {step.seconds:.1f} s{''.join('; ' + n for n in notes)}")  # fmt: skip
 
     @contextmanager
     def tree(self) -> Iterator[Path]:
@@ -268,7 +314,9 @@ class Bisector:
                          f"{self.settings.metric}: nothing to bisect")  # fmt: skip
                 return self.result
             self.result.threshold = self.settings.threshold if self.settings.threshold is not None else step.worse / 2
-            self.log(f"bisect: the step is {step.worse:+.1%}; a commit is bad above {self.result.threshold:+.1%}")
+            self.log(f"bisect: the step is {step.worse:+.1%}; a commit is bad above {self.result.threshold:+.1%}"
+                     + (f", or where the step is {self.settings.odds:g} times as likely as no change"
+                        if self.settings.odds > 1 else ""))  # fmt: skip
             self._bisect(tree)
         return self.result
 

@@ -243,8 +243,10 @@ def history_main(argv: Sequence[str] | None = None) -> int:
 def _bisect(args: argparse.Namespace) -> int:
     from history.bisect import Bisector, BisectSettings, sigterm_stops
 
+    if args.odds != 0 and args.odds <= 1:
+        raise ValueError(f"--odds {args.odds:g}: give a ratio above 1 (or 0 for the interval rule alone)")
     settings = BisectSettings(args.metric, args.gate_cmd, args.explain_cmd or None, args.retries, args.threshold,
-                              args.in_place)  # fmt: skip
+                              args.in_place, args.odds)  # fmt: skip
     out = Path(args.out)
     on_gate = None
     if args.history:
@@ -284,7 +286,7 @@ def _bisect_run(b: Bisector, args: argparse.Namespace, out: Path) -> int:
 
 
 def bisect_main(argv: Sequence[str] | None = None) -> int:
-    from history.bisect import DEFAULT_EXPLAIN_CMD, DEFAULT_GATE_CMD
+    from history.bisect import DEFAULT_EXPLAIN_CMD, DEFAULT_GATE_CMD, DEFAULT_ODDS
 
     parser = argparse.ArgumentParser(prog="servelab-bisect", description="Find the first commit that made a metric "
                                      "worse: git bisect with the paired gate (history/bisect.py).")  # fmt: skip
@@ -296,6 +298,10 @@ def bisect_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--retries", type=int, default=1, help="gate runs more for an inconclusive commit before "
                         "skipping it (default: %(default)s)")  # fmt: skip
     parser.add_argument("--threshold", type=float, help="a worsening above this is bad (default: half the step)")
+    parser.add_argument("--odds", type=float, default=DEFAULT_ODDS,
+                        help="a commit whose interval straddles the threshold is bad where the step is this many times "
+                             "as likely as no change, good where no change is; 0: the interval rule alone "
+                             "(default: %(default)g)")  # fmt: skip
     parser.add_argument("--gate-cmd", default=DEFAULT_GATE_CMD, help="the gate command template (default: %(default)s)")
     parser.add_argument("--explain-cmd", default=DEFAULT_EXPLAIN_CMD,
                         help="run on the first bad commit; '' for none (default: %(default)s)")  # fmt: skip

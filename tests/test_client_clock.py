@@ -1,78 +1,68 @@
-"""The workbench's client clock against a minimal client on a busy machine (issue 60 item 11).
+"""The workbench's client clock (issue 60 item 11): the deterministic half.
 
-One servelab-serve taking both cores (4 tokens a chunk), 16 requests of 64 / 64 tokens at a
-concurrency of 4, sent in alternation (ABBA) by tests/minimal_client.py (measuring as `vllm bench
-serve` does) and by the workbench's driver and openai target as `servelab-run` sets them up (the
-servelab timing header, /metrics scraped every 0.5 s), so the shared machine's noise falls on
-both. The workbench's median TTFT must be within 5% of the minimal client's, or the two clients'
-rounds indistinguishable (two-sided Mann-Whitney U, p >= 0.05), as in
-tests/test_vllm_keys_vs_vllm_bench.py. The driver's lateness of each round is printed.
+Both the workbench (its driver and `openai` target as `servelab-run` sets them up: the servelab timing
+header, /metrics scraped every 0.5 s) and benchmarks/minimal_client.py (measuring as `vllm bench
+serve` does) stream from a stand-in server whose first token comes a known 200 ms after each request
+(tests/clock_standin.py, a process of its own), in ABBA order. Every request must complete on both
+sides; no TTFT may read under the stand-in's 200 ms (a clock started after the send would); and the
+workbench's median TTFT may exceed the minimal client's by no more than 5% or 25 ms, the client's own
+delay (the issue's report was 35%: 808.9 against 600.4 ms).
+
+The same two clients against a real servelab-serve that takes both cores, over ABBA rounds with a
+rank test, is the benchmark benchmarks/client_clock_agreement.py: timings on a shared machine are
+not asserted in a unit test.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import statistics
-import urllib.request
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from minimal_client import median_ttft_ms, run_minimal
 
-pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.serial]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-NUM, CONCURRENCY, IN, OUT, ROUNDS = 16, 4, 64, 64, 4
-TOLERANCE, ALPHA = 0.05, 0.05
-PROMPTS = [[(i * 7919 + j * 104729) % 30000 + 100 for j in range(IN)] for i in range(NUM)]
+from abba import abba_rounds  # noqa: E402
+from client_clock_agreement import minimal_round, workbench_round  # noqa: E402
 
+pytestmark = [pytest.mark.server]
 
-def _workbench(base_url: str, model: str) -> tuple[float, float]:
-    """(median TTFT ms, the driver's largest lateness ms) of one round, as servelab-run drives it."""
-    from analysis.metrics import summarize
-    from workloads.driver import Driver
-    from workloads.spec import RequestSpec
-    from workloads.targets.openai import OpenAITarget
-
-    specs = [RequestSpec(f"r{i}", 0.0, None, p, IN, OUT, ignore_eos=True) for i, p in enumerate(PROMPTS)]
-    target = OpenAITarget(base_url, model, extra_body={"temperature": 0.0}, server_timing=True)
-
-    async def go():  # type: ignore[no-untyped-def]
-        await target.start()
-        try:
-            return await Driver(target, concurrency=CONCURRENCY, scrape_interval_s=0.5).run(specs)
-        finally:
-            await target.stop()
-
-    result = asyncio.run(go())
-    return float(summarize(result.records)["median_ttft_ms"]), 1000 * max(r.lateness_s for r in result.records)
+FIRST_MS, ITL_MS, NUM, TOKENS, CONCURRENCY, ROUNDS = 200.0, 5.0, 8, 8, 4, 3
+PROMPTS = [[100 + i + j for j in range(8)] for i in range(NUM)]
 
 
-def test_workbench_ttft_matches_a_minimal_client_on_a_busy_machine(tmp_path: Path) -> None:
-    from scipy.stats import mannwhitneyu
-    from server_utils import start_server
-
-    server = start_server(tmp_path, "server.stream_chunk_tokens=4", omp_threads=None)  # both cores
+@pytest.fixture(scope="module")
+def standin() -> Iterator[str]:
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "clock_standin.py"), "--first-ms", str(FIRST_MS),
+                             "--itl-ms", str(ITL_MS)], stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        with urllib.request.urlopen(server.base_url + "/v1/models", timeout=10) as resp:
-            model = str(json.loads(resp.read())["data"][0]["id"])
-        asyncio.run(run_minimal(server.base_url, model, PROMPTS[:CONCURRENCY], 8, CONCURRENCY))  # warm-up
-        ours, minimal, late = [], [], []
-        for k in range(ROUNDS):
-            for side in ("minimal", "workbench") if k % 2 == 0 else ("workbench", "minimal"):
-                if side == "minimal":
-                    minimal.append(median_ttft_ms(asyncio.run(run_minimal(server.base_url, model, PROMPTS, OUT,
-                                                                          CONCURRENCY))))  # fmt: skip
-                else:
-                    ttft, lateness = _workbench(server.base_url, model)
-                    ours.append(ttft)
-                    late.append(lateness)
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        yield f"http://127.0.0.1:{port}"
     finally:
-        assert server.stop() == 0, server.log()
-    ratio = statistics.median(ours) / statistics.median(minimal)
-    p = float(mannwhitneyu(ours, minimal, alternative="two-sided").pvalue)
-    line = (f"median_ttft_ms: workbench {statistics.median(ours):.1f} vs minimal {statistics.median(minimal):.1f} "
-            f"({ratio - 1:+.1%}, p={p:.3f}); rounds {[round(x) for x in ours]} / {[round(x) for x in minimal]}; "
-            f"driver lateness max ms {[round(x, 1) for x in late]}")  # fmt: skip
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_workbench_ttft_matches_a_minimal_client_on_a_known_server(standin: str) -> None:
+    minimal, ours = abba_rounds(("minimal", lambda: minimal_round(standin, "standin", PROMPTS, TOKENS, CONCURRENCY)),
+                                ("workbench", lambda: workbench_round(standin, "standin", PROMPTS, TOKENS,
+                                                                      CONCURRENCY)), ROUNDS, progress=False)  # fmt: skip
+    assert [n for _, n in minimal] == [NUM] * ROUNDS and [n for _, _, n in ours] == [NUM] * ROUNDS, (minimal, ours)
+    wb, mc = statistics.median(t for t, _, _ in ours), statistics.median(t for t, _ in minimal)
+    line = f"median TTFT ms: workbench {wb:.1f} (rounds {[round(t, 1) for t, _, _ in ours]}), minimal {mc:.1f}"
     print(line)
-    assert abs(ratio - 1) <= TOLERANCE or p >= ALPHA, line
+    assert min(t for t, _, _ in ours) >= FIRST_MS - 1 and min(t for t, _ in minimal) >= FIRST_MS - 1, line
+    assert wb - mc <= max(0.05 * mc, 25.0), line
+
+
+def test_abba_rounds_alternate_the_order() -> None:
+    order: list[str] = []
+    a, b = abba_rounds(("a", lambda: order.append("a") or len(order)), ("b", lambda: order.append("b") or len(order)),
+                       4, progress=False)  # fmt: skip
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert a == [1, 4, 5, 8] and b == [2, 3, 6, 7]
