@@ -12,10 +12,12 @@ Used by benchmarks/vllm_keys_agreement.py and benchmarks/client_clock_agreement.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -57,3 +59,15 @@ def rank_compare(key: str, a: Sequence[float], b: Sequence[float]) -> RankCompar
     ratio = statistics.median(a) / statistics.median(b)
     p = float(mannwhitneyu(a, b, alternative="two-sided").pvalue)
     return RankComparison(key, tuple(a), tuple(b), ratio, p)
+
+
+def rounds_args(doc: str | None, default_rounds: int, argv: list[str] | None) -> argparse.Namespace:
+    """The command line both agreement benchmarks take: `--rounds N` (at least 2: a rank test needs
+    rounds on both sides) and `--json OUT`."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=default_rounds, help=f"rounds per client (default {default_rounds})")
+    ap.add_argument("--json", type=Path, help="write every round's figures and the comparison here")
+    args = ap.parse_args(argv)
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2 (a rank test needs rounds on both sides)")
+    return args

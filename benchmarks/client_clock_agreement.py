@@ -19,7 +19,6 @@ first-token delay is known, is the unit test tests/test_client_clock.py.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from abba import abba_rounds, rank_compare  # noqa: E402
+from abba import abba_rounds, rank_compare, rounds_args  # noqa: E402
 from minimal_client import median_ttft_ms, run_minimal  # noqa: E402
 
 NUM, CONCURRENCY, IN, OUT, ROUNDS = 16, 4, 64, 64, 4
@@ -69,12 +68,7 @@ def minimal_round(base_url: str, model: str, prompts: list[list[int]] = PROMPTS,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=ROUNDS, help="rounds per client (default 4)")
-    ap.add_argument("--json", type=Path, help="write every round's figures and the comparison here")
-    args = ap.parse_args(argv)
-    if args.rounds < 2:
-        ap.error("--rounds must be at least 2 (a rank test needs rounds on both sides)")
+    args = rounds_args(__doc__, ROUNDS, argv)
     from serving_sides import servelab_server
     from vllm_keys_agreement import served_model
 

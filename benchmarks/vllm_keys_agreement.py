@@ -24,7 +24,6 @@ figures, is a unit test (tests/test_vllm_keys_vs_vllm_bench.py); it imports its 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
@@ -39,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from abba import abba_rounds, rank_compare  # noqa: E402
+from abba import abba_rounds, rank_compare, rounds_args  # noqa: E402
 from peers import peer_paths  # noqa: E402
 
 NUM_PROMPTS, CONCURRENCY, ROUNDS = 32, 4, 5
@@ -206,12 +205,7 @@ def compare(base_url: str, rounds: int, out_dir: Path) -> tuple[list[dict], list
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=ROUNDS, help="rounds per client (default 5)")
-    ap.add_argument("--json", type=Path, help="write every round's figures and the comparison here")
-    args = ap.parse_args(argv)
-    if args.rounds < 2:
-        ap.error("--rounds must be at least 2 (a rank test needs rounds on both sides)")
+    args = rounds_args(__doc__, ROUNDS, argv)
     lacking = missing()
     if lacking:
         raise SystemExit(f"vllm_keys_agreement: {lacking}")

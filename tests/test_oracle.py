@@ -11,7 +11,6 @@ output placeholders); `EngineCore.reconfigure` swaps the scheduler.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -48,16 +47,10 @@ def llm(request) -> LLM:
     # oneDNN's prepacked GEMM sums in another order, and on one of these prompts that flips a near-tie
     # at the sixth token (2026-12-07, AVX2 EPYC: the probe chose prepacked under load and this failed;
     # SERVELAB_ONEDNN_FP32=plain passes, =prepacked fails). The oracle checks the model's arithmetic.
-    saved = os.environ.get("SERVELAB_ONEDNN_FP32")
-    os.environ["SERVELAB_ONEDNN_FP32"] = "plain"
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SERVELAB_ONEDNN_FP32", "plain")
         return LLM(model="smollm2", dtype="float32", max_num_seqs=16, num_blocks=256, block_size=16,
                    enforce_eager=request.param)
-    finally:
-        if saved is None:
-            os.environ.pop("SERVELAB_ONEDNN_FP32", None)
-        else:
-            os.environ["SERVELAB_ONEDNN_FP32"] = saved
 
 
 @pytest.fixture(scope="module")
