@@ -90,6 +90,7 @@ from serving_sides import (  # noqa: E402
     vllm_server,
 )
 from side_by_side import (  # noqa: E402
+    DENSE_BYTES,
     PEER_LABEL,
     SAME_WEIGHTS,
     SAMPLING,
@@ -277,10 +278,15 @@ def step_read_floors(args: argparse.Namespace, arch: Any, results: list[Measured
     logged = next((m.read_bytes for m in results if m.read_bytes), None)
     if args.peer == "none":
         return {"servelab": step_read_bytes("servelab-blocks", matmul_params(arch), gguf, logged)}
+    # the dense weights' dtype both sides ran (--dtype; auto: what servelab resolved it to)
+    dtype = args.dtype or ("bfloat16" if args.peer == "vllm" else "auto")
+    if dtype == "auto":
+        dtype = next((str(m.conditions["choices"]["dtype"]) for m in results if m.server == "servelab"
+                      and (m.conditions or {}).get("choices", {}).get("dtype") in DENSE_BYTES), "bfloat16")  # fmt: skip
     return {
-        "servelab": step_read_bytes("servelab-blocks" if args.peer != "vllm" else "servelab-bf16",
-                                    matmul_params(arch), gguf, logged),
-        args.peer: step_read_bytes(args.peer, matmul_params(arch), gguf),
+        "servelab": step_read_bytes("servelab-blocks" if args.peer != "vllm" else "servelab-dense",
+                                    matmul_params(arch), gguf, logged, dtype),
+        args.peer: step_read_bytes(args.peer, matmul_params(arch), gguf, dense_dtype=dtype),
     }
 
 

@@ -12,7 +12,7 @@ shape, alternate their order, and report the median and the range of at least th
 - `abba_order`: round r runs (A, B) when r is even and (B, A) when odd: A B | B A | A B ...;
 - `spread`: median, min and max of the repeats, and their coefficient of variation;
 - `step_read_bytes`: the bytes a batch-1 decode step reads on each side (the floor's numerator):
-  bfloat16 matmul weights, or the GGUF tensors of the same matrices as stored.
+  the dense matmul weights in the run's dtype, or the GGUF tensors of the same matrices as stored.
 """
 
 from __future__ import annotations
@@ -145,14 +145,18 @@ def kv_read_bytes(num_layers: int, num_kv_heads: int, head_dim: int, input_len: 
     return float(per_position * (input_len + output_len / 2))
 
 
+DENSE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def step_read_bytes(side: str, matmul_params: int, gguf_path: str | Path | None,
-                    servelab_logged_bytes: float | None = None) -> dict[str, Any]:
-    """The bytes a batch-1 decode step of `side` reads ('servelab-bf16', 'servelab-blocks', 'vllm',
+                    servelab_logged_bytes: float | None = None, dense_dtype: str = "bfloat16") -> dict[str, Any]:
+    """The bytes a batch-1 decode step of `side` reads ('servelab-dense', 'servelab-blocks', 'vllm',
     'llamacpp'), with where the number comes from. servelab's block kernels print theirs at
-    start-up (`servelab_logged_bytes`); otherwise bfloat16 weights are 2 bytes a parameter and
-    the GGUF's blocks are counted from the file."""
-    if side in ("servelab-bf16", "vllm"):
-        return {"bytes": 2 * matmul_params, "what": "bfloat16 matmul weights (every linear and the LM head)"}
+    start-up (`servelab_logged_bytes`); dense weights are `dense_dtype`'s bytes a parameter (4 in
+    float32, 2 in bfloat16); the GGUF's blocks are counted from the file."""
+    if side in ("servelab-dense", "vllm"):
+        return {"bytes": DENSE_BYTES[dense_dtype] * matmul_params,
+                "what": f"{dense_dtype} matmul weights (every linear and the LM head)"}
     if side == "servelab-blocks" and servelab_logged_bytes:
         return {"bytes": float(servelab_logged_bytes), "what": "the checkpoint's blocks (servelab's start-up log)"}
     if gguf_path is None:

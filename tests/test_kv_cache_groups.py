@@ -180,6 +180,7 @@ hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not install
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
+from test_scheduler_properties import SlotContent, WrittenKV  # noqa: E402
 
 settings.register_profile("groups-ci", max_examples=150, stateful_step_count=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
@@ -221,19 +222,13 @@ def check_group_books(sched: Scheduler) -> None:
             assert g.num_held(rid) <= bound, (rid, g.num_held(rid), bound)
 
 
-class WrittenGroups:
+class WrittenGroups(WrittenKV):
     """What each completed step wrote, per block slot, in every group; checks that every block a
     step reads (its window, or its whole context) is held and that hashed blocks were written."""
 
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.slots: dict[int, dict[int, object]] = {}
-        self.pending: dict[int, list[tuple[int, int, object]]] = {}
-        self.requests: list[Request] = []
-
     def scheduled(self, sched: Scheduler, out: SchedulerOutput) -> None:
         bs, kv = self.block_size, sched.kv_cache_manager
-        writes: list[tuple[int, int, object]] = []
+        writes: list[tuple[int, int, SlotContent]] = []
         self.pending[id(out)] = writes
         for rid, n in out.num_scheduled_tokens.items():
             request = sched.requests[rid]
@@ -253,24 +248,9 @@ class WrittenGroups:
                     content = (self._parent(request, i), tuple(request.all_token_ids[i * bs : pos + 1]))
                     writes.append((block.block_id, pos % bs, content))
 
-    def completed(self, out: SchedulerOutput) -> None:
-        for block_id, offset, content in self.pending.pop(id(out)):
-            self.slots.setdefault(block_id, {})[offset] = content
-
-    def failed(self, out: SchedulerOutput) -> None:
-        del self.pending[id(out)]
-
     @staticmethod
-    def _parent(request: Request, i: int) -> object:
-        return request.block_hashes[i - 1] if i else ("root", request.cache_salt)
-
-    def check(self, sched: Scheduler) -> None:
-        parents = {h: self._parent(r, i) for r in self.requests for i, h in enumerate(r.block_hashes)}
-        for key, block in sched.kv_cache_manager.block_pool.cached_block_hash_to_block.items():
-            assert block.token_ids is not None
-            parent = parents[key[:32]]  # a group's key is the sha256 hash and the group's index
-            want = {j: (parent, block.token_ids[: j + 1]) for j in range(self.block_size)}
-            assert self.slots.get(block.block_id) == want, f"{block} is hashed but its KV was never written"
+    def _block_hash(key: object) -> object:
+        return key[:32]  # type: ignore[index]  # a group's key: the sha256 hash and the group's index
 
 
 class GroupedSchedulerMachine(RuleBasedStateMachine):

@@ -193,6 +193,10 @@ def test_step_read_floors_count_the_bytes_each_side_reads() -> None:
     arch = resolve_model(ModelConfig())[0]
     params = offline.matmul_params(arch)
     assert sbs.step_read_bytes("vllm", params, None)["bytes"] == 2 * params
+    # a float32 run reads 4 bytes a weight on both dense sides (the 2026-12-07 vLLM run's floor said bfloat16)
+    dense = sbs.step_read_bytes("servelab-dense", params, None, dense_dtype="float32")
+    assert dense["bytes"] == 4 * params and dense["what"].startswith("float32")
+    assert sbs.step_read_bytes("vllm", params, None, dense_dtype="float32")["bytes"] == 4 * params
     blocks = sbs.step_read_bytes("llamacpp", params, embedded_gguf_path())["bytes"]
     # Q4_1 layers (20 bytes per 32 weights) and the Q8_0 tied head (34 per 32): about a third of bfloat16
     assert 0.3 * 2 * params < blocks < 0.4 * 2 * params

@@ -114,12 +114,18 @@ class WrittenKV:
     def _parent(request: Request, i: int) -> object:
         return request.block_hashes[i - 1] if i else ("root", request.cache_salt)
 
+    @staticmethod
+    def _block_hash(key: object) -> object:
+        """The request's block hash of a key of the pool's cache (one group: the hash itself)."""
+        return key
+
     def check(self, sched: Scheduler) -> None:
         """Every block holding a hash was written, every slot, by steps that completed."""
         parents = {h: self._parent(r, i) for r in self.requests for i, h in enumerate(r.block_hashes)}
-        for block_hash, block in sched.kv_cache_manager.block_pool.cached_block_hash_to_block.items():
+        for key, block in sched.kv_cache_manager.block_pool.cached_block_hash_to_block.items():
             assert block.token_ids is not None
-            want = {j: (parents[block_hash], block.token_ids[: j + 1]) for j in range(self.block_size)}
+            parent = parents[self._block_hash(key)]
+            want = {j: (parent, block.token_ids[: j + 1]) for j in range(self.block_size)}
             assert self.slots.get(block.block_id) == want, f"{block} is hashed but its KV was never written"
 
 
