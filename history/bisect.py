@@ -8,10 +8,10 @@ with the paired gate as its test.
    same paired measurement, its baseline trees reused) and the commit is classified by where the
    interval of its change lies against the threshold (default Δ / 2): wholly above, bad; wholly
    below, good. An interval across the threshold is weighed by the likelihood of its change under
-   the two answers a commit can have, no change (GOOD's 0) or the whole step (Δ), as a normal
-   error whose spread the interval gives: bad where the step is `--odds` (default 10) times as
-   likely as no change, good where no change is that much likelier, else inconclusive; so is a
-   gate that gave no figure. An inconclusive commit is measured again (`--retries`), then `git
+   the two answers a commit can have, no change (GOOD's 0) or the whole step (Δ, as measured: its
+   error adds to the commit's), as normal errors whose spreads the intervals give: bad where the
+   step is `--odds` (default 10) times as likely as no change, good where no change is that much
+   likelier, else inconclusive; so is a gate that gave no figure. An inconclusive commit is measured again (`--retries`), then `git
    bisect skip`ped: never guessed. A retry does not replace the run before it: the commit is
    judged on the pairs of all its runs together (`pooled_change`: twice the generations, a
    narrower interval).
@@ -48,9 +48,10 @@ from history.machine import git
 DEFAULT_GATE_CMD = "{bin}/servelab-gate --against {good} --repo {repo} --out {out} --explain-repeats 0"
 DEFAULT_EXPLAIN_CMD = "{bin}/servelab-explain {parent} {commit} --repo {repo} --out {out}"
 # The likelihood ratio that decides a commit whose interval straddles the threshold. At 10, with a
-# gate whose 95% interval is +-10 points (the 2-core machine's, 2026-12-07) and a +12% step, a
-# commit without the change is called bad, or one with it good, about 2% of the time, and 6 in 10
-# are decided by one gate run where the interval rule alone decides 2 in 10.
+# gate whose 95% interval is +-10 points (the 2-core machine's, 2026-12-07) for the commit and for
+# the step, and a +12% step, a commit without the change is called bad 1% of the time and one with
+# it good 2%; one gate run decides 3 (no change) to 5 (the step) commits in 10, where the interval
+# rule alone decides about 2.
 DEFAULT_ODDS = 10.0
 CONFIDENCE = 0.95  # the paired gate's bootstrap interval (workloads/paired_gate.py, `bootstrap`)
 
@@ -177,21 +178,32 @@ def pooled_change(gate_jsons: Sequence[Path], metric: str,
     return sign * est.point, (low, high), len(set(gens))
 
 
-def step_odds(worse: float, interval: tuple[float, float], step: float, confidence: float = CONFIDENCE) -> float:
-    """How many times likelier the change `worse` is if the commit carries the whole step than if it
-    carries none: the ratio of two normal densities at `worse`, centred on `step` and on 0, with the
-    spread the interval gives (its width over 2 z)."""
+def _sd(interval: tuple[float, float], confidence: float) -> float:
+    """The standard error a normal interval of this width and confidence has (width / 2 z)."""
     from scipy.stats import norm
 
-    sd = (interval[1] - interval[0]) / (2 * float(norm.ppf(0.5 + confidence / 2)))
-    if sd <= 0:
+    return (interval[1] - interval[0]) / (2 * float(norm.ppf(0.5 + confidence / 2)))
+
+
+def step_odds(worse: float, interval: tuple[float, float], step: float,
+              step_interval: tuple[float, float] | None = None, confidence: float = CONFIDENCE) -> float:  # fmt: skip
+    """How many times likelier the change `worse` (its interval `interval`) is if the commit carries
+    the whole step than if it carries none. No change: a normal density centred on 0 with the
+    spread the interval gives. The step: the step GOOD -> BAD was itself measured (`step`, its
+    interval `step_interval`), so the commit's figure is compared with that measurement, the
+    two errors added (a normal centred on `step` with both spreads): a step measured high does
+    not make a bad commit that measures lower look like no change."""
+    sd = _sd(interval, confidence)
+    sd_step = math.hypot(sd, _sd(step_interval, confidence)) if step_interval is not None else sd
+    if sd <= 0 or sd_step <= 0:
         return math.inf if abs(worse - step) < abs(worse) else 0.0
-    log_ratio = (worse**2 - (worse - step) ** 2) / (2 * sd**2)
+    log_ratio = worse**2 / (2 * sd**2) - (worse - step) ** 2 / (2 * sd_step**2) + math.log(sd / sd_step)
     return math.exp(min(max(log_ratio, -700.0), 700.0))
 
 
 def classify(worse: float | None, interval: tuple[float, float] | None, threshold: float,
-             step: float | None = None, odds: float = DEFAULT_ODDS) -> tuple[str, float | None]:  # fmt: skip
+             step: float | None = None, odds: float = DEFAULT_ODDS,
+             step_interval: tuple[float, float] | None = None) -> tuple[str, float | None]:  # fmt: skip
     """(verdict, the likelihood ratio where it was weighed): the interval against the threshold
     first; an interval across it by `step_odds` against `odds` (where a step and odds are given)."""
     if worse is None or interval is None:
@@ -202,7 +214,7 @@ def classify(worse: float | None, interval: tuple[float, float] | None, threshol
         return "good", None
     if step is None or step <= 0 or odds <= 1:
         return "inconclusive", None
-    ratio = step_odds(worse, interval, step)
+    ratio = step_odds(worse, interval, step, step_interval)
     if ratio >= odds:
         return "bad", ratio
     if ratio <= 1 / odds:
@@ -259,8 +271,9 @@ class Bisector:
         if earlier is not None:
             earlier.append(gate_json)
         threshold = self.result.threshold if self.result.threshold is not None else 0.0
-        step = self.result.step.worse if self.result.step is not None else None  # None while measuring the step
-        verdict, ratio = classify(worse, interval, threshold, step, self.settings.odds)
+        measured = self.result.step  # None while the step itself is measured
+        verdict, ratio = classify(worse, interval, threshold, measured.worse if measured else None, self.settings.odds,
+                                  measured.interval if measured else None)  # fmt: skip
         return Step(commit, attempt, worse, interval, verdict, seconds, note, ratio)
 
     def measure(self, tree: Path, commit: str) -> Step:
