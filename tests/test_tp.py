@@ -98,7 +98,19 @@ def test_a_context_the_kv_cache_cannot_hold_is_a_one_line_error_with_ranks(tmp_p
 
 # ---- TP=2 against the oracle -------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tp_llm():
+def plain_blas():
+    """Both engines' float32 linears on the plain BLAS, as in tests/test_oracle.py, not left to the
+    start-up probe: with oneDNN's prepacked GEMM (the probe's pick on a loaded AVX2 machine) the
+    sharded and the whole matrices sum in other orders, and prompt 2's sixth greedy token flips at a
+    near-tie (4166 / 267; 2026-12-07, AVX2 EPYC: SERVELAB_ONEDNN_FP32=plain passes, =prepacked fails).
+    The rank processes inherit the variable when they start."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SERVELAB_ONEDNN_FP32", "plain")
+        yield
+
+
+@pytest.fixture(scope="module")
+def tp_llm(plain_blas):
     from engine.frontend.llm import LLM
 
     llm = LLM(model="smollm2", dtype="float32", tensor_parallel_size=2, max_num_seqs=8, num_blocks=64,
@@ -118,7 +130,7 @@ def prompt_ids() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def tp1_greedy(prompt_ids) -> list[list[int]]:
+def tp1_greedy(prompt_ids, plain_blas) -> list[list[int]]:
     """One rank (the in-process executor), all prompts together: tests/test_oracle.py checks that
     these equal HF transformers' tokens, so TP=2 matching them matches the HF oracle too (HF
     itself costs ~50 s on two busy cores, more than this whole module may spend)."""
