@@ -3,7 +3,9 @@ with the paired gate as its test.
 
 1. A worktree is made at BAD (`--in-place`: the checkout itself, which must be clean), and BAD
    is gated against GOOD: the step to find, its size Δ and interval. If BAD is not worse
-   beyond noise there is nothing to bisect (exit 1).
+   beyond noise there is nothing to bisect (exit 1); where its interval reaches below Δ / 2 it is
+   measured again (pooled, within `--retries`). Each gate run measures `--pairs` pairs (default
+   40, over the gate's 16: a bisection counts gate runs, not seconds).
 2. `git bisect start BAD GOOD`; at each commit git checks out, the gate runs against GOOD (the
    same paired measurement, its baseline trees reused) and the commit is classified by where the
    interval of its change lies against the threshold (default Δ / 2): wholly above, bad; wholly
@@ -11,8 +13,8 @@ with the paired gate as its test.
    the two answers a commit can have, no change (GOOD's 0) or the whole step (Δ, as measured: its
    error adds to the commit's), as normal errors whose spreads the intervals give: bad where the
    step is `--odds` (default 10) times as likely as no change, good where no change is that much
-   likelier, else inconclusive; so is a gate that gave no figure. An inconclusive commit is measured again (`--retries`), then `git
-   bisect skip`ped: never guessed. A retry does not replace the run before it: the commit is
+   likelier, else inconclusive; so is a gate that gave no figure. An inconclusive commit is
+   measured again (`--retries`), then `git bisect skip`ped: never guessed. A retry does not replace the run before it: the commit is
    judged on the pairs of all its runs together (`pooled_change`: twice the generations, a
    narrower interval).
 3. git names the first bad commit; `servelab-explain` runs on it against its parent (which
@@ -41,11 +43,19 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 from typing import IO
 
 from history.machine import git
 
-DEFAULT_GATE_CMD = "{bin}/servelab-gate --against {good} --repo {repo} --out {out} --explain-repeats 0"
+DEFAULT_GATE_CMD = ("{bin}/servelab-gate --against {good} --repo {repo} --out {out} --explain-repeats 0 "
+                    "--pairs {pairs} --time-box-s {time_box_s}")
+# Pairs per gate run, and its time box. The gate's own defaults (16 pairs, 230 s) suit a pull request;
+# a bisection counts gate runs, and on the 2-core machine 16 pairs measured a +10% step as +9.5%
+# (+1.5% .. +25.9%) in 90 s (2026-12-07), as wide as the step, so that the threshold (half the step)
+# was itself unknown. The interval narrows as 1/sqrt(pairs): 40 pairs, about 220 s there.
+DEFAULT_PAIRS = 40
+DEFAULT_TIME_BOX_S = 300.0
 DEFAULT_EXPLAIN_CMD = "{bin}/servelab-explain {parent} {commit} --repo {repo} --out {out}"
 # The likelihood ratio that decides a commit whose interval straddles the threshold. At 10, with a
 # gate whose 95% interval is +-10 points (the 2-core machine's, 2026-12-07) for the commit and for
@@ -54,6 +64,7 @@ DEFAULT_EXPLAIN_CMD = "{bin}/servelab-explain {parent} {commit} --repo {repo} --
 # rule alone decides about 2.
 DEFAULT_ODDS = 10.0
 CONFIDENCE = 0.95  # the paired gate's bootstrap interval (workloads/paired_gate.py, `bootstrap`)
+Z_GATE = NormalDist().inv_cdf(0.5 + CONFIDENCE / 2)  # 1.96
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,8 @@ class BisectSettings:
     threshold: float | None = None  # a worsening beyond this is bad; None: half the step GOOD -> BAD
     in_place: bool = False
     odds: float = DEFAULT_ODDS  # the likelihood ratio step : no change that decides; 0: the interval rule alone
+    pairs: int = DEFAULT_PAIRS  # {pairs} of the gate command
+    time_box_s: float = DEFAULT_TIME_BOX_S  # {time_box_s} of the gate command
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +193,8 @@ def pooled_change(gate_jsons: Sequence[Path], metric: str,
 
 def _sd(interval: tuple[float, float], confidence: float) -> float:
     """The standard error a normal interval of this width and confidence has (width / 2 z)."""
-    from scipy.stats import norm
-
-    return (interval[1] - interval[0]) / (2 * float(norm.ppf(0.5 + confidence / 2)))
+    z = Z_GATE if confidence == CONFIDENCE else NormalDist().inv_cdf(0.5 + confidence / 2)
+    return (interval[1] - interval[0]) / (2 * z)
 
 
 def step_odds(worse: float, interval: tuple[float, float], step: float,
@@ -222,6 +234,16 @@ def classify(worse: float | None, interval: tuple[float, float] | None, threshol
     return "inconclusive", ratio
 
 
+def wider_than_itself(step: Step) -> bool:
+    """Whether the step GOOD -> BAD was measured worse beyond noise but with an interval reaching
+    below half its size: the threshold (half the step) is then as unsure as the commits it would
+    sort, and the likelihood of the step is spread thin. Such a step is measured again (pooled),
+    within `--retries`: one more gate run there saves several at the commits."""
+    if step.worse is None or step.interval is None:
+        return False
+    return 0 < step.interval[0] < step.worse / 2
+
+
 def _odds_note(ratio: float | None) -> str:
     if ratio is None:
         return ""
@@ -251,14 +273,16 @@ class Bisector:
         step_dir = self.out / f"gate-{len(self.result.steps):02d}-{commit[:10]}"
         shutil.rmtree(step_dir, ignore_errors=True)
         step_dir.mkdir(parents=True)
-        cmd = _format(self.settings.gate_cmd, good=self.good, repo=str(tree), out=str(step_dir))
+        cmd = _format(self.settings.gate_cmd, good=self.good, repo=str(tree), out=str(step_dir),
+                      pairs=str(self.settings.pairs), time_box_s=f"{self.settings.time_box_s:g}")  # fmt: skip
         t0 = time.perf_counter()
         with open(step_dir / "gate.log", "w") as logf:
             code = _run_group(cmd, tree, logf)
         seconds = time.perf_counter() - t0
         gate_json = step_dir / "gate.json"
         if code not in (0, 1) or not gate_json.is_file():
-            return Step(commit, attempt, None, None, "inconclusive", seconds, f"the gate exited {code} without a figure")
+            return Step(commit, attempt, None, None, "inconclusive", seconds,
+                        f"the gate exited {code} without a figure")  # fmt: skip
         if self.on_gate is not None:
             self.on_gate(gate_json, tree)
         worse, interval = read_change(gate_json, self.settings.metric)
@@ -276,14 +300,14 @@ class Bisector:
                                   measured.interval if measured else None)  # fmt: skip
         return Step(commit, attempt, worse, interval, verdict, seconds, note, ratio)
 
-    def measure(self, tree: Path, commit: str) -> Step:
-        """The commit's class, retried while inconclusive (each retry classified on the pairs of all
-        its runs so far); every gate run is kept in the result."""
+    def measure(self, tree: Path, commit: str, again: Callable[[Step], bool] | None = None) -> Step:
+        """The commit's class, retried while inconclusive (or while `again` says so), each retry
+        classified on the pairs of all its runs so far; every gate run is kept in the result."""
         runs: list[Path] = []
         step = self.gate(tree, commit, 0, runs)
         self._keep(step)
         for attempt in range(1, self.settings.retries + 1):
-            if step.verdict != "inconclusive":
+            if step.verdict != "inconclusive" and not (again is not None and again(step)):
                 break
             step = self.gate(tree, commit, attempt, runs)
             self._keep(step)
@@ -320,7 +344,7 @@ class Bisector:
     def run(self) -> BisectResult:
         self.out.mkdir(parents=True, exist_ok=True)
         with self.tree() as tree:
-            step = self.measure(tree, self.bad)
+            step = self.measure(tree, self.bad, again=wider_than_itself)
             self.result.step = step
             if step.worse is None or step.interval is None or step.interval[0] <= 0:
                 self.log(f"bisect: BAD {self.bad[:10]} is not worse than GOOD {self.good[:10]} beyond noise in "
@@ -352,7 +376,8 @@ class Bisector:
             self.result.first_bad = out.split()[0]
             return True
         if "only 'skip'ped commits left" in out:
-            self.result.candidates = [w for w in out.split() if len(w) == 40 and all(ch in "0123456789abcdef" for ch in w)]
+            hexdigits = set("0123456789abcdef")
+            self.result.candidates = [w for w in out.split() if len(w) == 40 and set(w) <= hexdigits]
             return True
         return False
 

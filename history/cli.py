@@ -243,10 +243,13 @@ def history_main(argv: Sequence[str] | None = None) -> int:
 def _bisect(args: argparse.Namespace) -> int:
     from history.bisect import Bisector, BisectSettings, sigterm_stops
 
+    if args.pairs < 2 or args.time_box_s <= 0:
+        raise ValueError(f"--pairs {args.pairs} / --time-box-s {args.time_box_s:g}: give at least 2 pairs and a "
+                         "positive time box")  # fmt: skip
     if args.odds != 0 and args.odds <= 1:
         raise ValueError(f"--odds {args.odds:g}: give a ratio above 1 (or 0 for the interval rule alone)")
     settings = BisectSettings(args.metric, args.gate_cmd, args.explain_cmd or None, args.retries, args.threshold,
-                              args.in_place, args.odds)  # fmt: skip
+                              args.in_place, args.odds, args.pairs, args.time_box_s)  # fmt: skip
     out = Path(args.out)
     on_gate = None
     if args.history:
@@ -286,7 +289,13 @@ def _bisect_run(b: Bisector, args: argparse.Namespace, out: Path) -> int:
 
 
 def bisect_main(argv: Sequence[str] | None = None) -> int:
-    from history.bisect import DEFAULT_EXPLAIN_CMD, DEFAULT_GATE_CMD, DEFAULT_ODDS
+    from history.bisect import (
+        DEFAULT_EXPLAIN_CMD,
+        DEFAULT_GATE_CMD,
+        DEFAULT_ODDS,
+        DEFAULT_PAIRS,
+        DEFAULT_TIME_BOX_S,
+    )
 
     parser = argparse.ArgumentParser(prog="servelab-bisect", description="Find the first commit that made a metric "
                                      "worse: git bisect with the paired gate (history/bisect.py).")  # fmt: skip
@@ -296,7 +305,12 @@ def bisect_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repo", default=".", help="the checkout (default: the working directory)")
     parser.add_argument("--out", default="runs/bisect", help="gate runs and bisect.json (default: %(default)s)")
     parser.add_argument("--retries", type=int, default=1, help="gate runs more for an inconclusive commit before "
-                        "skipping it (default: %(default)s)")  # fmt: skip
+                        "skipping it, and for a step GOOD -> BAD measured wider than half its size "
+                        "(default: %(default)s)")  # fmt: skip
+    parser.add_argument("--pairs", type=int, default=DEFAULT_PAIRS, help="pairs each gate run measures: {pairs} of "
+                        "the gate command (default: %(default)s; the gate alone: 16)")  # fmt: skip
+    parser.add_argument("--time-box-s", type=float, default=DEFAULT_TIME_BOX_S, help="each gate run's time box: "
+                        "{time_box_s} of the gate command (default: %(default)g)")  # fmt: skip
     parser.add_argument("--threshold", type=float, help="a worsening above this is bad (default: half the step)")
     parser.add_argument("--odds", type=float, default=DEFAULT_ODDS,
                         help="a commit whose interval straddles the threshold is bad where the step is this many times "
