@@ -41,21 +41,13 @@ def workbench_round(base_url: str, model: str, prompts: list[list[int]] = PROMPT
     """One round as servelab-run drives it: (median TTFT ms, the driver's largest lateness ms, requests
     completed)."""
     from analysis.metrics import summarize
-    from workloads.driver import Driver
+    from workloads.driver import run_workload
     from workloads.spec import RequestSpec
     from workloads.targets.openai import OpenAITarget
 
     specs = [RequestSpec(f"r{i}", 0.0, None, p, len(p), max_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
     target = OpenAITarget(base_url, model, extra_body={"temperature": 0.0}, server_timing=True)
-
-    async def go():  # type: ignore[no-untyped-def]
-        await target.start()
-        try:
-            return await Driver(target, concurrency=concurrency, scrape_interval_s=0.5).run(specs)
-        finally:
-            await target.stop()
-
-    result = asyncio.run(go())
+    result = asyncio.run(run_workload(specs, target, concurrency=concurrency, scrape_interval_s=0.5))
     s = summarize(result.records)
     return float(s["median_ttft_ms"]), 1000 * max(r.lateness_s for r in result.records), int(s["completed"])
 

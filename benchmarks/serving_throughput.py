@@ -176,10 +176,15 @@ def pinned_float32_linear() -> str:
     return "prepacked" if probe_onednn_float32_faster() else "plain"
 
 
+def run_dtype(args: argparse.Namespace) -> str:
+    """The dense weights' dtype both sides are given: --dtype, else bfloat16 against vLLM (its CPU
+    default) and auto (servelab's own choice) otherwise."""
+    return args.dtype or ("bfloat16" if args.peer == "vllm" else "auto")
+
+
 def configurations(args: argparse.Namespace) -> list[tuple[str, Settings | None]]:
     """('equal settings', the shared Settings) and, with --own-defaults, ('own defaults', None)."""
-    dtype = args.dtype or ("bfloat16" if args.peer == "vllm" else "auto")
-    equal = Settings(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len, dtype,
+    equal = Settings(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len, run_dtype(args),
                      args.float32_linear or pinned_float32_linear())
     return [("equal settings", equal)] + ([("own defaults", None)] if args.own_defaults else [])
 
@@ -278,11 +283,11 @@ def step_read_floors(args: argparse.Namespace, arch: Any, results: list[Measured
     logged = next((m.read_bytes for m in results if m.read_bytes), None)
     if args.peer == "none":
         return {"servelab": step_read_bytes("servelab-blocks", matmul_params(arch), gguf, logged)}
-    # the dense weights' dtype both sides ran (--dtype; auto: what servelab resolved it to)
-    dtype = args.dtype or ("bfloat16" if args.peer == "vllm" else "auto")
+    # the dense weights' dtype both sides ran (auto: what servelab's start-up resolved it to)
+    dtype = run_dtype(args)
     if dtype == "auto":
-        dtype = next((str(m.conditions["choices"]["dtype"]) for m in results if m.server == "servelab"
-                      and (m.conditions or {}).get("choices", {}).get("dtype") in DENSE_BYTES), "bfloat16")  # fmt: skip
+        resolved = (((m.conditions or {}).get("choices") or {}).get("dtype") for m in results if m.server == "servelab")
+        dtype = next((str(d) for d in resolved if d in DENSE_BYTES), "bfloat16")
     return {
         "servelab": step_read_bytes("servelab-blocks" if args.peer != "vllm" else "servelab-dense",
                                     matmul_params(arch), gguf, logged, dtype),

@@ -128,7 +128,7 @@ class VllmBench:
 def workbench_summary(base_url: str, model: str) -> dict:
     """The same load through the workbench's driver and openai target; its summary."""
     from analysis.metrics import summarize
-    from workloads.driver import Driver
+    from workloads.driver import run_workload
     from workloads.spec import RequestSpec
     from workloads.targets.openai import OpenAITarget
 
@@ -137,15 +137,7 @@ def workbench_summary(base_url: str, model: str) -> dict:
     # the sampling fields vLLM's client sends (repetition_penalty 1.0, logprobs null) and greedy
     body = {"temperature": 0.0, "repetition_penalty": 1.0, "logprobs": None}
     target = OpenAITarget(base_url, model, extra_body=body, server_timing=False)
-
-    async def go():
-        await target.start()
-        try:
-            return await Driver(target, closed_loop=True, concurrency=CONCURRENCY).run(specs)
-        finally:
-            await target.stop()
-
-    return summarize(asyncio.run(go()).records)
+    return summarize(asyncio.run(run_workload(specs, target, closed_loop=True, concurrency=CONCURRENCY)).records)
 
 def records_from_vllm(result: dict) -> list:
     """vLLM's own per-request timings (`--save-detailed`) as workbench records: sent at its start

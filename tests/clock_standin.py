@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 
 from aiohttp import web
+from local_server import serve_locally, sse_event
 
 FIRST_S = web.AppKey("first_s", float)
 ITL_S = web.AppKey("itl_s", float)
-
-
-async def _event(resp: web.StreamResponse, obj: dict) -> None:
-    await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -37,8 +33,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         if i:
             await asyncio.sleep(request.app[ITL_S])
         choice = {"index": 0, "text": " x", "finish_reason": "length" if i == n - 1 else None}
-        await _event(resp, {"choices": [choice], "usage": {"prompt_tokens": n_in, "completion_tokens": i + 1}})
-    await _event(resp, {"choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n,
+        await sse_event(resp, {"choices": [choice], "usage": {"prompt_tokens": n_in, "completion_tokens": i + 1}})
+    await sse_event(resp, {"choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n,
                                                  "total_tokens": n_in + n}})  # fmt: skip
     await resp.write(b"data: [DONE]\n\n")
     return resp
@@ -58,11 +54,8 @@ async def main(first_ms: float, itl_ms: float) -> None:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/metrics", _metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    print(site._server.sockets[0].getsockname()[1], flush=True)  # type: ignore[union-attr]
+    _runner, port = await serve_locally(app, access_log=False)
+    print(port, flush=True)
     await asyncio.Event().wait()
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
+from local_server import serve_locally
 
 from engine.config import EngineConfig
 from engine.core.core_client import EngineCoreClient
@@ -114,12 +114,9 @@ async def _ask(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tupl
 
 
 async def _server(llm: AsyncLLM) -> AsyncIterator[str]:
-    runner = web.AppRunner(build_app(llm, ServerSettings(), "smollm2"))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    runner, port = await serve_locally(build_app(llm, ServerSettings(), "smollm2"))
     try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
 

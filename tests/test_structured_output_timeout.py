@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
+from local_server import serve_locally
 
 from engine.config import EngineConfig
 from engine.core.core_client import EngineCoreClient
@@ -82,12 +82,8 @@ def test_a_compile_timeout_is_a_400_and_others_complete(llm: AsyncLLM) -> None:
         "additionalProperties": False}}}  # fmt: skip
 
     async def run() -> list[tuple[int, str, float]]:
-        app = build_app(llm, ServerSettings(), "smollm2")
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        runner, port = await serve_locally(build_app(llm, ServerSettings(), "smollm2"))
+        url = f"http://127.0.0.1:{port}"
         try:
             async with aiohttp.ClientSession() as s:
                 return list(await asyncio.gather(

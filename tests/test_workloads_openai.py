@@ -5,6 +5,7 @@ import json
 
 import pytest
 from aiohttp import web
+from local_server import serve_locally, sse_event
 
 from analysis.metrics import summarize
 from workloads.driver import run_workload
@@ -29,34 +30,21 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     if chat:
-        await _event(resp, {"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+        await sse_event(resp, {"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
     for i, (text, cum) in enumerate(CHUNKS):
         await asyncio.sleep(GAP)
         choice = {"index": 0, "finish_reason": "length" if i == len(CHUNKS) - 1 else None}
         choice |= {"delta": {"content": text}} if chat else {"text": text}
         usage = {"prompt_tokens": 7, "completion_tokens": cum} if continuous else None
-        await _event(resp, {"choices": [choice], "usage": usage})
-    await _event(resp, {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}})
+        await sse_event(resp, {"choices": [choice], "usage": usage})
+    await sse_event(resp, {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}})
     await resp.write(b"data: [DONE]\n\n")
     return resp
-
-
-async def _event(resp: web.StreamResponse, obj: dict) -> None:
-    await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
 
 async def _metrics(request: web.Request) -> web.Response:
     return web.Response(text='# HELP x\nvllm:num_requests_running{model="m"} 3.0\n'
                              'vllm:num_requests_waiting{model="m"} 1.0\nvllm:kv_cache_usage_perc 0.25\n')
-
-
-async def _start(app: web.Application) -> tuple[web.AppRunner, int]:
-    """`app` served on a free local port; the runner (for cleanup) and the port."""
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
 
 
 async def _serve_and_run(continuous: bool, endpoint: str, specs: list[RequestSpec]):
@@ -65,7 +53,7 @@ async def _serve_and_run(continuous: bool, endpoint: str, specs: list[RequestSpe
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _completions)
     app.router.add_get("/metrics", _metrics)
-    runner, port = await _start(app)
+    runner, port = await serve_locally(app)
     try:
         tgt = OpenAITarget(f"http://127.0.0.1:{port}", "m", api_key="k", endpoint=endpoint)
         result = await run_workload(specs, tgt)
@@ -159,7 +147,7 @@ def test_sse_multi_line_events_comments_and_crlf_split_across_writes() -> None:
     async def run():
         app = web.Application()
         app.router.add_post("/v1/completions", _spec_stream)
-        runner, port = await _start(app)
+        runner, port = await serve_locally(app)
         try:
             return await run_workload([_spec("s")], OpenAITarget(f"http://127.0.0.1:{port}", "m"))
         finally:
