@@ -184,6 +184,7 @@ KERNEL_ENV_OVERRIDES = {
     "avx512_bf16": "SERVELAB_CPU_DPBF16",
     "float32_linear": "SERVELAB_ONEDNN_FP32",
     "decode_team": "SERVELAB_DECODE_TEAM",
+    "block_layers": "SERVELAB_BLOCK_LAYERS",
 }
 FLOAT32_LINEARS = ("auto", "prepacked", "plain")
 
@@ -209,6 +210,11 @@ class KernelsConfig:
     """The planned decode step of fewer than 8 rows on the checkpoint's blocks as one OpenMP region for all
     layers (AVX512-VNNI builds; engine/kernels/planned_layers.py). `false` calls the kernels one by one.
     Override: `SERVELAB_DECODE_TEAM=0|1`."""
+    block_layers: bool = True
+    """The planned decode step on the checkpoint's GGUF blocks (a CPU without AVX-512: AVX2 or the scalar
+    build) as one C++ call for all layers, the same kernels through the dispatcher
+    (engine/kernels/block_layers.py). `false` calls them one by one from Python. Override:
+    `SERVELAB_BLOCK_LAYERS=0|1`."""
 
     def __post_init__(self) -> None:
         self.apply_environment()

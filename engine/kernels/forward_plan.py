@@ -36,7 +36,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from engine.hugepages import copies_on_huge_pages
-from engine.kernels import amx_linear, cpu_blocks, cpu_gemv
+from engine.kernels import amx_linear, block_layers, cpu_blocks, cpu_gemv, options
+from engine.kernels.block_layers import BoundBlockLayers
 from engine.kernels.cpu_kernels import kernels
 from engine.kernels.cpu_linear import packed_linear, padded_rows
 from engine.kernels.planned_layers import layers_op
@@ -196,6 +197,8 @@ class ForwardPlan:
     # (engine/kernels/planned_layers.py; build_plan sets it where `_layers_op` allows)
     layers_op: Any = None
     block_max_rows: int = 0  # every layer has `blocks`: steps up to this many rows read them (cpu_blocks)
+    # block_layers: those steps' layers in one C++ call where every row decodes (engine/kernels/block_layers.py)
+    block_layers: Any = None
     # What layers_op reads, flattened from `layers` at construction (so a plan made with other
     # layers, as on_huge_pages makes, never keeps the old tensors); empty where a layer has no packs.
     norms: tuple[torch.Tensor, ...] = field(init=False, default=())  # per layer: input, post-attention
@@ -273,7 +276,7 @@ def build_plan(model: PlanModel, blocks: Sequence[LayerBlocks | None] | None = N
                        0 if batch_invariant else quant_rows, batch_invariant,
                        amx_linear.max_rows() if with_amx else 0,
                        _layers_op(layers) if with_amx and not batch_invariant else None,
-                       block_rows if with_blocks else 0)  # fmt: skip
+                       block_rows if with_blocks else 0, _block_layers(layers, model) if with_blocks else None)  # fmt: skip
 
 
 def _layers_op(layers: Sequence[LayerPlan]) -> Any | None:
@@ -282,6 +285,19 @@ def _layers_op(layers: Sequence[LayerPlan]) -> Any | None:
     plan: its attention takes another path."""
     shapes = {(lp.attn.num_heads, lp.attn.num_kv_heads, lp.attn.head_dim, lp.attn.scale) for lp in layers}
     return layers_op() if len(shapes) == 1 and all(lp.amx is not None for lp in layers) else None
+
+
+def _block_layers(layers: Sequence[LayerPlan], model: PlanModel) -> BoundBlockLayers | None:
+    """block_layers for these layers (every one with its four block matrices), where they share one
+    attention shape and scale, `kernels.block_layers` allows it and the op is built; None otherwise."""
+    shapes = {(lp.attn.num_heads, lp.attn.num_kv_heads, lp.attn.head_dim, lp.attn.scale) for lp in layers}
+    if len(shapes) != 1 or not options.current().block_layers or not block_layers.loaded():
+        return None
+    a = layers[0].attn
+    return BoundBlockLayers([t for lp in layers for t in (lp.in_norm, lp.post_norm)],
+                            [b for lp in layers for b in lp.blocks or ()], model.norm.weight.detach(),
+                            (a.num_heads, a.num_kv_heads, a.head_dim, int(model.embed_tokens.weight.shape[1])),
+                            model.norm.eps, a.scale)  # fmt: skip
 
 
 def _amx_packs(attn: PlanAttention, mlp: PlanMLP, blocks: LayerBlocks | None) -> AmxPacks | None:
@@ -328,6 +344,10 @@ def planned_forward(
     if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them
         x = F.pad(x, (0, 0, 0, rows - t))
         cos, sin = F.pad(cos, (0, 0, 0, 0, 0, rows - t)), F.pad(sin, (0, 0, 0, 0, 0, rows - t))
+    if blocks and plan.block_layers is not None:
+        out = _block_layers_step(plan, x, cos, sin, kv_caches, metadata)
+        if out is not None:
+            return out
     residual = x
     n_qkv, hidden, inter = plan.sizes
     last = len(plan.layers) - 1
@@ -392,6 +412,19 @@ def planned_forward(
     with in_norm:
         ops.add_rms_norm_(x, residual, plan.final_norm, eps)
     return x[:t] if rows != t else x
+
+
+def _block_layers_step(plan: ForwardPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor | None:  # fmt: skip
+    """The blocks branch of `planned_forward` in one `block_layers` call, where every row of the step
+    is one decoding request whose attention the backend would give to the C++ op (`decode_rows`) and
+    the tensors are laid out as the Python loop's kernels take them; None otherwise."""
+    rows = plan.layers[0].attn.attn_backend.decode_rows()
+    cache = kv_caches[0]
+    if (rows is None or rows[0].shape[0] != x.shape[0] or not x.is_contiguous() or cache.dtype != x.dtype
+            or not all(c.is_contiguous() for c in kv_caches)):  # fmt: skip
+        return None
+    return plan.block_layers(x, cos, sin, kv_caches, metadata.slot_mapping, *rows)
 
 
 def planned_decode(
