@@ -30,9 +30,14 @@ def llm() -> LLM:
 
 def _needs_op(llm: LLM) -> Any:
     plan = _model(llm).model.plan
-    if plan is None or plan.block_layers is None:
+    if plan is None or not plan.block_max_rows:
         pytest.skip("block_layers runs where the decode steps read the GGUF blocks with the AVX2 / scalar kernels "
                     "(a CPU without AVX512-BF16 + VNNI, whose quant packs take those steps) and a C++ toolchain")
+    if plan.block_layers is None:  # the blocks path without its op: say which condition failed
+        from engine.kernels import block_layers, cpu_extension
+
+        pytest.skip(f"block_layers not in the plan: kernels.block_layers={options.current().block_layers}, "
+                    f"op loaded={block_layers.loaded()}, builds in this process={cpu_extension._built}")
     return plan
 
 

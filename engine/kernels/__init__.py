@@ -7,7 +7,7 @@ of op calls (`forward_plan`). It imports no model: what it reads of one is decla
 protocols (`forward_plan.PlanModel`), and the checkpoint's stored blocks come in as arguments.
 
 The API other rooms call is the modules in `API`; `INTERNAL` ones (the builder, the one-call
-decoder op behind the planned forward) are this package's own. tests/test_import_graph.py keeps
+decoder ops behind the planned forward) are this package's own. tests/test_import_graph.py keeps
 both rules.
 """
 
@@ -15,4 +15,4 @@ API = (
     "amx_linear", "batch_invariance", "cpu_blocks", "cpu_gemv", "cpu_kernels", "cpu_linear", "forward_plan",
     "isa", "kernel_choices", "options", "paged_attention",
 )  # fmt: skip
-INTERNAL = ("cpu_extension", "planned_layers")
+INTERNAL = ("block_layers", "cpu_extension", "planned_layers")
