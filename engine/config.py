@@ -207,8 +207,9 @@ class KernelsConfig:
     paired gate pins the probe's answer for both sides. Override: `SERVELAB_ONEDNN_FP32=1` (prepacked) or
     `0` (plain)."""
     decode_team: bool = True
-    """The planned decode step of fewer than 8 rows on the checkpoint's blocks as one OpenMP region for all
-    layers (AVX512-VNNI builds; engine/kernels/planned_layers.py). `false` calls the kernels one by one.
+    """The planned decode step on the checkpoint's blocks as one OpenMP region for all layers: of fewer than
+    8 rows on AVX512-VNNI builds (engine/kernels/planned_layers.py), and in `block_layers`' op on builds
+    without AVX-512 (AVX2 or scalar; engine/kernels/block_layers.py). `false` calls the kernels one by one.
     Override: `SERVELAB_DECODE_TEAM=0|1`."""
     block_layers: bool = True
     """The planned decode step on the checkpoint's GGUF blocks (a CPU without AVX-512: AVX2 or the scalar

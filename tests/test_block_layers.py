@@ -11,16 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from plan_helpers import PhaseNames, model_of, run_with_and_without
 
 from engine.config import KernelsConfig
 from engine.frontend.llm import LLM
-from engine.hooks import NULL_HOOKS, NullHooks, observe_attention
-from engine.kernels import options
+from engine.hooks import NULL_HOOKS, observe_attention
+from engine.kernels import cpu_blocks, options
 from engine.sampling_params import SamplingParams
-
-
-def _model(llm: LLM) -> Any:
-    return llm.engine_core.executor.worker.model  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="module")
@@ -29,65 +26,71 @@ def llm() -> LLM:
 
 
 def _needs_op(llm: LLM) -> Any:
-    plan = _model(llm).model.plan
-    if plan is None or not plan.block_max_rows:
-        pytest.skip("block_layers runs where the decode steps read the GGUF blocks with the AVX2 / scalar kernels "
-                    "(a CPU without AVX512-BF16 + VNNI, whose quant packs take those steps) and a C++ toolchain")
-    if plan.block_layers is None:  # the blocks path without its op: say which condition failed
-        from engine.kernels import block_layers, cpu_extension
+    """The plan with its block_layers op; a skip only where no C++ toolchain builds the block kernels:
+    a float32 engine on the GGUF reads its blocks on every CPU with one (the AVX2 or the scalar build),
+    whatever the float32 probe chose for the larger steps."""
+    if cpu_blocks.isa() is None:
+        pytest.skip("block_layers needs the C++ block kernels (cpu_blocks), which no toolchain built here")
+    plan = model_of(llm).model.plan
+    assert plan is not None and plan.block_max_rows, "the decode steps do not read the GGUF blocks"
+    from engine.kernels import block_layers, cpu_extension
 
-        pytest.skip(f"block_layers not in the plan: kernels.block_layers={options.current().block_layers}, "
-                    f"op loaded={block_layers.loaded()}, builds in this process={cpu_extension._built}")
+    assert plan.block_layers is not None, (
+        f"block_layers not in the plan: kernels.block_layers={options.current().block_layers}, "
+        f"op loaded={block_layers.loaded()}, builds in this process={cpu_extension._built}")
     return plan
 
 
-def _run_both(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[Any], list[list[torch.Tensor]], int]:
-    """Tokens and every step's hidden states with the op and without it (the Python loop), and how
-    many steps the op ran."""
-    inner = _model(llm).model
-    plan = inner.plan
-    calls = [0]
-
-    def counting(*args: Any) -> torch.Tensor:
-        calls[0] += 1
-        return plan.block_layers(*args)
-
-    forward = inner.forward
-    hidden: list[list[torch.Tensor]] = [[], []]
-    tokens = []
-    side = [0]  # 0: with the op, 1: without
-
-    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
-        out = forward(*args, **kwargs)
-        hidden[side[0]].append(out.clone())
-        return out
-
-    inner.forward = recording
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    try:
-        for side[0], p in enumerate((dataclasses.replace(plan, block_layers=counting),
-                                     dataclasses.replace(plan, block_layers=None))):  # fmt: skip
-            inner.plan = p
-            llm.reset_prefix_cache()
-            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-    finally:
-        inner.forward, inner.plan = forward, plan
-    return tokens, hidden, calls[0]
-
-
+@pytest.mark.parametrize("team", [True, False], ids=["team", "dispatcher"])
 @pytest.mark.parametrize("rows", [1, 3])
 @torch.inference_mode()
-def test_op_equals_the_python_loop_on_the_checkpoints_blocks(llm: LLM, rows: int) -> None:
+def test_op_equals_the_python_loop_on_the_checkpoints_blocks(llm: LLM, rows: int, team: bool) -> None:
+    """Both ways the op runs its steps: the team step (one parallel region, on builds without AVX-512) and
+    the kernels called one by one through the dispatcher."""
+    from engine.kernels import block_layers
+
     plan = _needs_op(llm)
     if rows > plan.block_max_rows:
         pytest.skip(f"the scalar block build reads the blocks at {plan.block_max_rows} row(s) only (no AVX2 + FMA)")
+    if team and not torch.ops.servelab.set_block_team(True):
+        block_layers.apply_options()
+        pytest.skip("the team step runs on builds without AVX-512 (their attention is the split path): this build "
+                    "has it; tests/test_csrc_targets.py runs this file on the AVX2 build (x86-64-v3)")
+    torch.ops.servelab.set_block_team(team)
+    steps = torch.ops.servelab.block_team_steps()
     prompts = [list(range(200 + 40 * i, 232 + 40 * i + 5 * i)) for i in range(rows)]
-    tokens, hidden, calls = _run_both(llm, prompts, 8)
+    try:
+        tokens, hidden, calls = run_with_and_without(llm, "block_layers", prompts, 8)
+    finally:
+        block_layers.apply_options()
+    assert torch.ops.servelab.block_team_steps() - steps == (calls if team else 0)
     assert tokens[0] == tokens[1]
     assert calls == 7  # every step after the prompts' one prefill step
     assert len(hidden[0]) == len(hidden[1]) == 8
     for a, b in zip(hidden[0], hidden[1], strict=True):
         assert torch.equal(a, b)
+
+
+@torch.inference_mode()
+def test_a_plan_on_the_blas_weights_reads_the_blocks_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the float32 probe keeps the plain BLAS for the larger steps (oneDNN not clearly faster here,
+    as a loaded machine can measure, or `kernels.float32_linear=plain`), the plan is made all the same, on
+    the plain weights, and its decode steps run the op on the blocks. Before, no plan was made there, and
+    the op was lost without a word."""
+    if cpu_blocks.isa() is None:
+        pytest.skip("block_layers needs the C++ block kernels (cpu_blocks), which no toolchain built here")
+    before = options.current()
+    monkeypatch.setenv("SERVELAB_ONEDNN_FP32", "0")
+    try:
+        blas = LLM(model="smollm2", dtype="float32", max_num_seqs=1, max_model_len=256)
+        plan = _needs_op(blas)
+        assert not plan.onednn
+        tokens, hidden, calls = run_with_and_without(blas, "block_layers", [list(range(300, 340))], 6)
+        assert tokens[0] == tokens[1] and calls == 5
+        for a, b in zip(hidden[0], hidden[1], strict=True):
+            assert torch.equal(a, b)
+    finally:
+        options.configure(before)
 
 
 @torch.inference_mode()
@@ -101,22 +104,13 @@ def test_a_profiled_step_names_every_kernel(llm: LLM) -> None:
             "servelab::plan:linears", "servelab::plan:attention", "servelab::plan:mlp"} <= names  # fmt: skip
 
 
-class _Phases(NullHooks):
-    def __init__(self) -> None:
-        self.names: list[str] = []
-
-    def phase(self, name: str) -> Any:
-        self.names.append(name)
-        return super().phase(name)
-
-
 @torch.inference_mode()
 def test_observed_attention_keeps_the_loop(llm: LLM) -> None:
     """engine/hooks.observe_attention wraps each layer's attention call in a phase range: with hooks
     on, the op must not bypass it."""
     plan = _needs_op(llm)
     backend = plan.layers[0].attn.attn_backend
-    hooks = _Phases()
+    hooks = PhaseNames()
     observe_attention(backend, hooks)
     try:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
@@ -127,16 +121,16 @@ def test_observed_attention_keeps_the_loop(llm: LLM) -> None:
 
 
 def test_switched_off_by_the_config_and_its_variable(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.kernels.forward_plan import _block_layers
+    from engine.kernels import block_layers
 
     plan = _needs_op(llm)
-    inner = _model(llm).model
+    inner = model_of(llm).model
     before = options.current()
     try:
         options.configure(dataclasses.replace(before, block_layers=False))
-        assert _block_layers(plan.layers, inner) is None
+        assert block_layers.bind(plan.layers, inner.norm.weight, plan.sizes[1], inner.norm.eps) is None
         options.configure(dataclasses.replace(before, block_layers=True))
-        assert _block_layers(plan.layers, inner) is not None
+        assert block_layers.bind(plan.layers, inner.norm.weight, plan.sizes[1], inner.norm.eps) is not None
     finally:
         options.configure(before)
     monkeypatch.setenv("SERVELAB_BLOCK_LAYERS", "0")

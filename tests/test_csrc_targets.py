@@ -74,7 +74,8 @@ def test_every_kernel_path_compiles_for_every_cpu_class(tmp_path: Path) -> None:
     assert not failed, "engine/kernels/csrc does not compile for:\n" + "\n".join(failed)
 
 
-AVX2_TESTS = ("tests/test_cpu_blocks.py", "tests/test_cpu_kernels.py", "tests/test_cpu_gemv.py")
+AVX2_TESTS = ("tests/test_cpu_blocks.py", "tests/test_cpu_kernels.py", "tests/test_cpu_gemv.py",
+              "tests/test_block_layers.py")  # the last: the team step, which an AVX-512 build does not compile
 
 
 @pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="the AVX2 build needs avx2, fma and f16c")

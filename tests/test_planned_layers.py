@@ -6,64 +6,22 @@ the loop, and a profiled step calls every kernel by name."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
 import torch
+from plan_helpers import PhaseNames, model_of, run_with_and_without
 
 from engine.frontend.llm import LLM
-from engine.hooks import NULL_HOOKS, NullHooks, observe_attention
+from engine.hooks import NULL_HOOKS, observe_attention
 from engine.sampling_params import SamplingParams
 
 
-def _model(llm: LLM) -> Any:
-    return llm.engine_core.executor.worker.model  # type: ignore[attr-defined]
-
-
 def _needs_op(llm: LLM) -> Any:
-    plan = _model(llm).model.plan
+    plan = model_of(llm).model.plan
     if plan is None or plan.layers_op is None:
         pytest.skip("planned_layers needs the decode kernels (a CPU with AMX or AVX512-BF16) and a C++ toolchain")
     return plan
-
-
-def _run_both(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[Any], list[list[torch.Tensor]], int]:
-    """Tokens and every step's hidden states with the op and without it (the Python loop), and
-    how many steps the op ran."""
-    inner = _model(llm).model
-    plan = inner.plan
-    calls = [0]
-
-    def counting(*args: Any) -> torch.Tensor:
-        calls[0] += 1
-        return plan.layers_op(*args)
-
-    with_op = dataclasses.replace(plan, layers_op=counting)
-    without = dataclasses.replace(plan, layers_op=None)
-    forward = inner.forward
-    hidden: list[list[torch.Tensor]] = [[], []]
-    tokens = []
-    side = [0]  # 0: with the op, 1: without
-
-    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
-        out = forward(*args, **kwargs)
-        hidden[side[0]].append(out.clone())
-        return out
-
-    inner.forward = recording
-    # every step through forward (whose output is recorded), not the greedy one-call path
-    _model(llm).greedy_decode = lambda *args: None
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    try:
-        for side[0], p in enumerate((with_op, without)):
-            inner.plan = p
-            llm.reset_prefix_cache()
-            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-    finally:
-        inner.forward, inner.plan = forward, plan
-        del _model(llm).greedy_decode
-    return tokens, hidden, calls[0]
 
 
 @torch.inference_mode()
@@ -72,7 +30,7 @@ def test_op_equals_the_python_loop_with_bfloat16_packs() -> None:
               max_num_seqs=3, max_num_batched_tokens=32)  # fmt: skip
     _needs_op(llm)
     prompts = [list(range(100, 140)), [7, 8, 9] * 7, [5, 6]]  # chunked prefill, mixed steps, then 1-3 decode rows
-    tokens, hidden, calls = _run_both(llm, prompts, 6)
+    tokens, hidden, calls = run_with_and_without(llm, "layers_op", prompts, 6)
     assert tokens[0] == tokens[1]
     assert len(hidden[0]) == len(hidden[1]) > 5
     for a, b in zip(hidden[0], hidden[1], strict=True):
@@ -103,7 +61,7 @@ def test_op_equals_the_python_loop_with_the_checkpoints_quant_packs(team: bool, 
     before = _team_step_count()
     try:
         prompts = [list(range(200 + 40 * i, 232 + 40 * i + 5 * i)) for i in range(rows)]
-        tokens, hidden, calls = _run_both(llm, prompts, 8)
+        tokens, hidden, calls = run_with_and_without(llm, "layers_op", prompts, 8)
     finally:
         torch.ops.servelab.set_decode_team(had)
     assert tokens[0] == tokens[1]
@@ -122,7 +80,7 @@ def test_greedy_decode_equals_the_forward_and_the_heads_argmax(team: bool, rows:
     `greedy_ids` give apart, and the runner takes it on every decode step."""
     llm = LLM(model="smollm2", max_num_seqs=rows, max_model_len=512)
     plan = _needs_op(llm)
-    model = _model(llm)
+    model = model_of(llm)
     if not plan.quant_packs or model.quant_lm_head is None:
         pytest.skip("no quant packs: the CPU lacks AVX512-BF16 for the GGUF block kernels")
     had = torch.ops.servelab.set_decode_team(None)
@@ -174,15 +132,6 @@ def test_a_profiled_step_keeps_every_kernel_in_view() -> None:
     assert _team_step_count() - before == 3  # unprofiled: the team step
 
 
-class _Phases(NullHooks):
-    def __init__(self) -> None:
-        self.names: list[str] = []
-
-    def phase(self, name: str) -> Any:
-        self.names.append(name)
-        return super().phase(name)
-
-
 @torch.inference_mode()
 def test_observed_attention_and_batch_invariant_plans_keep_the_loop() -> None:
     """engine/hooks.observe_attention wraps each layer's attention call in a phase range: with
@@ -191,7 +140,7 @@ def test_observed_attention_and_batch_invariant_plans_keep_the_loop() -> None:
               max_num_seqs=1)  # fmt: skip
     plan = _needs_op(llm)
     backend = plan.layers[0].attn.attn_backend
-    hooks = _Phases()
+    hooks = PhaseNames()
     observe_attention(backend, hooks)
     try:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
@@ -201,7 +150,7 @@ def test_observed_attention_and_batch_invariant_plans_keep_the_loop() -> None:
     assert hooks.names.count("attention") == 4 * 2  # every step, every layer: no step took the op
     invariant = LLM(model="smollm2", load_format="dummy", num_layers_override=2, dtype="bfloat16", num_blocks=32,
                     max_num_seqs=1, batch_invariant=True)  # fmt: skip
-    assert _model(invariant).model.plan.layers_op is None
+    assert model_of(invariant).model.plan.layers_op is None
 
 
 def test_op_rejects_mismatched_lists_and_ids_outside_the_tables() -> None:

@@ -234,12 +234,13 @@ def is_loaded(source: str) -> bool:
 
 
 def load_cpu_ops(
-    source: str, what: str, register_fakes: Callable[[], None], extra_cflags: tuple[str, ...] = ()
-) -> bool:
+    source: str, what: str, register_fakes: Callable[[], None], extra_cflags: tuple[str, ...] = (),
+    instead: str = "using torch ops",
+) -> bool:  # fmt: skip
     """Build and load engine/kernels/csrc/`source` (OpenMP, -O3, native), which registers `torch.ops.servelab.*`.
 
     `register_fakes` then registers the ops' fake (meta) implementations. True when loaded;
-    False (once logged) where it cannot be built.
+    False (once logged, with `instead`: what runs in their place) where it cannot be built.
     """
     if source not in _built:
         try:
@@ -265,6 +266,6 @@ def load_cpu_ops(
             register_fakes()
             _built[source] = True
         except Exception as exc:  # no compiler, no headers: the torch path is correct, just slower
-            logger.warning("%s: C++ CPU kernels unavailable (%s); using torch ops", what, exc)
+            logger.warning("%s: C++ CPU kernels unavailable (%s); %s", what, exc, instead)
             _built[source] = False
     return _built[source]

@@ -135,12 +135,14 @@ def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, plain: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] @ packed.T (+ bias) -> [..., N], in x's dtype (rows padded to `padded_rows`
-    for oneDNN, the padding cut off again). Given the plain weight (row-major), a few rows
+    for oneDNN, the padding cut off again; a `packed` that is a plain weight runs `F.linear`). Given the plain weight (row-major), a few rows
     without bias run the GEMV instead (engine/kernels/cpu_gemv.py: float32, or bfloat16 at 1-2 rows)."""
     flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     if plain is not None and bias is None and cpu_gemv.applies(flat, plain) and (ops := cpu_gemv.gemv_ops()):
         out = cpu_gemv.gemv(ops, flat, plain)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+    if not packed.is_mkldnn:  # a plain weight (a plan that runs the BLAS: ForwardPlan.onednn)
+        return torch.nn.functional.linear(x, packed, bias)
     rows = flat.shape[0]
     padded = padded_rows(rows)
     if padded != rows:

@@ -36,7 +36,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from engine.hugepages import copies_on_huge_pages
-from engine.kernels import amx_linear, block_layers, cpu_blocks, cpu_gemv, options
+from engine.kernels import amx_linear, block_layers, cpu_blocks, cpu_gemv
 from engine.kernels.block_layers import BoundBlockLayers
 from engine.kernels.cpu_kernels import kernels
 from engine.kernels.cpu_linear import packed_linear, padded_rows
@@ -224,6 +224,12 @@ class ForwardPlan:
     def quant(self) -> bool:
         return self.quant_max_rows > 0
 
+    @property
+    def onednn(self) -> bool:
+        """The layers' dense linears run oneDNN's packed weights (at padded row counts); else `F.linear`
+        on the plain ones, a plan made for the checkpoint's blocks where the float32 probe kept the BLAS."""
+        return bool(self.layers[0].qkv.is_mkldnn)
+
 
 def build_plan(model: PlanModel, blocks: Sequence[LayerBlocks | None] | None = None,
                batch_invariant: bool = False) -> ForwardPlan | None:  # fmt: skip
@@ -242,9 +248,15 @@ def build_plan(model: PlanModel, blocks: Sequence[LayerBlocks | None] | None = N
         attn, mlp = layer.self_attn, layer.mlp
         inter = mlp.intermediate_size
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        packed = [m.__dict__.get("packed_weight") for m in linears]
-        if any(p is None for p in packed) or any(m.bias is not None for m in linears):
+        if any(m.bias is not None for m in linears):
             return None
+        # oneDNN's packed weights, or where the float32 probe kept the plain BLAS (cpu_linear.prepack_supported)
+        # and the checkpoint's blocks are attached, the plain ones for F.linear (`ForwardPlan.onednn`)
+        packed = [m.__dict__.get("packed_weight") for m in linears]
+        if any(p is None for p in packed):
+            if any(p is not None for p in packed) or not all("gguf_blocks" in m.__dict__ for m in linears):
+                return None
+            packed = [m.weight.detach() for m in linears]
         qkv, o, gate_up, down = (p for p in packed if p is not None)
         plain: tuple[torch.Tensor, ...] | None = tuple(m.weight.detach() for m in linears)
         if not all(cpu_gemv.max_rows(w.dtype) and w.is_contiguous() for w in plain or ()):
@@ -254,7 +266,7 @@ def build_plan(model: PlanModel, blocks: Sequence[LayerBlocks | None] | None = N
                                 layer.post_attention_layernorm.weight.detach(), qkv, o, gate_up, down,
                                 _amx_packs(attn, mlp, blocks[index] if blocks else None), plain,
                                 tuple(g for g in gguf if g is not None) if all(g is not None for g in gguf) else None))  # fmt: skip
-    if not layers:
+    if not layers or len({lp.qkv.is_mkldnn for lp in layers}) > 1:  # all on oneDNN's packs or none
         return None
     with_amx = all(lp.amx is not None for lp in layers)
     with_quant = with_amx and all(lp.amx is not None and lp.amx.quant is not None for lp in layers)
@@ -279,25 +291,25 @@ def build_plan(model: PlanModel, blocks: Sequence[LayerBlocks | None] | None = N
                        block_rows if with_blocks else 0, _block_layers(layers, model) if with_blocks else None)  # fmt: skip
 
 
+def _one_attention_shape(layers: Sequence[LayerPlan]) -> bool:
+    """Whether every layer has the same attention shape and scale: what a one-call layer op takes."""
+    return len({(lp.attn.num_heads, lp.attn.num_kv_heads, lp.attn.head_dim, lp.attn.scale) for lp in layers}) == 1
+
+
 def _layers_op(layers: Sequence[LayerPlan]) -> Any | None:
     """planned_layers for these layers (every one with its decode kernels' packs), where they share
     one attention shape and scale and the op is built; None otherwise. Not for a batch-invariant
     plan: its attention takes another path."""
-    shapes = {(lp.attn.num_heads, lp.attn.num_kv_heads, lp.attn.head_dim, lp.attn.scale) for lp in layers}
-    return layers_op() if len(shapes) == 1 and all(lp.amx is not None for lp in layers) else None
+    return layers_op() if _one_attention_shape(layers) and all(lp.amx is not None for lp in layers) else None
 
 
 def _block_layers(layers: Sequence[LayerPlan], model: PlanModel) -> BoundBlockLayers | None:
     """block_layers for these layers (every one with its four block matrices), where they share one
-    attention shape and scale, `kernels.block_layers` allows it and the op is built; None otherwise."""
-    shapes = {(lp.attn.num_heads, lp.attn.num_kv_heads, lp.attn.head_dim, lp.attn.scale) for lp in layers}
-    if len(shapes) != 1 or not options.current().block_layers or not block_layers.loaded():
+    attention shape and scale (block_layers.bind says what else it needs); None otherwise."""
+    if not _one_attention_shape(layers):
         return None
-    a = layers[0].attn
-    return BoundBlockLayers([t for lp in layers for t in (lp.in_norm, lp.post_norm)],
-                            [b for lp in layers for b in lp.blocks or ()], model.norm.weight.detach(),
-                            (a.num_heads, a.num_kv_heads, a.head_dim, int(model.embed_tokens.weight.shape[1])),
-                            model.norm.eps, a.scale)  # fmt: skip
+    return block_layers.bind(layers, model.norm.weight.detach(), int(model.embed_tokens.weight.shape[1]),
+                             model.norm.eps)  # fmt: skip
 
 
 def _amx_packs(attn: PlanAttention, mlp: PlanMLP, blocks: LayerBlocks | None) -> AmxPacks | None:
@@ -340,12 +352,13 @@ def planned_forward(
     quant = amx is not None and t <= plan.quant_max_rows  # a few rows: the checkpoint's blocks
     gemv = plan.gemv_ops is not None and t <= cpu_gemv.max_rows(plan.dtype)  # a few rows: packed_linear's GEMV
     blocks = amx is None and t <= plan.block_max_rows  # a few rows: the checkpoint's blocks (cpu_blocks)
-    rows = t if amx is not None or gemv or blocks else padded_rows(t)  # oneDNN's few shapes (cpu_linear.padded_rows)
+    # oneDNN's few shapes (cpu_linear.padded_rows)
+    rows = t if amx is not None or gemv or blocks or not plan.onednn else padded_rows(t)
     if rows != t:  # zero rows stay zero through the layers (rms_norm of 0 is 0); attention skips them
         x = F.pad(x, (0, 0, 0, rows - t))
         cos, sin = F.pad(cos, (0, 0, 0, 0, 0, rows - t)), F.pad(sin, (0, 0, 0, 0, 0, rows - t))
     if blocks and plan.block_layers is not None:
-        out = _block_layers_step(plan, x, cos, sin, kv_caches, metadata)
+        out = block_layers.step(plan, x, cos, sin, kv_caches, metadata)
         if out is not None:
             return out
     residual = x
@@ -414,19 +427,6 @@ def planned_forward(
     return x[:t] if rows != t else x
 
 
-def _block_layers_step(plan: ForwardPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor | None:  # fmt: skip
-    """The blocks branch of `planned_forward` in one `block_layers` call, where every row of the step
-    is one decoding request whose attention the backend would give to the C++ op (`decode_rows`) and
-    the tensors are laid out as the Python loop's kernels take them; None otherwise."""
-    rows = plan.layers[0].attn.attn_backend.decode_rows()
-    cache = kv_caches[0]
-    if (rows is None or rows[0].shape[0] != x.shape[0] or not x.is_contiguous() or cache.dtype != x.dtype
-            or not all(c.is_contiguous() for c in kv_caches)):  # fmt: skip
-        return None
-    return plan.block_layers(x, cos, sin, kv_caches, metadata.slot_mapping, *rows)
-
-
 def planned_decode(
     plan: ForwardPlan, input_ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
     rotary: PlanRotary, kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
@@ -463,7 +463,7 @@ def warm_up_linears(plan: ForwardPlan, max_rows: int) -> float:
     hidden = plan.sizes[1]
     q_size = lp.attn.q_size
     low = plan.amx_max_rows + 1 if plan.amx_ops is not None else 1
-    if plan.batch_invariant:  # no step runs oneDNN's linears
+    if plan.batch_invariant or not plan.onednn:  # no step runs oneDNN's linears
         return 0.0
     for rows in sorted({padded_rows(r) for r in range(low, max(max_rows, low) + 1)}):
         x = torch.zeros(rows, hidden, dtype=plan.dtype)

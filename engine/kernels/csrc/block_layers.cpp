@@ -6,23 +6,30 @@
 // Every kernel is the one the Python loop calls, with the same arguments: the same numbers, bit for
 // bit (tests/test_block_layers.py). torch.profiler still names each kernel, inside the plan's part
 // ranges (servelab::plan:<part>, forward_plan.PLAN_PARTS).
+//
+// The team step: where the build has no AVX-512 (there paged_attention takes the portable split path,
+// whose parts a team can run), no profiler is listening and the arguments are laid out as the loops read
+// them, the same kernels' loops run as one OpenMP parallel region for all layers (team.h), met at barriers
+// instead of forked and joined ~8 times a layer, with no dispatcher call or allocation per op: the same
+// numbers, bit for bit (every linear's column split and the attention's units are the same).
+// `kernels.decode_team` switches it (set_block_team).
 #include <torch/extension.h>
-#include <ATen/core/dispatch/Dispatcher.h>
+#include "dispatch_ops.h"
 #include <ATen/record_function.h>
+#include <atomic>
+#include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
+#include "block_columns.h"
+#include "layer_ops.h"
+#include "paged_attention_split.h"
+#include "team.h"
 
 namespace servelab {
 namespace block_plan {  // named: every source is also compiled as one unit (tests/test_csrc_targets.py)
 
 using torch::Tensor;
-
-template <class Fn>
-c10::TypedOperatorHandle<Fn> op(const char* name) {
-  // typed() checks Fn against the registered kernel's C++ signature: a kernel whose parameters
-  // change fails here, at the first call, with the operator's name
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-}
 
 // The kernels the loop calls (block_linear.cpp, layer_ops.cpp, paged_attention.cpp: loaded before the
 // first call, by the Python side that builds the plan).
@@ -46,11 +53,6 @@ const BlockOps& block_ops() {
   static const BlockOps ops;  // looked up once (thread-safe static initialisation)
   return ops;
 }
-
-constexpr const char* kPlanNorm = "servelab::plan:norm";
-constexpr const char* kPlanLinears = "servelab::plan:linears";
-constexpr const char* kPlanAttention = "servelab::plan:attention";
-constexpr const char* kPlanMlp = "servelab::plan:mlp";
 
 // What stays the same from step to step, handed over once (engine/kernels/block_layers.py:
 // BoundBlockLayers): per layer its KV cache, two norm weights (input, post-attention), four packed
@@ -76,6 +78,145 @@ struct BlockLayerArgs : torch::CustomClassHolder {
   }
 };
 
+std::atomic<bool> g_block_team{true};
+std::atomic<int64_t> g_block_team_steps{0};
+
+#if !defined(__AVX512F__)
+// Whether the team step runs this call (module note); every check it needs made here, before the region
+// (an exception inside one would end the process).
+static bool team_applies(const BlockLayerArgs& a, const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  const int64_t hq = a.shape[0], hkv = a.shape[1], D = a.shape[2], hidden = a.shape[3], T_ = x.size(0);
+  const auto dt = x.scalar_type();
+  if (!g_block_team.load(std::memory_order_relaxed) || at::hasCallbacks() || T_ == 0 ||
+      (dt != torch::kFloat && dt != torch::kBFloat16))
+    return false;
+  auto like_x = [&](const Tensor& t, int64_t numel) {
+    return t.device().is_cpu() && t.scalar_type() == dt && t.is_contiguous() && t.numel() == numel;
+  };
+  if (!like_x(cos, T_ * D) || !like_x(sin, T_ * D) || !like_x(a.final_norm, hidden)) return false;
+  for (const Tensor& n : a.norms)
+    if (!like_x(n, hidden)) return false;
+  for (const Tensor& c : a.kv_caches)
+    if (c.scalar_type() != dt || !c.is_contiguous() || c.dim() != 5 || c.size(0) != 2 || c.size(3) != hkv ||
+        c.size(4) != D)
+      return false;
+  const int64_t L = static_cast<int64_t>(a.kv_caches.size());
+  const int64_t inter2 = a.blocks[2].size(0);
+  for (int64_t i = 0; i < L; ++i) {  // qkv, o, gate_up, down: [N, column bytes of K inputs]
+    const int64_t n[4] = {(hq + 2 * hkv) * D, hidden, inter2, hidden}, k[4] = {hidden, hq * D, hidden, inter2 / 2};
+    for (int j = 0; j < 4; ++j) {
+      const Tensor& w = a.blocks[4 * i + j];
+      const blocks::Kind kd = blocks::kind_of(a.kinds[4 * i + j]);
+      if (w.scalar_type() != torch::kUInt8 || w.dim() != 2 || !w.is_contiguous() || w.size(0) != n[j] ||
+          k[j] % blocks::block_weights(kd) != 0 || w.size(1) != blocks::column_bytes(kd, k[j] / 32))
+        return false;
+    }
+  }
+  return inter2 % 2 == 0;
+}
+
+// One of a layer's linears in the team: each thread quantizes x itself (a few KB: cheaper than a barrier)
+// and runs its share of the columns, as block_linear's at::parallel_for would have run them.
+template <typename T>
+static void team_linear(const T* x, int64_t M, int64_t K, const Tensor& w, blocks::Kind kind, int64_t N, T* y) {
+  static thread_local blocks::QuantX xq;
+  blocks::quantize_x(x, M, K, xq);
+  blocks::linear_columns(xq, w.data_ptr<uint8_t>(), y, M, N, kind, false,
+                         [&](const auto& run) { team_for(0, N, run); });
+}
+
+// The layers of a decode step in one parallel region (module note). Each thread keeps its own copy of the
+// residual stream and of each norm's output (a few KB), so a norm runs on every thread with no barrier after
+// it; what one thread must do alone (rotary, the cache write, the attention's plan and merge, SiLU-mul) runs
+// on thread 0 between barriers (team_single).
+template <typename T>
+static Tensor team_layers(const BlockLayerArgs& a, Tensor x, const Tensor& cos, const Tensor& sin,
+                          const Tensor& slot_mapping, const Tensor& block_table, const Tensor& query_start_loc,
+                          const Tensor& seq_lens) {
+  const int64_t hq = a.shape[0], hkv = a.shape[1], D = a.shape[2], hidden = a.shape[3];
+  const int64_t T_ = x.size(0), L = static_cast<int64_t>(a.kv_caches.size()), n_qkv = (hq + 2 * hkv) * D;
+  const int64_t inter = a.blocks[2].size(0) / 2;
+  const float e = static_cast<float>(a.eps);
+  const auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  const auto bt = block_table.to(torch::kInt64).contiguous();
+  const auto qsl = query_start_loc.to(torch::kInt64).contiguous();
+  const auto sl = seq_lens.to(torch::kInt64).contiguous();
+  const int64_t B = sl.numel();
+  TORCH_CHECK(slots.numel() == T_ && qsl.numel() == B + 1 && bt.size(0) == B && qsl.data_ptr<int64_t>()[B] == T_,
+              "planned_block_layers: slot_mapping [T], query_start_loc [B + 1] ending at T, block_table [B, n]");
+  const int64_t nslots = a.kv_caches[0].size(1) * a.kv_caches[0].size(2), BS = a.kv_caches[0].size(2);
+  const int64_t *slot_at = slots.data_ptr<int64_t>(), *qs_at = qsl.data_ptr<int64_t>(), *sl_at = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(slot_at[t] >= 0 && slot_at[t] < nslots, "slot_mapping: slot out of range");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(qs_at[b] <= qs_at[b + 1] && qs_at[b + 1] - qs_at[b] <= sl_at[b] && (sl_at[b] + BS - 1) / BS <= bt.size(1),
+                "request ", b, ": more query rows than positions, or a context past its block table");
+  std::vector<blocks::Kind> kinds;
+  for (const std::string& k : a.kinds) kinds.push_back(blocks::kind_of(k));
+  auto qkv = torch::empty({T_, hq + 2 * hkv, D}, x.options());
+  auto attn = torch::empty({T_, hq, D}, x.options());
+  auto gate_up = torch::empty({T_, 2 * inter}, x.options());
+  auto mid = torch::empty({T_, inter}, x.options());
+  auto h = torch::empty({T_, hidden}, x.options());
+  auto result = torch::empty({T_, hidden}, x.options());
+  const Tensor q = qkv.narrow(1, 0, hq), k = qkv.narrow(1, hq, hkv), v = qkv.narrow(1, hq + hkv, hkv);
+  T *xp = x.data_ptr<T>(), *qkvp = qkv.data_ptr<T>(), *ap = attn.data_ptr<T>(), *gp = gate_up.data_ptr<T>();
+  T *mp = mid.data_ptr<T>(), *hp = h.data_ptr<T>(), *rp = result.data_ptr<T>();
+  const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+  // The first layer's input norm through the op, before the region: the op's sum is a vectorized reduction
+  // whose order the compiler picks per library, and this library's copy summed some rows differently.
+  const Tensor first_norm = block_ops().rms_norm.call(x, a.norms[0], a.eps);
+  const T* fp = first_norm.data_ptr<T>();
+  std::optional<SplitAttention<T>> att;  // this layer's attention: planned on thread 0, run by all
+  const int64_t rows = T_ * hidden;
+  const int threads = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(threads)
+  {
+    const TeamScope team;
+    static thread_local std::vector<T> res_v, nrm_v;
+    res_v.resize(rows);
+    nrm_v.resize(rows);
+    T *res = res_v.data(), *nrm = nrm_v.data();
+    // nrm = the shared linear output yp; res += nrm; nrm = norm(res) * w (add_rms_norm_ in place)
+    auto add_norm = [&](const T* yp, const Tensor& w) {
+      std::memcpy(nrm, yp, rows * sizeof(T));
+      add_rms_norm_impl<T>(nrm, res, w.data_ptr<T>(), T_, hidden, e);
+    };
+    std::memcpy(res, xp, rows * sizeof(T));
+    for (int64_t i = 0; i < L; ++i) {
+      const Tensor* w = a.blocks.data() + 4 * i;
+      const blocks::Kind* kd = kinds.data() + 4 * i;
+      if (i == 0)
+        std::memcpy(nrm, fp, rows * sizeof(T));
+      else
+        add_norm(hp, a.norms[2 * i]);
+      team_linear<T>(nrm, T_, hidden, w[0], kd[0], n_qkv, qkvp);
+      team_single([&] {
+        rope_impl<T>(qkvp, cp, sp, T_, hq + 2 * hkv, D, hq + hkv);
+        write_kv_rows<T>(a.kv_caches[i], k, v, slot_at, T_);
+        att.emplace(q, a.kv_caches[i], bt.data_ptr<int64_t>(), bt.size(1), qs_at, sl_at, B,
+                    static_cast<float>(a.scale), attn, false);
+      });
+      team_for(0, att->U, [&](int64_t u0, int64_t u1) { att->run(u0, u1); });
+      team_single([&] {
+        if (att->split) att->merge();
+      });
+      team_linear<T>(ap, T_, hq * D, w[1], kd[1], hidden, hp);
+      add_norm(hp, a.norms[2 * i + 1]);
+      team_linear<T>(nrm, T_, hidden, w[2], kd[2], 2 * inter, gp);
+      team_single([&] { silu_mul_impl<T>(gp, mp, T_, inter); });
+      team_linear<T>(mp, T_, inter, w[3], kd[3], hidden, hp);
+    }
+    add_norm(hp, a.final_norm);
+    if (omp_get_thread_num() == 0) {  // the outputs (nothing in the region reads x or result)
+      std::memcpy(rp, nrm, rows * sizeof(T));
+      std::memcpy(xp, res, rows * sizeof(T));
+    }
+  }
+  g_block_team_steps.fetch_add(1, std::memory_order_relaxed);
+  return result;
+}
+#endif
+
 // The layers and the final norm on the embedded tokens x [T, hidden] (modified: it is the residual
 // stream, as in the Python loop) -> [T, hidden]. cos, sin: [T, 1, head_dim]; block_table,
 // query_start_loc and seq_lens as the attention backend gives them for its decode rows.
@@ -85,6 +226,13 @@ Tensor planned_block_layers_bound(const c10::intrusive_ptr<BlockLayerArgs>& a, T
   const int64_t hq = a->shape[0], hkv = a->shape[1], D = a->shape[2], hidden = a->shape[3];
   TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.is_contiguous(), "planned_block_layers: x [T, ", hidden, "]");
   const int64_t T_ = x.size(0), L = static_cast<int64_t>(a->kv_caches.size());
+#if !defined(__AVX512F__)
+  if (team_applies(*a, x, cos, sin)) {
+    if (x.scalar_type() == torch::kFloat)
+      return team_layers<float>(*a, x, cos, sin, slot_mapping, block_table, query_start_loc, seq_lens);
+    return team_layers<at::BFloat16>(*a, x, cos, sin, slot_mapping, block_table, query_start_loc, seq_lens);
+  }
+#endif
   const Tensor residual = x;
   Tensor h;
   for (int64_t i = 0; i < L; ++i) {
@@ -138,6 +286,19 @@ Tensor planned_block_layers_bound(const c10::intrusive_ptr<BlockLayerArgs>& a, T
   return h;
 }
 
+// Whether block_layers runs its team step where it applies; with `enabled` given, switch it first.
+bool set_block_team(std::optional<bool> enabled) {
+  if (enabled.has_value()) g_block_team.store(*enabled);
+#if !defined(__AVX512F__)
+  return g_block_team.load();
+#else
+  return false;  // this build's paged_attention is not the split path the team runs
+#endif
+}
+
+// How many steps the team step has run in this process.
+int64_t block_team_steps() { return g_block_team_steps.load(); }
+
 }  // namespace block_plan
 }  // namespace servelab
 
@@ -148,6 +309,8 @@ TORCH_LIBRARY_FRAGMENT(servelab, m) {
   m.def("planned_block_layers_bound(__torch__.torch.classes.servelab.BlockLayerArgs args, Tensor(a!) x, "
         "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, "
         "Tensor seq_lens) -> Tensor");
+  m.def("set_block_team(bool? enabled=None) -> bool", &servelab::block_plan::set_block_team);
+  m.def("block_team_steps() -> int", &servelab::block_plan::block_team_steps);
 }
 
 TORCH_LIBRARY_IMPL(servelab, CPU, m) {

@@ -39,43 +39,6 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t head
   });
 }
 
-template <typename T>
-static void silu_mul_impl(const T* gp, T* op, int64_t T_, int64_t I) {
-  at::parallel_for(0, T_, 8, [&](int64_t b, int64_t end) {
-    for (int64_t t = b; t < end; ++t) {
-      const T* g = gp + t * 2 * I;
-      const T* u = g + I;
-      T* o = op + t * I;
-      int64_t i0 = 0;
-#if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (; i0 + 16 <= I; i0 += 16) {
-        const __m512 gv = vld(g + i0);
-        // 1 / (1 + exp(-g)): rcp14 and one Newton step (relative error ~2^-28, a division's
-        // accuracy in float32 at a fraction of its cost; the division bounded this loop).
-        const __m512 den = _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-        __m512 sig = _mm512_rcp14_ps(den);
-        sig = _mm512_mul_ps(sig, _mm512_fnmadd_ps(den, sig, _mm512_set1_ps(2.f)));
-        vst(o + i0, _mm512_mul_ps(_mm512_mul_ps(gv, sig), vld(u + i0)));
-      }
-#elif defined(__AVX2__) && defined(__FMA__)
-      if constexpr (std::is_same_v<T, float>) {  // eight lanes: the scalar exp_approx does not vectorise
-        const __m256 one = _mm256_set1_ps(1.f);
-        for (; i0 + 8 <= I; i0 += 8) {
-          const __m256 gv = _mm256_loadu_ps(g + i0);
-          const __m256 den = _mm256_add_ps(one, vexp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
-          _mm256_storeu_ps(o + i0, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i0)));
-        }
-      }
-#endif
-      for (int64_t i = i0; i < I; ++i) {
-        const float gv = ld(g, i);
-        st(o, i, gv / (1.f + exp_approx(-gv)) * ld(u, i));
-      }
-    }
-  });
-}
-
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check(gate_up, gate_up, "gate_up");
   const int64_t I = gate_up.size(-1) / 2, T_ = gate_up.numel() / (2 * I);

@@ -39,44 +39,57 @@ static inline float exp_shift_sum(float* s, int64_t n, float m) {
   return sum;
 }
 
+// One call's work, in three parts a team can run (block_layers.cpp's team step): the plan of units
+// (made once, by one thread), `run` over a range of units (any thread: a unit's numbers do not depend
+// on which), and `merge` of a split row's segments (one thread, after every unit has run).
 template <typename T>
-static void paged_attention_split(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp, int64_t bts,
-                                  const int64_t* qslp, const int64_t* slp, int64_t B, float scale, torch::Tensor& out,
-                                  bool fixed) {
-  const PagedView<T> v(q, kv_cache, qslp, B, out);
-  const int64_t Tn = v.Tn, Hq = v.Hq, D = v.D, BS = v.BS, Hkv = v.Hkv, G = v.G, row = v.row;
-  std::vector<int64_t> L(Tn);  // positions row i attends: 0 .. L[i] - 1
-  int64_t maxL = 0;
-  for (int64_t i = 0; i < Tn; ++i) {
-    const int64_t b = v.req_of[i];
-    L[i] = slp[b] - (qslp[b + 1] - qslp[b]) + (i - qslp[b]) + 1;
-    maxL = std::max(maxL, L[i]);
-  }
-  const int64_t threads = at::get_num_threads();
-  int64_t seg = std::max<int64_t>(maxL, 1);  // tokens a unit attends (whole blocks when split)
-  if (!fixed && Tn < 2 * threads && maxL > 2 * BS) {
-    const int64_t want = (2 * threads + Tn - 1) / Tn;  // segments per row
-    seg = std::max<int64_t>(2 * BS, ((maxL + want - 1) / want + BS - 1) / BS * BS);
-  }
+struct SplitAttention {
   struct Unit {
     int64_t i, t0, t1;
   };
+  PagedView<T> v;
+  const int64_t* btp;
+  int64_t bts;
+  float scale;
+  std::vector<int64_t> L;  // positions row i attends: 0 .. L[i] - 1
   std::vector<Unit> units;
-  std::vector<int64_t> first(Tn + 1);  // row i: units first[i] .. first[i + 1] - 1
-  for (int64_t i = 0; i < Tn; ++i) {
-    first[i] = static_cast<int64_t>(units.size());
-    for (int64_t t0 = 0; t0 < L[i]; t0 += seg) units.push_back({i, t0, std::min(L[i], t0 + seg)});
-  }
-  first[Tn] = static_cast<int64_t>(units.size());
-  const int64_t U = first[Tn];
-  const bool split = U > Tn;
+  std::vector<int64_t> first;  // row i: units first[i] .. first[i + 1] - 1
+  int64_t U = 0;
+  bool split = false;
   std::vector<float> part_max, part_sum, part_acc;  // per unit and query head (split only)
-  if (split) {
-    part_max.resize(U * Hq);
-    part_sum.resize(U * Hq);
-    part_acc.resize(U * Hq * D);
+
+  SplitAttention(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp_, int64_t bts_,
+                 const int64_t* qslp, const int64_t* slp, int64_t B, float scale_, torch::Tensor& out, bool fixed)
+      : v(q, kv_cache, qslp, B, out), btp(btp_), bts(bts_), scale(scale_), L(v.Tn), first(v.Tn + 1) {
+    const int64_t Tn = v.Tn, Hq = v.Hq, D = v.D, BS = v.BS;
+    int64_t maxL = 0;
+    for (int64_t i = 0; i < Tn; ++i) {
+      const int64_t b = v.req_of[i];
+      L[i] = slp[b] - (qslp[b + 1] - qslp[b]) + (i - qslp[b]) + 1;
+      maxL = std::max(maxL, L[i]);
+    }
+    const int64_t threads = team_threads();
+    int64_t seg = std::max<int64_t>(maxL, 1);  // tokens a unit attends (whole blocks when split)
+    if (!fixed && Tn < 2 * threads && maxL > 2 * BS) {
+      const int64_t want = (2 * threads + Tn - 1) / Tn;  // segments per row
+      seg = std::max<int64_t>(2 * BS, ((maxL + want - 1) / want + BS - 1) / BS * BS);
+    }
+    for (int64_t i = 0; i < Tn; ++i) {
+      first[i] = static_cast<int64_t>(units.size());
+      for (int64_t t0 = 0; t0 < L[i]; t0 += seg) units.push_back({i, t0, std::min(L[i], t0 + seg)});
+    }
+    first[Tn] = static_cast<int64_t>(units.size());
+    U = first[Tn];
+    split = U > Tn;
+    if (split) {
+      part_max.resize(U * Hq);
+      part_sum.resize(U * Hq);
+      part_acc.resize(U * Hq * D);
+    }
   }
-  at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
+
+  void run(int64_t u0, int64_t u1) {
+    const int64_t Hq = v.Hq, D = v.D, BS = v.BS, G = v.G, row = v.row;
     std::vector<float> qf(Hq * D), acc(Hq * D), kf(row), scores, mx(Hq), sums(Hq);
     for (int64_t u = u0; u < u1; ++u) {
       const Unit& un = units[u];
@@ -144,28 +157,40 @@ static void paged_attention_split(const torch::Tensor& q, const torch::Tensor& k
         }
       }
     }
-  });
-  if (!split) return;
-  // Split only where rows are few (under twice the threads): merged here, on the calling thread:
-  // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M the largest segment maximum.
-  std::vector<float> o(D);
-  for (int64_t i = 0; i < Tn; ++i)
-    for (int64_t j = 0; j < Hq; ++j) {
-      float M = -std::numeric_limits<float>::infinity();
-      for (int64_t u = first[i]; u < first[i + 1]; ++u) M = std::max(M, part_max[u * Hq + j]);
-      float total = 0.f;
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t u = first[i]; u < first[i + 1]; ++u) {
-        const float w = exp_approx(part_max[u * Hq + j] - M);
-        total += w * part_sum[u * Hq + j];
-        const float* a = part_acc.data() + (u * Hq + j) * D;
+  }
+
+  void merge() {
+    const int64_t Tn = v.Tn, Hq = v.Hq, D = v.D;
+    // Split only where rows are few (under twice the threads): merged here, on the calling thread:
+    // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M the largest segment maximum.
+    std::vector<float> o(D);
+    for (int64_t i = 0; i < Tn; ++i)
+      for (int64_t j = 0; j < Hq; ++j) {
+        float M = -std::numeric_limits<float>::infinity();
+        for (int64_t u = first[i]; u < first[i + 1]; ++u) M = std::max(M, part_max[u * Hq + j]);
+        float total = 0.f;
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t u = first[i]; u < first[i + 1]; ++u) {
+          const float w = exp_approx(part_max[u * Hq + j] - M);
+          total += w * part_sum[u * Hq + j];
+          const float* a = part_acc.data() + (u * Hq + j) * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        T* out_row = v.op + (i * Hq + j) * D;
+        const float r = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) st(out_row, d, o[d] * r);
       }
-      T* out_row = v.op + (i * Hq + j) * D;
-      const float r = 1.f / total;
-      for (int64_t d = 0; d < D; ++d) st(out_row, d, o[d] * r);
-    }
+  }
+};
+
+template <typename T>
+static void paged_attention_split(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* btp, int64_t bts,
+                                  const int64_t* qslp, const int64_t* slp, int64_t B, float scale, torch::Tensor& out,
+                                  bool fixed) {
+  SplitAttention<T> a(q, kv_cache, btp, bts, qslp, slp, B, scale, out, fixed);
+  at::parallel_for(0, a.U, 1, [&](int64_t u0, int64_t u1) { a.run(u0, u1); });
+  if (a.split) a.merge();
 }
 
 }  // namespace servelab

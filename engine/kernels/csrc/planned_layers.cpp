@@ -3,7 +3,7 @@
 // dispatcher from here instead of from Python, so a batch-1 step pays one Python call for its 30
 // layers instead of ~300 (2-3 us each: SmolLM2's batch-1 step 8.0-9.4 -> 6.2-6.9 ms).
 #include "kernel_header.h"
-#include <ATen/core/dispatch/Dispatcher.h>
+#include "dispatch_ops.h"
 #include <ATen/record_function.h>
 #include <atomic>
 #include <cstdlib>
@@ -19,13 +19,6 @@ namespace {
 
 using torch::Tensor;
 using Next = std::optional<Tensor>;
-
-template <class Fn>
-c10::TypedOperatorHandle<Fn> op(const char* name) {
-  // typed() checks Fn against the registered kernel's C++ signature: a kernel whose parameters
-  // change fails here, at the first call, with the operator's name
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-}
 
 // The kernels the layers call (engine/csrc/{amx_linear,layer_ops,paged_attention}.cpp, loaded
 // before the first call: the Python side loads them to build its plan).
@@ -47,11 +40,6 @@ struct LayerOps {
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, int64_t)> argmax =
       op<Tensor(Tensor, Tensor, int64_t)>("servelab::amx_linear_argmax");
 };
-
-// The profiler ranges of the loop's parts (engine/kernels/forward_plan.py PLAN_RANGE_PREFIX, PLAN_PARTS).
-constexpr const char* kPlanNorm = "servelab::plan:norm";
-constexpr const char* kPlanLinears = "servelab::plan:linears";
-constexpr const char* kPlanAttention = "servelab::plan:attention";
 
 const LayerOps& layer_ops() {
   static const LayerOps ops;  // looked up once (thread-safe static initialisation)
