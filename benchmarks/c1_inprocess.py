@@ -103,7 +103,7 @@ def servelab_worker() -> None:
     from engine.sampling_params import SamplingParams
     from workloads.explain_probe import find_model
 
-    llm = LLM(model=job.get("model_name", "smollm2"), max_num_seqs=1, max_model_len=2048)
+    llm = LLM(model=job.get("model_name", "smollm2"), dtype=job.get("dtype", "auto"), max_num_seqs=1, max_model_len=2048)
     params = SamplingParams(max_tokens=job["output_len"], temperature=0.0, ignore_eos=True)
 
     def one(prompt: list[int]) -> dict[str, Any]:
@@ -186,6 +186,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="leave llama-cpp-python's in-process loop out")
     p.add_argument("--model", default="smollm2", help="the packaged GGUF model every side reads: smollm2 (default) or "
                    "gemma3-270m")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="servelab's activations (default: auto, this CPU's fastest; float32 is what `auto` gives a CPU "
+                        "without AVX512-BF16, e.g. with SERVELAB_CPU_MARCH=x86-64-v3 on an AVX-512 machine)")
     p.add_argument("--json", type=Path, help="write every round's figures and the summary here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -205,7 +208,8 @@ def available_peers(args: argparse.Namespace) -> tuple[Path | None, LlamaCppBina
         except PeerMissingError as e:
             missing.append(f"llama-cpp-python: {e} (`make peers-llamacpp-python`)")
     bins = llamacpp_binaries()
-    bench_missing = llamacpp_missing(bins) if args.llama_bench else "left out (--no-llama-bench)"
+    bench_missing = (None if os.access(bins.bench, os.X_OK) else llamacpp_missing(bins)) if args.llama_bench \
+        else "left out (--no-llama-bench)"  # only llama-bench runs here: a folder without llama-server will do
     if args.llama_bench and bench_missing:
         missing.append(f"llama-bench: {bench_missing}")
     for line in missing:
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = arch.vocab_size
     prompts = random_prompts(args.warmup + args.prompts, args.input_len, vocab, seed=38)
     job = {"model": str(gguf), "model_name": args.model, "threads": args.threads, "prompts": prompts, "output_len": args.output_len,
-           "warmup": args.warmup}  # fmt: skip
+           "warmup": args.warmup, "dtype": args.dtype}  # fmt: skip
     rounds: list[dict[str, Any]] = []
     versions: dict[str, str] = {}
     pair = "llamacpp" if "llamacpp" in peers_here else "llama-bench"
@@ -268,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rounds, step_bytes, rates, args.rounds)
     summary["step_bytes"] = {"weights": weights, "kv": kv}
     print()
+    from engine.kernels.cpu_extension import cflags
+
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; flags: {format_flags(cpu_flags())}; torch {torch.__version__}; "
+          f"servelab's kernels built with {' '.join(cflags())}, dtype {args.dtype}; "
           + "; ".join(f"{k} {v}" for k, v in versions.items()))  # fmt: skip
     print(f"workload: {args.prompts} prompts (+{args.warmup} warm-up) x {args.input_len} random tokens, {args.output_len} "
           f"output tokens, greedy, EOS ignored, batch 1, {args.threads} threads, the same GGUF ({gguf.name}); "
