@@ -133,6 +133,15 @@ def test_switched_off_by_the_config_and_its_variable(llm: LLM, monkeypatch: pyte
         assert block_layers.bind(plan.layers, inner.norm.weight, plan.sizes[1], inner.norm.eps) is not None
     finally:
         options.configure(before)
+    # the team step follows kernels.decode_team through options.configure (block_layers.apply_options)
+    built = torch.ops.servelab.set_block_team(True)  # False on a build with AVX-512: it has no team step
+    try:
+        options.configure(dataclasses.replace(before, decode_team=False))
+        assert torch.ops.servelab.set_block_team(None) is False
+        options.configure(dataclasses.replace(before, decode_team=True))
+        assert torch.ops.servelab.set_block_team(None) is built
+    finally:
+        options.configure(before)
     monkeypatch.setenv("SERVELAB_BLOCK_LAYERS", "0")
     assert KernelsConfig().block_layers is False
     monkeypatch.setenv("SERVELAB_BLOCK_LAYERS", "1")
