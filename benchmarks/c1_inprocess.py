@@ -208,8 +208,8 @@ def available_peers(args: argparse.Namespace) -> tuple[Path | None, LlamaCppBina
         except PeerMissingError as e:
             missing.append(f"llama-cpp-python: {e} (`make peers-llamacpp-python`)")
     bins = llamacpp_binaries()
-    bench_missing = (None if os.access(bins.bench, os.X_OK) else llamacpp_missing(bins)) if args.llama_bench \
-        else "left out (--no-llama-bench)"  # only llama-bench runs here: a folder without llama-server will do
+    # only llama-bench runs here: a folder without llama-server will do
+    bench_missing = llamacpp_missing(bins, ("bench",)) if args.llama_bench else "left out (--no-llama-bench)"
     if args.llama_bench and bench_missing:
         missing.append(f"llama-bench: {bench_missing}")
     for line in missing:

@@ -164,11 +164,11 @@ def llamacpp_binaries() -> LlamaCppBinaries:
     return LlamaCppBinaries(Path(os.environ.get("SERVELAB_LLAMACPP_BIN", home / "llamacpp-bin")).expanduser())
 
 
-def llamacpp_missing(bins: LlamaCppBinaries | None = None) -> str | None:
-    """None where llama-server and llama-bench are built, else one line naming what is missing and
-    `make peers-llamacpp`."""
+def llamacpp_missing(bins: LlamaCppBinaries | None = None, tools: tuple[str, ...] = ("server", "bench")) -> str | None:
+    """None where the `tools` (llama-server, llama-bench: both by default) are built, else one line naming
+    what is missing and `make peers-llamacpp`."""
     bins = bins or llamacpp_binaries()
-    absent = [p.name for p in (bins.server, bins.bench) if not os.access(p, os.X_OK)]
+    absent = [p.name for p in (getattr(bins, t) for t in tools) if not os.access(p, os.X_OK)]
     if not absent:
         return None
     return f"no {' or '.join(absent)} in {bins.folder} (`make peers-llamacpp` builds them, ~25 min on 2 cores)"

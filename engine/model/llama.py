@@ -409,11 +409,11 @@ class LlamaForCausalLM(nn.Module):
         reader = self._block_reader(str(self._lm_head_weight().dtype).removeprefix("torch."))
         blocks = self._gguf_blocks(reader) if quantized_decode and not self.batch_invariant else None
         avx512_blocks = blocks is not None and reader == "avx512-vnni"
-        cpu_blocks_attached = blocks is not None and not avx512_blocks
-        if blocks is not None and not avx512_blocks:
-            self._attach_blocks(blocks)
+        avx2_blocks = None if avx512_blocks else blocks  # what cpu_blocks reads (AVX2 or scalar)
+        if avx2_blocks is not None:
+            self._attach_blocks(avx2_blocks)
         # the plan also where the float32 probe kept the BLAS (n == 0): its decode steps read the blocks
-        if n or cpu_blocks_attached:
+        if n or avx2_blocks is not None:
             self.model.build_plan(blocks if avx512_blocks else None, self.batch_invariant)
         if self.lm_head is not None:  # an untied LM head is one of the linears just packed
             self.packed_lm_head = self.lm_head.__dict__.get("packed_weight")

@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 #include "dispatch_ops.h"
 #include <ATen/record_function.h>
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <optional>
@@ -75,6 +76,42 @@ struct BlockLayerArgs : torch::CustomClassHolder {
                 "BlockLayerArgs: per layer one KV cache, two norms, four block matrices and their four kinds");
     TORCH_CHECK(shape.size() == 4 && shape[0] > 0 && shape[1] > 0 && shape[2] > 0 && shape[3] > 0,
                 "BlockLayerArgs: shape (Hq, Hkv, head_dim, hidden)");
+    for (const std::string& k : kinds) kind_ids.push_back(blocks::kind_of(k));
+    team_dtype = team_layout();
+  }
+
+  std::vector<blocks::Kind> kind_ids;  // `kinds` parsed once
+  // The activations' dtype the team step takes these tensors in (norms, final norm and caches of that dtype,
+  // float32 or bfloat16, the block matrices laid out as the loops read them); none: the team step never
+  // applies. Asked once, here: none of it changes from step to step.
+  std::optional<at::ScalarType> team_dtype;
+
+ private:
+  std::optional<at::ScalarType> team_layout() const {
+    const int64_t hq = shape[0], hkv = shape[1], D = shape[2], hidden = shape[3];
+    const auto dt = final_norm.scalar_type();
+    if (dt != torch::kFloat && dt != torch::kBFloat16) return std::nullopt;
+    auto norm_ok = [&](const Tensor& t) {
+      return t.device().is_cpu() && t.scalar_type() == dt && t.is_contiguous() && t.numel() == hidden;
+    };
+    if (!norm_ok(final_norm) || !std::all_of(norms.begin(), norms.end(), norm_ok)) return std::nullopt;
+    for (const Tensor& c : kv_caches)
+      if (c.scalar_type() != dt || !c.is_contiguous() || c.dim() != 5 || c.size(0) != 2 || c.size(3) != hkv ||
+          c.size(4) != D)
+        return std::nullopt;
+    const int64_t inter2 = blocks[2].size(0);
+    if (inter2 % 2 != 0) return std::nullopt;
+    for (size_t i = 0; i < kv_caches.size(); ++i) {  // qkv, o, gate_up, down: [N, column bytes of K inputs]
+      const int64_t n[4] = {(hq + 2 * hkv) * D, hidden, inter2, hidden}, k[4] = {hidden, hq * D, hidden, inter2 / 2};
+      for (size_t j = 0; j < 4; ++j) {
+        const Tensor& w = blocks[4 * i + j];
+        const blocks::Kind kd = kind_ids[4 * i + j];
+        if (w.scalar_type() != torch::kUInt8 || w.dim() != 2 || !w.is_contiguous() || w.size(0) != n[j] ||
+            k[j] % blocks::block_weights(kd) != 0 || w.size(1) != blocks::column_bytes(kd, k[j] / 32))
+          return std::nullopt;
+      }
+    }
+    return dt;
   }
 };
 
@@ -82,37 +119,17 @@ std::atomic<bool> g_block_team{true};
 std::atomic<int64_t> g_block_team_steps{0};
 
 #if !defined(__AVX512F__)
-// Whether the team step runs this call (module note); every check it needs made here, before the region
-// (an exception inside one would end the process).
+// Whether the team step runs this call (module note): what changes from step to step checked here, the rest
+// once by BlockLayerArgs (`team_dtype`); every check made before the region (an exception inside one would
+// end the process).
 static bool team_applies(const BlockLayerArgs& a, const Tensor& x, const Tensor& cos, const Tensor& sin) {
-  const int64_t hq = a.shape[0], hkv = a.shape[1], D = a.shape[2], hidden = a.shape[3], T_ = x.size(0);
+  const int64_t D = a.shape[2], T_ = x.size(0);
   const auto dt = x.scalar_type();
-  if (!g_block_team.load(std::memory_order_relaxed) || at::hasCallbacks() || T_ == 0 ||
-      (dt != torch::kFloat && dt != torch::kBFloat16))
-    return false;
-  auto like_x = [&](const Tensor& t, int64_t numel) {
-    return t.device().is_cpu() && t.scalar_type() == dt && t.is_contiguous() && t.numel() == numel;
+  auto like_x = [&](const Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == dt && t.is_contiguous() && t.numel() == T_ * D;
   };
-  if (!like_x(cos, T_ * D) || !like_x(sin, T_ * D) || !like_x(a.final_norm, hidden)) return false;
-  for (const Tensor& n : a.norms)
-    if (!like_x(n, hidden)) return false;
-  for (const Tensor& c : a.kv_caches)
-    if (c.scalar_type() != dt || !c.is_contiguous() || c.dim() != 5 || c.size(0) != 2 || c.size(3) != hkv ||
-        c.size(4) != D)
-      return false;
-  const int64_t L = static_cast<int64_t>(a.kv_caches.size());
-  const int64_t inter2 = a.blocks[2].size(0);
-  for (int64_t i = 0; i < L; ++i) {  // qkv, o, gate_up, down: [N, column bytes of K inputs]
-    const int64_t n[4] = {(hq + 2 * hkv) * D, hidden, inter2, hidden}, k[4] = {hidden, hq * D, hidden, inter2 / 2};
-    for (int j = 0; j < 4; ++j) {
-      const Tensor& w = a.blocks[4 * i + j];
-      const blocks::Kind kd = blocks::kind_of(a.kinds[4 * i + j]);
-      if (w.scalar_type() != torch::kUInt8 || w.dim() != 2 || !w.is_contiguous() || w.size(0) != n[j] ||
-          k[j] % blocks::block_weights(kd) != 0 || w.size(1) != blocks::column_bytes(kd, k[j] / 32))
-        return false;
-    }
-  }
-  return inter2 % 2 == 0;
+  return g_block_team.load(std::memory_order_relaxed) && !at::hasCallbacks() && T_ > 0 && a.team_dtype == dt &&
+         like_x(cos) && like_x(sin);
 }
 
 // One of a layer's linears in the team: each thread quantizes x itself (a few KB: cheaper than a barrier)
@@ -150,8 +167,6 @@ static Tensor team_layers(const BlockLayerArgs& a, Tensor x, const Tensor& cos, 
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(qs_at[b] <= qs_at[b + 1] && qs_at[b + 1] - qs_at[b] <= sl_at[b] && (sl_at[b] + BS - 1) / BS <= bt.size(1),
                 "request ", b, ": more query rows than positions, or a context past its block table");
-  std::vector<blocks::Kind> kinds;
-  for (const std::string& k : a.kinds) kinds.push_back(blocks::kind_of(k));
   auto qkv = torch::empty({T_, hq + 2 * hkv, D}, x.options());
   auto attn = torch::empty({T_, hq, D}, x.options());
   auto gate_up = torch::empty({T_, 2 * inter}, x.options());
@@ -184,7 +199,7 @@ static Tensor team_layers(const BlockLayerArgs& a, Tensor x, const Tensor& cos, 
     std::memcpy(res, xp, rows * sizeof(T));
     for (int64_t i = 0; i < L; ++i) {
       const Tensor* w = a.blocks.data() + 4 * i;
-      const blocks::Kind* kd = kinds.data() + 4 * i;
+      const blocks::Kind* kd = a.kind_ids.data() + 4 * i;
       if (i == 0)
         std::memcpy(nrm, fp, rows * sizeof(T));
       else
